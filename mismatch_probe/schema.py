@@ -1,0 +1,184 @@
+"""Run-directory Parquet schema (versioned) and atomic readers/writers.
+
+Every Parquet file carries ``mismatch_probe.schema_version`` in its key-value metadata. Readers
+check it first and upgrade older versions step by step (``_UPGRADES``); a version newer than the
+reader is an error. Schema history is append-only: never edit a released version, add one.
+
+History:
+  v1  tokens, token_gaps, ops (this release).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mismatch_probe.errors import SchemaError
+
+SCHEMA_VERSION = 1
+VERSION_KEY = b"mismatch_probe.schema_version"
+KIND_KEY = b"mismatch_probe.kind"
+
+TOKENS_V1 = pa.schema(
+    [
+        ("seq_id", pa.int32()),
+        ("prompt_id", pa.int32()),
+        ("pos", pa.int32()),
+        ("token_id", pa.int32()),
+        ("is_response", pa.bool_()),
+        ("logprob", pa.float64()),
+        ("source", pa.string()),  # decode | prefill | learner
+    ]
+)
+TOKENS_OPTIONAL = {
+    "topk_ids": pa.list_(pa.int32()),
+    "topk_logprobs": pa.list_(pa.float64()),
+    "entropy": pa.float64(),
+}
+
+TOKEN_GAPS_V1 = pa.schema(
+    [
+        ("seq_id", pa.int32()),
+        ("prompt_id", pa.int32()),
+        ("pos", pa.int32()),
+        ("token_id", pa.int32()),
+        ("is_response", pa.bool_()),
+        ("lp_learner", pa.float64()),
+        ("lp_prefill", pa.float64()),
+        ("lp_decode", pa.float64()),  # null where the sampler did not decode the token (prompt)
+        ("d_learner_decode", pa.float64()),
+        ("d_learner_prefill", pa.float64()),
+        ("d_prefill_decode", pa.float64()),
+    ]
+)
+
+OPS_V1 = pa.schema(
+    [
+        ("op", pa.string()),
+        ("layer", pa.int32()),  # -1 for ops outside the decoder layers
+        ("seq_id", pa.int32()),
+        ("pos", pa.int32()),
+        ("dtype", pa.string()),
+        ("shape", pa.list_(pa.int64())),
+        ("numel", pa.int64()),
+        ("sum", pa.float64()),
+        ("sum_sq", pa.float64()),
+        ("abs_max", pa.float64()),
+        ("n_nan", pa.int64()),
+        ("n_inf", pa.int64()),
+        ("digest", pa.string()),
+        ("values", pa.binary()),  # raw bytes in the op's dtype (full mode), else null
+    ]
+)
+
+SCHEMAS: dict[str, pa.Schema] = {"tokens": TOKENS_V1, "token_gaps": TOKEN_GAPS_V1, "ops": OPS_V1}
+
+# version -> function upgrading a table of that version to version + 1
+_UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {}
+
+
+def conform(table: pa.Table, kind: str) -> pa.Table:
+    """Cast ``table`` to the schema of ``kind``: required columns in order, optional ones kept."""
+    schema = SCHEMAS[kind]
+    missing = [f.name for f in schema if f.name not in table.column_names]
+    if missing:
+        raise SchemaError(f"{kind} table lacks required columns: {', '.join(missing)}")
+    cols = [table.column(f.name).cast(f.type) for f in schema]
+    fields = list(schema)
+    if kind == "tokens":
+        for name, typ in TOKENS_OPTIONAL.items():
+            if name in table.column_names:
+                cols.append(table.column(name).cast(typ))
+                fields.append(pa.field(name, typ))
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
+
+
+def write_table(path: Path, table: pa.Table, kind: str) -> None:
+    """Validate ``table`` against ``kind``'s schema and write it atomically with version metadata."""
+    table = conform(table, kind)
+    meta = dict(table.schema.metadata or {})
+    meta[VERSION_KEY] = str(SCHEMA_VERSION).encode()
+    meta[KIND_KEY] = kind.encode()
+    table = table.replace_schema_metadata(meta)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_schema_version(path: Path) -> int:
+    path = Path(path)
+    if not path.exists():
+        raise SchemaError(f"missing file: {path}")
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise SchemaError(f"corrupt Parquet file {path}: {e}") from None
+    raw = meta.get(VERSION_KEY)
+    if raw is None:
+        raise SchemaError(f"{path} is not a mismatch-probe table (no {VERSION_KEY.decode()} metadata)")
+    try:
+        return int(raw)
+    except ValueError:
+        raise SchemaError(f"{path}: unreadable schema version {raw!r}") from None
+
+
+def read_table(path: Path, kind: str) -> pa.Table:
+    """Read a table, check its schema version, upgrade it step by step to the current version."""
+    path = Path(path)
+    version = read_schema_version(path)
+    if version > SCHEMA_VERSION:
+        raise SchemaError(
+            f"{path} has schema version {version}, newer than this mismatch-probe reads "
+            f"({SCHEMA_VERSION}); upgrade mismatch-probe"
+        )
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise SchemaError(f"corrupt Parquet file {path}: {e}") from None
+    while version < SCHEMA_VERSION:
+        table = _UPGRADES[version](table, kind)
+        version += 1
+    return conform(table, kind)
+
+
+def validate_file(path: Path, kind: str) -> pa.Table:
+    """Read ``path`` and check it matches ``kind``'s schema exactly (types of required columns)."""
+    table = read_table(path, kind)
+    raw = pq.read_schema(path)
+    for f in SCHEMAS[kind]:
+        if raw.field(f.name).type != f.type:
+            raise SchemaError(f"{path}: column {f.name} has type {raw.field(f.name).type}, expected {f.type}")
+    return table
