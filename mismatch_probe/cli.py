@@ -20,7 +20,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+console = Console()
+err_console = Console(stderr=True)
 
 
 def _register() -> None:
@@ -42,10 +43,10 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(rv, int) and rv != 0:
             sys.exit(rv)
     except ProbeError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        console.print("[bold red]interrupted[/]")
+        err_console.print("[bold red]interrupted[/]")
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)

@@ -1,0 +1,85 @@
+"""``mismatch-probe compare``: the learner-vs-sampler logprob gap on the same tokens."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from mismatch_probe.cli import app, console
+
+SHOWN = (
+    ("n_tokens", "response tokens"),
+    ("mean_abs_dlogp", "mean |dlogp|"),
+    ("max_abs_dlogp", "max |dlogp|"),
+    ("p99_abs_dlogp", "p99 |dlogp|"),
+    ("mean_abs_dprob", "mean |dprob|"),
+    ("k3", "k3 (KL est.)"),
+    ("chi2", "chi2"),
+    ("clip_frac", "clip frac (eps 0.2)"),
+    ("seq_max_abs_logratio", "max |seq log-ratio|"),
+    ("pearson_prob", "pearson(prob)"),
+)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return str(v)
+    if isinstance(v, float) and v == int(v) and abs(v) >= 1:
+        return str(int(v))
+    return f"{v:.3e}" if v != 0 else "0"
+
+
+def summary_table(summary: dict[str, Any], title: str) -> Table:
+    t = Table(title=title)
+    t.add_column("metric")
+    pairs = summary["pairs"]
+    for p in pairs:
+        t.add_column(p.replace("_", " "), justify="right")
+    for key, label in SHOWN:
+        t.add_row(label, *[_fmt(pairs[p][key]) if pairs[p] else "-" for p in pairs])
+    return t
+
+
+@app.command("compare")
+def compare(
+    out: Path = typer.Option(Path("runs/latest"), "--out", "-o", help="Run directory to write."),
+    model: str = typer.Option("tiny-qwen3", "--model", "-m", help="tiny-llama | tiny-qwen3 | tiny-qwen3-moe | local HF folder."),
+    sampler_model: str | None = typer.Option(None, "--sampler-model", help="Checkpoint the sampler serves (default: --model)."),
+    learner: str = typer.Option("hf", "--learner", help="hf | fsdp"),
+    sampler: str = typer.Option("vllm", "--sampler", help="vllm"),
+    prompts: Path | None = typer.Option(None, "--prompts", "-p", help="JSONL: {'prompt'|'prompt_token_ids', ['response_token_ids']}."),
+    n: int = typer.Option(2, "--n", help="Samples per prompt."),
+    max_tokens: int = typer.Option(16, "--max-tokens", help="Response length limit."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (logprobs are of the raw T=1 distribution, as vLLM reports them)."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (prompt i uses seed + i)."),
+    micro_batch_size: int = typer.Option(8, "--micro-batch-size", help="Learner micro-batch size (right padding)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32 (both engines)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory."),
+) -> None:
+    """Run sampler (vLLM) and learner (HF) on the same tokens; write RUN/ with token tables and gaps."""
+    from mismatch_probe.pipeline import CompareConfig, run_compare
+
+    cfg = CompareConfig(
+        out=out,
+        model=model,
+        sampler_model=sampler_model,
+        learner=learner,
+        sampler=sampler,
+        prompts=prompts,
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        micro_batch_size=micro_batch_size,
+        dtype=dtype,
+        overwrite=overwrite,
+    )
+    path, summary = run_compare(cfg, console)
+    console.print(summary_table(summary, f"logprob gap, {summary['n_sequences']} sequences ({model})"))
+    console.print(f"run written to [bold]{path}[/]")

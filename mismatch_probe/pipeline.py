@@ -1,0 +1,158 @@
+"""``compare``: run the sampler and the learner on the same tokens and write the run directory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from mismatch_probe.errors import UsageError
+from mismatch_probe.models import ModelInfo, resolve_model
+from mismatch_probe.prompts import PromptSpec, load_prompts
+from mismatch_probe.rundir import RunWriter
+
+LEARNERS = ("hf", "fsdp")
+SAMPLERS = ("vllm",)
+
+
+@dataclass
+class CompareConfig:
+    """The resolved configuration of one ``compare`` run (recorded whole in the manifest)."""
+
+    out: Path
+    model: str = "tiny-qwen3"
+    sampler_model: str | None = None
+    learner: str = "hf"
+    sampler: str = "vllm"
+    prompts: Path | None = None
+    n: int = 2
+    max_tokens: int = 16
+    temperature: float = 1.0
+    seed: int = 0
+    micro_batch_size: int = 8
+    dtype: str = "bfloat16"
+    overwrite: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.learner not in LEARNERS:
+            raise UsageError(f"--learner must be one of {', '.join(LEARNERS)}, got {self.learner!r}")
+        if self.learner == "fsdp":
+            raise UsageError("--learner fsdp is not yet available in this version; use --learner hf")
+        if self.sampler not in SAMPLERS:
+            raise UsageError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.n < 1:
+            raise UsageError("--n must be >= 1")
+        if self.max_tokens < 1:
+            raise UsageError("--max-tokens must be >= 1")
+        if self.temperature < 0:
+            raise UsageError("--temperature must be >= 0")
+        if self.micro_batch_size < 1:
+            raise UsageError("--micro-batch-size must be >= 1")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise UsageError("--dtype must be bfloat16, float16 or float32")
+
+
+@dataclass
+class Prepared:
+    model: ModelInfo
+    sampler_model: ModelInfo
+    specs: list[PromptSpec]
+    prompt_ids: list[list[int]]
+
+
+def tokenize_prompts(specs: list[PromptSpec], model: ModelInfo, max_tokens: int) -> list[list[int]]:
+    """Token ids of each prompt, checked against the model's vocabulary and context."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model.path)
+    except Exception as e:
+        raise UsageError(f"cannot load the tokenizer of {model.path}: {str(e).splitlines()[0]}") from None
+    if len(tok) > model.vocab_size:
+        raise UsageError(
+            f"the tokenizer of {model.path} has {len(tok)} tokens but the model's vocabulary has "
+            f"{model.vocab_size}: they do not belong together"
+        )
+    out: list[list[int]] = []
+    for i, s in enumerate(specs):
+        where = f"prompt {i + 1}" if s.line == 0 else f"prompts line {s.line}"
+        ids = tok(s.text)["input_ids"] if s.text is not None else list(s.token_ids or [])
+        if not ids:
+            raise UsageError(f"{where}: tokenizes to no tokens")
+        bad = [t for t in ids + list(s.response_token_ids or []) if t >= model.vocab_size]
+        if bad:
+            raise UsageError(f"{where}: token id {bad[0]} is outside the model's vocabulary ({model.vocab_size})")
+        n_resp = len(s.response_token_ids) if s.response_token_ids is not None else max_tokens
+        if len(ids) + n_resp > model.max_positions:
+            raise UsageError(
+                f"{where}: {len(ids)} prompt tokens + {n_resp} response tokens exceed the model's "
+                f"context of {model.max_positions}"
+            )
+        if s.response_token_ids is not None and len(ids) + len(s.response_token_ids) < 2:
+            raise UsageError(f"{where}: needs at least 2 tokens in all to score")
+        out.append(ids)
+    return out
+
+
+def prepare(cfg: CompareConfig) -> Prepared:
+    """Validate everything a run needs before any engine starts or any file is written."""
+    cfg.validate()
+    specs = load_prompts(cfg.prompts)
+    model = resolve_model(cfg.model)
+    smodel = model if cfg.sampler_model in (None, cfg.model) else resolve_model(cfg.sampler_model)
+    if smodel.vocab_size != model.vocab_size:
+        raise UsageError(
+            f"--sampler-model has vocabulary {smodel.vocab_size}, --model {model.vocab_size}: not the same policy"
+        )
+    if smodel.model_type != model.model_type:
+        raise UsageError(f"--sampler-model is a {smodel.model_type} model, --model a {model.model_type} model")
+    ids = tokenize_prompts(specs, model, cfg.max_tokens)
+    return Prepared(model=model, sampler_model=smodel, specs=specs, prompt_ids=ids)
+
+
+@contextmanager
+def _progress(console: Console) -> Iterator[Progress]:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as p:
+        yield p
+
+
+@contextmanager
+def step(progress: Progress, description: str, total: float | None = 1) -> Iterator[Any]:
+    task = progress.add_task(description, total=total)
+    yield lambda n=1: progress.advance(task, n)
+    progress.update(task, completed=total if total is not None else 1, total=total or 1)
+
+
+def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, Any]]:
+    """Everything ``mismatch-probe compare`` does; returns the run path and the summary."""
+    from mismatch_probe import stages
+
+    prep = prepare(cfg)
+    with RunWriter(cfg.out, overwrite=cfg.overwrite) as run, _progress(console) as progress:
+        run.manifest["config"] = {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+            "model_dir": str(prep.model.path),
+            "sampler_model_dir": str(prep.sampler_model.path),
+            "model_type": prep.model.model_type,
+            "n_prompts": len(prep.specs),
+        }
+        run.write_manifest()
+        rollouts = stages.sample(cfg, prep, run, progress)
+        stages.learn(cfg, prep, run, rollouts, progress)
+        summary = stages.compare_tokens(run, progress)
+        path = run.finish()
+    return path, summary

@@ -1,0 +1,115 @@
+"""The small runner interface every engine adapter implements (Polygraphy style).
+
+Public methods validate their input, then call ``_impl`` methods; runners are context managers
+that load on enter and release everything they created on exit.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Rollout:
+    """One sampled (or given) sequence."""
+
+    seq_id: int
+    prompt_id: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    decode_logprobs: list[float] | None = None  # sampler's logprob of each response token at decode
+    finish_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+@dataclass
+class GenerateParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class RunnerInfo:
+    """What a runner reports for the manifest: versions, auto-chosen settings and why, notes."""
+
+    engine: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    auto: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _check_seqs(seqs: list[list[int]], vocab_size: int) -> None:
+    for i, s in enumerate(seqs):
+        if len(s) < 2:
+            raise ValueError(f"sequence {i} has {len(s)} tokens; scoring needs at least 2")
+        bad = [t for t in s if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"sequence {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+class Runner(ABC):
+    """Base of all engine runners."""
+
+    name = "runner"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.info = RunnerInfo(engine=self.name)
+        self._loaded = False
+
+    def __enter__(self) -> Runner:
+        self._load_impl()
+        self._loaded = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loaded:
+            self._unload_impl()
+            self._loaded = False
+
+    def score(self, seqs: list[list[int]]) -> list[np.ndarray]:
+        """Teacher-forced logprob of each token given its prefix: array of len(seq) - 1 per seq
+        (entry j is the logprob of ``seq[j + 1]``)."""
+        if not self._loaded:
+            raise RuntimeError(f"{self.name} runner used outside its `with` block")
+        _check_seqs(seqs, self.vocab_size)
+        out = self._score_impl(seqs)
+        for s, lp in zip(seqs, out, strict=True):
+            assert lp.shape == (len(s) - 1,), (lp.shape, len(s))
+        return out
+
+    @abstractmethod
+    def _load_impl(self) -> None: ...
+
+    @abstractmethod
+    def _unload_impl(self) -> None: ...
+
+    @abstractmethod
+    def _score_impl(self, seqs: list[list[int]]) -> list[np.ndarray]: ...
+
+
+class SamplerRunner(Runner):
+    """A runner that also generates (the RL sampler)."""
+
+    def generate(self, prompts: list[list[int]], params: GenerateParams) -> list[Rollout]:
+        """Sample ``params.n`` responses per prompt; keep each sampled token's decode logprob."""
+        if not self._loaded:
+            raise RuntimeError(f"{self.name} runner used outside its `with` block")
+        if params.n < 1 or params.max_tokens < 1:
+            raise ValueError("n and max_tokens must be >= 1")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+        return self._generate_impl(prompts, params)
+
+    @abstractmethod
+    def _generate_impl(self, prompts: list[list[int]], params: GenerateParams) -> list[Rollout]: ...

