@@ -1,0 +1,24 @@
+"""HTML report of a run: ``build_report(run)`` writes one self-contained file (no torch, no vLLM)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def build_report(
+    run: Path, out: Path | None = None, *, gate_config: Path | None = None
+) -> tuple[Path, dict[str, str]]:
+    """Render ``RUN/report.html`` (or ``out``); returns the path and the absent sections with reasons."""
+    from mismatch_probe.reports.load import load_run
+    from mismatch_probe.reports.render import write_report
+
+    from mismatch_probe import gate as g
+
+    run = Path(run)
+    data = load_run(run)
+    results = None
+    if gate_config is not None:
+        cfg = g.build_config(toml=g.load_toml(gate_config))
+        results = g.evaluate(cfg, data.summary, run)
+    out = Path(out) if out is not None else run / "report.html"
+    return write_report(data, out, results), dict(data.absent)
