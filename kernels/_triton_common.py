@@ -1,0 +1,161 @@
+"""Shared Triton plumbing: mode selection (GPU JIT vs CPU interpreter) and exact device helpers.
+
+Mode: on a machine without CUDA (or with ``TRITON_INTERPRET=1`` set before import) every kernel
+is wrapped in Triton's ``InterpretedFunction`` directly, so CPU tensors run through the
+interpreter *without* setting ``TRITON_INTERPRET`` in the process environment (nothing leaks to
+other modules that import Triton). With CUDA, kernels are ``triton.jit`` and take CUDA tensors.
+
+Interpreter fidelity (Triton 3.9, checked by reading ``triton/runtime/interpreter.py``):
+fp32 -> fp8/bf16 casts there truncate or round ties away (not RNE), and ``tl.dot`` on bf16
+operands is wrong. So the helpers below never use those casts: E4M3 rounding, E4M3/E2M1 decoding
+and fp32 -> bf16 rounding are written in exact integer/fp32 arithmetic that is identical on the
+GPU and in the interpreter, and the GEMM's dot takes fp32 operands in interpreter mode (exact:
+E2M1 x E4M3 values have at most 6 significant bits).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available()
+
+if INTERPRET:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def kjit(fn):  # noqa: ANN001, ANN201
+        """Decorator: a Triton kernel run by the interpreter (CPU tensors)."""
+        return InterpretedFunction(fn)
+
+else:
+
+    def kjit(fn):  # noqa: ANN001, ANN201
+        """Decorator: a compiled Triton kernel (CUDA tensors)."""
+        return triton.jit(fn)
+
+
+def kernel_device_ok(*tensors: torch.Tensor) -> None:
+    """Raise ValueError when tensors are on the wrong device for this process's Triton mode."""
+    for t in tensors:
+        if INTERPRET and t.device.type != "cpu":
+            raise ValueError(f"Triton interpreter mode (no CUDA here) needs CPU tensors, got {t.device}")
+        if not INTERPRET and t.device.type != "cuda":
+            raise ValueError(
+                f"the Triton NVFP4 kernels run on CUDA tensors here; got a tensor on {t.device} "
+                "(use the *_ref functions for CPU tensors)"
+            )
+
+
+def require_contiguous(t: torch.Tensor, name: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
+
+
+@kjit
+def e4m3_round(v):
+    """fp32 v in [0, 448] (finite) -> (E4M3 byte as int32, its fp32 value); RNE, saturating."""
+    # normal range (>= 2^-6): round the fp32 mantissa to 3 bits, RNE; carries move the exponent
+    u = v.to(tl.int32, bitcast=True)
+    lsb = (u >> 20) & 1
+    r = (u + 0x7FFFF + lsb) & -1048576  # ~0xFFFFF
+    rn = r.to(tl.float32, bitcast=True)
+    e = (r >> 23) - 120  # (exp - 127) + 7
+    byte_n = (e << 3) | ((r >> 20) & 7)
+    # subnormal range (< 2^-6): multiples of 2^-9, RNE via the 2^14 magic constant
+    rs = (v + 16384.0) - 16384.0
+    byte_s = (rs * 512.0).to(tl.int32)
+    small = v < 0.015625
+    val = tl.where(small, rs, rn)
+    byte = tl.where(small, byte_s, byte_n)
+    return byte, val
+
+
+@kjit
+def e4m3_decode(b):
+    """E4M3 bytes (int32 0..255) -> fp32; 0x7F/0xFF -> NaN."""
+    ex = (b >> 3) & 15
+    mant = b & 7
+    sign = (b & 128) << 24
+    normal = ((ex + 120) << 23) | (mant << 20)
+    sub = mant.to(tl.float32) * 0.001953125
+    mag = tl.where(ex == 0, sub, normal.to(tl.float32, bitcast=True))
+    val = tl.where(sign != 0, -mag, mag)
+    return tl.where((b & 127) == 127, float("nan"), val)
+
+
+@kjit
+def e2m1_encode(y):
+    """fp32 y in [-6, 6] -> int32 E2M1 codes (RNE thresholds; sign bit 8 when y < 0)."""
+    a = tl.abs(y)
+    idx = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    return idx | tl.where(y < 0, 8, 0)
+
+
+@kjit
+def e2m1_decode(c):
+    """int32 E2M1 codes -> fp32 values (code 8 -> -0.0)."""
+    idx = c & 7
+    bits = (((idx >> 1) + 126) << 23) | ((idx & 1) << 22)
+    mag = tl.where(idx < 2, idx.to(tl.float32) * 0.5, bits.to(tl.float32, bitcast=True))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@kjit
+def bf16_bits_rne(x):
+    """fp32 -> bf16 bit pattern (int32 holding 16 bits), round to nearest even; NaN stays NaN."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return r.to(tl.int32)
+
+
+@kjit
+def bf16_round(x):
+    """fp32 -> fp32 holding the nearest-even bf16 value."""
+    return (bf16_bits_rne(x) << 16).to(tl.float32, bitcast=True)
+
+
+@kjit
+def unpack_tile(p):
+    """[R, C] packed bytes (any int) -> [R, 2C] int32 codes (low nibble first)."""
+    p32 = p.to(tl.int32)
+    return tl.reshape(tl.join(p32 & 15, (p32 >> 4) & 15), (p.shape[0], p.shape[1] * 2))
+
+
+# Reductions through ``tl.reduce`` with the standard combine functions: ``tl.max``/``tl.sum``
+# are themselves ``@triton.jit`` functions, which the interpreter cannot call unless
+# TRITON_INTERPRET was set when Triton was imported; ``tl.reduce`` is a builtin it patches.
+@kjit
+def rmax(x, axis: tl.constexpr):
+    """max over ``axis`` (inputs here are never NaN)."""
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@kjit
+def rsum(x, axis: tl.constexpr):
+    """sum over ``axis`` (order is the backend's: used only where bits are not checked)."""
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:  # noqa: ANN001
+    """Launch a kernel; in interpreter mode silence numpy's divide-by-zero warnings (the spec's
+    1/0 -> inf -> FLT_MAX cap is intended) and drop GPU-only launch options."""
+    if INTERPRET:
+        import numpy as np
+
+        for key in ("num_warps", "num_stages"):
+            kwargs.pop(key, None)
+        with np.errstate(all="ignore"):
+            kernel[grid](*args, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
