@@ -14,6 +14,14 @@ $PIP install -q -c constraints.txt -e ".[${extras}]"
 # transformers' model code then fails ("operator torchvision::nms does not exist"). Text-only
 # vLLM and transformers do not need them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec || true
+if [[ "${1:-}" == "--dev" ]] && ! command -v chromium >/dev/null 2>&1; then
+  # the report tests open the HTML in real headless Chromium (Debian's package)
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "install.sh: chromium not found and cannot apt-get it; the browser test of the report will be skipped" >&2
+  fi
+fi
 python - <<'PY'
 import importlib.util, sys
 bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]

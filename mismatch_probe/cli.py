@@ -60,6 +60,3 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2 if isinstance(e, click.UsageError) else e.exit_code)
         raise
 
-
-if __name__ == "__main__":
-    main()

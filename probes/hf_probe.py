@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from mismatch_probe.probes.base import Runner
 
 

@@ -105,7 +105,7 @@ def _config(name: str):  # -> transformers.PretrainedConfig
 
 
 def _tokenizer():  # -> transformers.PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token="<unk>"))
@@ -127,7 +127,9 @@ def build_tiny_model(name: str, out_dir: Path, seed: int = 0) -> Path:
     """Build tiny model ``name`` with seeded weights into ``out_dir`` (a regular HF folder)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     cfg = _config(name)
     torch.manual_seed(seed)
     with torch.random.fork_rng():

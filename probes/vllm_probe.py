@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
 
 
@@ -83,7 +82,10 @@ class VllmSampler(SamplerRunner):
         self.llm = None
         gc.collect()
         try:
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
 
             destroy_model_parallel()
             destroy_distributed_environment()
