@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -12,14 +13,14 @@ from rich.table import Table
 from mismatch_probe.cli import app, console
 from mismatch_probe.errors import UsageError
 
-out_console = Console()
+out_console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 @app.command("report")
 def report(
     run: Path = typer.Argument(..., help="Run directory written by `mismatch-probe compare`."),
     out: Path | None = typer.Option(
-        None, "--out", "-o", help="HTML file to write [default: RUN/report.html]."
+        None, "--out", "-o", help="HTML file to write \\[default: RUN/report.html]."
     ),
     gate_config: Path | None = typer.Option(
         None, "--gate-config", help="Gate TOML: show its checks and use its verdict in the report."
@@ -39,9 +40,9 @@ def report(
 @app.command("gate")
 def gate(
     run: Path = typer.Argument(..., help="Run directory written by `mismatch-probe compare`."),
-    config: Path | None = typer.Option(None, "--config", help="TOML file with thresholds ([gate] table)."),
+    config: Path | None = typer.Option(None, "--config", help="TOML file with thresholds (\\[gate] table)."),
     pair: str | None = typer.Option(
-        None, "--pair", help="Pair the threshold flags apply to [default: learner_vs_decode]."
+        None, "--pair", help="Pair the threshold flags apply to \\[default: learner_vs_decode]."
     ),
     max_mean_abs_dlogp: float | None = typer.Option(
         None, "--max-mean-abs-dlogp", help="Bound on mean |dlogp|."
@@ -60,7 +61,7 @@ def gate(
     allow_first_divergent: bool | None = typer.Option(
         None,
         "--allow-first-divergent/--no-first-divergent",
-        help="Allow an op where the engines first differ (needs op capture) [default: not checked].",
+        help="Allow an op where the engines first differ (needs op capture) \\[default: not checked].",
     ),
     first_divergent_kind: str | None = typer.Option(
         None, "--first-divergent-kind", help="bitwise (default) or tolerance."

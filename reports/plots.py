@@ -212,7 +212,7 @@ def decomposition_chart(summary: dict[str, Any], resp: pd.DataFrame) -> str:
     vals = np.array([[float(summary["pairs"].get(p, {}).get(s, np.nan)) for s in stats] for p in PAIR_DIFF])
     fl = _floor(vals.ravel())
     for i, pair in enumerate(PAIR_DIFF):
-        v = vals[i]
+        v = np.where(np.isfinite(vals[i]), vals[i], np.nan)  # inf bars cannot be drawn; the table shows them
         a1.bar(
             np.arange(3) + (i - 1) * w,
             np.where(v > 0, v, fl),

@@ -62,17 +62,21 @@ def headline(data: RunData, gate: list[CheckResult] | None) -> tuple[str, str]:
         sentence = f"gate {key}: {n_fail} of {len(gate)} checks failed; {sentence}"
         rule = "Verdict from the gate config given to `report --gate-config`."
     m = data.summary["pairs"].get("learner_vs_decode", {})
-    cards = [
-        ("sequences", data.summary.get("n_sequences", data.gaps["seq_id"].nunique())),
-        ("response tokens", data.summary.get("n_response_tokens", int(data.gaps["is_response"].sum()))),
+    cards: list[tuple[str, str, Any]] = [
+        ("n_sequences", "sequences", data.summary.get("n_sequences", data.gaps["seq_id"].nunique())),
+        (
+            "n_response_tokens",
+            "response tokens",
+            data.summary.get("n_response_tokens", int(data.gaps["is_response"].sum())),
+        ),
     ]
-    cards += [(label, m.get(k)) for k, label in HEADLINE]
+    cards += [(k, label, m.get(k)) for k, label in HEADLINE]
     fv = m.get("full_vocab") or {}
-    cards += [(f"full-vocab {k}", v) for k, v in fv.items() if isinstance(v, int | float)]
+    cards += [(k, f"full-vocab {k}", v) for k, v in fv.items() if isinstance(v, int | float)]
     card_html = "".join(
-        f'<div class="card" data-metric="{esc(k)}"><div class="k">{esc(k)}</div>'
+        f'<div class="card" data-metric="{esc(k)}"><div class="k">{esc(label)}</div>'
         f'<div class="v">{num(v)}</div></div>'
-        for k, v in cards
+        for k, label, v in cards
     )
     out = [
         f'<div class="verdict" id="verdict"><span class="badge v-{esc(key)}">{esc(key.upper())}</span>'
@@ -363,14 +367,14 @@ def manifest(data: RunData) -> str:
     m = data.manifest
     cfg = m.get("config") or {}
     head = {k: m.get(k) for k in ("status", "host", "started_at", "finished_at", "schema_version") if k in m}
-    out = [f"<pre id='command'>{esc(m.get('command', '-'))}</pre>", kv_table(head, tid="run-info")]
+    out = [f'<pre id="command">{esc(m.get("command", "-"))}</pre>', kv_table(head, tid="run-info")]
     out.append("<h3>Versions</h3>" + kv_table(m.get("versions") or {}, tid="versions"))
     out.append("<h3>Config</h3>" + kv_table({k: v for k, v in cfg.items() if k != "recipe"}, tid="config"))
     recipe = cfg.get("recipe")
     out.append(
         "<h3>Recipe</h3>"
         + (
-            f"<pre id='recipe'>{esc(json.dumps(recipe, indent=2, default=str))}</pre>"
+            f'<pre id="recipe">{esc(json.dumps(recipe, indent=2, default=str))}</pre>'
             if recipe is not None
             else "<p class='muted'>no recipe recorded</p>"
         )
