@@ -22,12 +22,12 @@ from ._triton_common import (
     kernel_device_ok,
     kjit,
     launch,
+    require_contiguous,
     rmax,
     rsum,
-    require_contiguous,
     unpack_tile,
 )
-from .nvfp4_ref import FLT_MAX, NVFP4Tensor, check_amax, nonfinite_amax, validate_input
+from .nvfp4_ref import NVFP4Tensor, check_amax, nonfinite_amax, validate_input
 
 _RCP6 = 0.1666666716337204  # fp32 0x3E2AAAAB exactly
 _RCP2688 = 0.00037202381645329297
@@ -203,7 +203,7 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *, appl
     bk = max(16, min(triton.next_power_of_2(k), 1024))
     r = max(1, min(32, 4096 // bk, triton.next_power_of_2(rows)))
     grid = (triton.cdiv(rows, r), triton.cdiv(k, bk))
-    launch(_dequant_kernel, grid, 
+    launch(_dequant_kernel, grid,
         q.codes, q.scales, q.amax, out.view(torch.int16) if mode else out, rows, k, r, bk, q.per_token, apply_global, mode
     )
     return out.to(dtype) if dtype == torch.float16 else out
@@ -283,7 +283,7 @@ def rmsnorm_nvfp4_quantize(
     scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=x.device)
     bk = max(16, triton.next_power_of_2(k))
     kw = {"num_warps": 8 if bk >= 4096 else 4}
-    launch(_rmsnorm_quant_kernel, (rows,), 
+    launch(_rmsnorm_quant_kernel, (rows,),
         x, weight.contiguous(), y.view(torch.int16) if bf else y, amax, codes, scales, rows, k, float(eps), bk, bf, **kw
     )
     return y, NVFP4Tensor(codes, scales, amax, True, False)

@@ -25,7 +25,6 @@ import triton.language as tl
 from ._triton_common import bf16_bits_rne, e2m1_decode, e4m3_decode, kjit, unpack_tile
 
 
-
 @kjit
 def _add_rn(acc, p, USE_ASM: tl.constexpr):
     if USE_ASM:

@@ -1,0 +1,333 @@
+"""Named bitwise equivalence checks: Triton kernels vs the pure-torch reference (atol = rtol = 0).
+
+Used by ``mismatch-probe kernels check`` and by the tests. Every check compares with
+``torch.equal`` on raw bits (codes, scale bytes, amax, outputs viewed as integers). On a machine
+without CUDA they run through the Triton interpreter on CPU with small shapes; there the GEMM's
+``tl.dot`` takes fp32 operands (exact for E2M1 x E4M3 values; the interpreter's bf16 dot is
+wrong), so checks named ``gemm_*`` cover the bf16 tensor-core path only on the GPU. Checks marked
+GPU-only are skipped on CPU (too large for the interpreter).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import nvfp4_ref as R
+from ._triton_common import INTERPRET
+
+
+@dataclass
+class Check:
+    name: str
+    what: str
+    fn: Callable[[torch.device, bool], str]
+    gpu_only: bool = False
+    exact: bool = True
+
+
+@dataclass
+class CheckResult:
+    name: str
+    what: str
+    status: str  # "pass" | "fail" | "skip"
+    detail: str
+    seconds: float
+    exact: bool
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_equal_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise AssertionError(f"{what}: shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+    ba, bb = _bits(a.contiguous()), _bits(b.contiguous())
+    if not torch.equal(ba, bb):
+        n = int((ba != bb).sum())
+        raise AssertionError(f"{what}: {n} of {a.numel()} elements differ bitwise")
+
+
+def assert_same_q(a: R.NVFP4Tensor, b: R.NVFP4Tensor) -> str:
+    assert_equal_bits(a.codes, b.codes, "codes")
+    assert_equal_bits(a.scales, b.scales, "scales")
+    assert_equal_bits(a.amax.reshape(-1), b.amax.reshape(-1), "amax")
+    return f"codes {tuple(a.codes.shape)}, scales {tuple(a.scales.shape)} equal"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _q_check(make: Callable[[], torch.Tensor], **kw) -> Callable[[torch.device, bool], str]:
+    def run(dev: torch.device, big: bool) -> str:
+        from .triton_nvfp4 import nvfp4_quantize
+
+        x = make().to(dev)
+        return assert_same_q(nvfp4_quantize(x, **kw), R.nvfp4_quantize_ref(x, **kw))
+
+    return run
+
+
+def _randn(rows: int, k: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) -> Callable[[], torch.Tensor]:
+    return lambda: (torch.randn(rows, k, generator=_gen(seed)) * scale).to(dtype)
+
+
+def _ties() -> torch.Tensor:
+    # amax = 2688 -> S_enc = 1; a block holding 6 gets sf = 1 and enc = 1: y == x exactly.
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    row = [6.0] + ties + [-t for t in ties] + [0.0]
+    x = torch.tensor(row * 4, dtype=torch.float32).reshape(1, 64).repeat(3, 1)
+    x[2, 48] = 2688.0
+    return x.to(torch.bfloat16)
+
+
+def _extremes() -> torch.Tensor:
+    x = torch.randn(4, 64, generator=_gen(3))
+    x[0] = x[0] * 6 * 448 * 1e-3
+    x[0, 0] = 6 * 448 * 1e-3
+    x[1] = x[1] * 3.0e38 / 4
+    x[1, 5] = 3.4e38
+    x[2] = x[2] * 1e-38
+    x[3, :16] = 2688.0
+    x[3, 16:32] = -2688.0
+    return x
+
+
+def _subnormal_scales() -> torch.Tensor:
+    x = torch.randn(4, 256, generator=_gen(4)) * 1e-3
+    x[:, 0] = 100.0  # amax 100: blocks of ~1e-3 get E4M3 scales in the subnormal range
+    return x.to(torch.bfloat16)
+
+
+def _zero_scale() -> torch.Tensor:
+    x = torch.randn(2, 64, generator=_gen(5)) * 1e-6
+    x[:, 0] = 1e4  # blocks 1..3 round to sf == 0 while holding non-zero values
+    return x
+
+
+def _neg_zero() -> torch.Tensor:
+    x = torch.zeros(2, 32)
+    x[0, :16] = -0.0
+    x[0, 16] = 1.0
+    x[0, 17:32] = -1e-6  # rounds to zero: code 8 (-0)
+    x[1] = -0.0
+    return x.to(torch.bfloat16)
+
+
+def _nonfinite() -> torch.Tensor:
+    x = torch.randn(3, 64, generator=_gen(6))
+    x[0, 3] = float("nan")
+    x[1, 20] = float("inf")
+    x[2, 40] = float("-inf")
+    return x.to(torch.bfloat16)
+
+
+def _equal_blocks() -> torch.Tensor:
+    vals = torch.tensor([0.1, -3.0, 7.5, 1e-3], dtype=torch.float32)
+    return vals.repeat_interleave(16).reshape(1, 64).repeat(5, 1).to(torch.float16)
+
+
+def _heavy() -> torch.Tensor:
+    g = _gen(7)
+    return (torch.randn(16, 512, generator=g) * torch.exp(torch.randn(16, 512, generator=g) * 2)).to(torch.bfloat16)
+
+
+def _dequant_check(per_token: bool, dtype: torch.dtype, apply_global: bool = True):
+    def run(dev: torch.device, big: bool) -> str:
+        from .triton_nvfp4 import nvfp4_dequantize
+
+        x = torch.randn(9, 128, generator=_gen(8)).to(dev)
+        q = R.nvfp4_quantize_ref(x, per_token=per_token)
+        got = nvfp4_dequantize(q, dtype, apply_global=apply_global)
+        if apply_global:
+            want = R.nvfp4_dequantize_ref(q, dtype)
+        else:
+            want = R.block_dequant_operand(q).to(dtype)
+        assert_equal_bits(got, want, "dequantized")
+        return f"{dtype} {tuple(got.shape)} equal"
+
+    return run
+
+
+def _rmsnorm_check(dev: torch.device, big: bool) -> str:
+    from .triton_nvfp4 import rmsnorm_nvfp4_quantize
+
+    k = 4096 if big else 1024
+    x = torch.randn(5, k, generator=_gen(9)).to(torch.bfloat16).to(dev)
+    w = (1 + 0.1 * torch.randn(k, generator=_gen(10))).to(torch.bfloat16).to(dev)
+    y, q = rmsnorm_nvfp4_quantize(x, w)
+    msg = assert_same_q(q, R.nvfp4_quantize_ref(y, per_token=True))
+    err = (y.float() - R.rmsnorm_ref(x, w, 1e-6).float()).abs().max().item()
+    if err > 0.0625:
+        raise AssertionError(f"RMSNorm output off by {err}")
+    return msg + f"; |y - torch RMSNorm| <= {err:.3g}"
+
+
+def _weights(n: int, k: int, seed: int, **kw) -> R.NVFP4Tensor:
+    return R.nvfp4_quantize_ref(torch.randn(n, k, generator=_gen(seed)), **kw)
+
+
+def _gemm_check(m: int, path: str, tile16: bool = False, k: int = 256, n: int = 48):
+    def run(dev: torch.device, big: bool) -> str:
+        from .aligned_linear import aligned_linear
+
+        kk, nn = (k * 8, n * 32) if big else (k, n)
+        w = _weights(nn, kk, 11, tile16=tile16)
+        w = R.NVFP4Tensor(w.codes.to(dev), w.scales.to(dev), w.amax.to(dev))
+        x = torch.randn(m, kk, generator=_gen(12)).to(torch.bfloat16).to(dev)
+        got = aligned_linear(x, w, path=path)
+        assert_equal_bits(got, R.w4a4_gemm_ref(R.nvfp4_quantize_ref(x, per_token=True), w), "output")
+        return f"M={m} N={nn} K={kk} path={path} equal"
+
+    return run
+
+
+def _invariance_check(dev: torch.device, big: bool) -> str:
+    from .aligned_linear import aligned_linear
+
+    ms = (1, 3, 16, 128, 1000, 4096) if big else (1, 3, 16, 40)
+    k, n = (2048, 512) if big else (128, 32)
+    w = _weights(n, k, 13)
+    w = R.NVFP4Tensor(w.codes.to(dev), w.scales.to(dev), w.amax.to(dev))
+    x = torch.randn(max(ms), k, generator=_gen(14)).to(torch.bfloat16).to(dev)
+    full = aligned_linear(x, w)
+    for m in ms:
+        assert_equal_bits(aligned_linear(x[:m], w), full[:m], f"rows of M={m} vs M={max(ms)}")
+    ref = R.w4a4_gemm_ref(R.nvfp4_quantize_ref(x[:16], per_token=True), w)
+    assert_equal_bits(full[:16], ref, "first 16 rows vs reference")
+    return f"M in {ms}: identical rows"
+
+
+def _grouped_setup(dev: torch.device, big: bool, t: int):
+    from .grouped_gemm import GroupedNVFP4Weights, quantize_expert_weights
+
+    e, n, k, top = (16, 256, 512, 4) if big else (4, 32, 64, 2)
+    wq = quantize_expert_weights(torch.randn(e, n, k, generator=_gen(15)), use_ref=True)
+    wq = GroupedNVFP4Weights(wq.codes.to(dev), wq.scales.to(dev), wq.amax.to(dev))
+    g = _gen(16)
+    x = torch.randn(t, k, generator=g).to(torch.bfloat16).to(dev)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(t)]).to(dev)
+    tw = torch.rand(t, top, generator=g).to(dev)
+    return x, ids, tw, wq
+
+
+def _grouped_check(path: str):
+    def run(dev: torch.device, big: bool) -> str:
+        from .grouped_gemm import moe_grouped_linear
+
+        x, ids, tw, wq = _grouped_setup(dev, big, 300 if big else 9)
+        got = moe_grouped_linear(x, ids, tw, wq, path=path)
+        assert_equal_bits(got, moe_grouped_linear(x, ids, tw, wq, use_ref=True), "MoE output")
+        return f"{x.shape[0]} tokens, {wq.codes.shape[0]} experts, path={path}: equal"
+
+    return run
+
+
+def _grouped_invariance(dev: torch.device, big: bool) -> str:
+    from .grouped_gemm import moe_grouped_linear
+
+    x, ids, tw, wq = _grouped_setup(dev, big, 300 if big else 9)
+    full = moe_grouped_linear(x, ids, tw, wq)
+    sizes = (1, 3, 16, 128, 300) if big else (1, 3, 9)
+    for t in sizes:
+        assert_equal_bits(moe_grouped_linear(x[:t], ids[:t], tw[:t], wq), full[:t], f"tokens={t}")
+    return f"token counts {sizes}: identical rows (expert loads vary)"
+
+
+def _swizzle_check(dev: torch.device, big: bool) -> str:
+    s = torch.randint(0, 255, (200, 24), generator=_gen(17), dtype=torch.uint8)
+    swz = R.swizzle_scales_ref(s)
+    # independent formulation (as in vLLM/FlashInfer): pad, view [rp/128, 4, 32, kp/4, 4], permute
+    rp, kp = 256, 24
+    pad = torch.zeros(rp, kp, dtype=torch.uint8)
+    pad[:200] = s
+    alt = pad.view(rp // 128, 4, 32, kp // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1)
+    assert_equal_bits(swz, alt, "swizzled layout")
+    assert_equal_bits(R.unswizzle_scales_ref(swz, 200, 24), s, "round trip")
+    return "formula == blocked permute; round trip exact"
+
+
+CHECKS: list[Check] = [
+    Check("quant_bf16_per_tensor_1x16", "bf16 randn 33x256, per-tensor", _q_check(_randn(33, 256, torch.bfloat16))),
+    Check("quant_fp16_per_tensor_1x16", "fp16 randn 17x128, per-tensor", _q_check(_randn(17, 128, torch.float16, 1))),
+    Check("quant_fp32_per_tensor_1x16", "fp32 randn 9x512, per-tensor", _q_check(_randn(9, 512, torch.float32, 2))),
+    Check("quant_bf16_per_token_1x16", "bf16 33x256, per-token", _q_check(_randn(33, 256, torch.bfloat16), per_token=True)),
+    Check("quant_fp16_per_token_1x16", "fp16 17x128, per-token", _q_check(_randn(17, 128, torch.float16, 1), per_token=True)),
+    Check("quant_fp32_per_token_1x16", "fp32 9x512, per-token", _q_check(_randn(9, 512, torch.float32, 2), per_token=True)),
+    Check("quant_one_row", "1 row, K=4096, per-token", _q_check(_randn(1, 4096, torch.bfloat16, 3), per_token=True)),
+    Check("quant_odd_rows", "7 rows x K=48 (odd rows, K not a power of 2)", _q_check(_randn(7, 48, torch.bfloat16, 4))),
+    Check("quant_k16", "K = 16, 65 rows, per-token", _q_check(_randn(65, 16, torch.bfloat16, 5), per_token=True)),
+    Check("quant_large_k_multi_tile", "K = 16400 (> one tile: two-pass row loop), per-token",
+          _q_check(_randn(2, 16400, torch.bfloat16, 6), per_token=True)),
+    Check("quant_large_k_per_tensor", "K = 16400, per-tensor", _q_check(_randn(3, 16400, torch.float32, 6))),
+    Check("quant_tile16x16", "16x16 weight tiles, 48x256", _q_check(_randn(48, 256, torch.bfloat16, 7), tile16=True)),
+    Check("quant_tile16x16_partial", "16x16 tiles, 40 rows (partial last tile)",
+          _q_check(_randn(40, 96, torch.float32, 8), tile16=True)),
+    Check("quant_zeros", "all-zero tensor, per-tensor", _q_check(lambda: torch.zeros(4, 64, dtype=torch.bfloat16))),
+    Check("quant_zero_rows_per_token", "some all-zero rows, per-token",
+          _q_check(lambda: torch.cat([torch.zeros(2, 64), torch.randn(2, 64, generator=_gen(9))]), per_token=True)),
+    Check("quant_all_equal_blocks", "blocks of one repeated value (fp16)", _q_check(_equal_blocks)),
+    Check("quant_e2m1_ties", "values exactly on every E2M1 rounding tie (y == x)", _q_check(_ties)),
+    Check("quant_extremes", "near 6*448*scale, near FLT_MAX, tiny 1e-38 (fp32)", _q_check(_extremes, per_token=True)),
+    Check("quant_subnormal_e4m3_scales", "block scales in the E4M3 subnormal range", _q_check(_subnormal_scales)),
+    Check("quant_scale_rounds_to_zero", "non-zero blocks whose scale rounds to 0 (TE: codes saturate)",
+          _q_check(_zero_scale)),
+    Check("quant_negative_zero", "-0.0 -> code 0; tiny negatives -> code 8", _q_check(_neg_zero, per_token=True)),
+    Check("quant_nan_inf_flagged", "NaN/Inf policy: flagged blocks (scale 0x7F, codes 0)", _q_check(_nonfinite)),
+    Check("quant_nan_inf_flagged_per_token", "NaN/Inf policy, per-token amax excludes them",
+          _q_check(_nonfinite, per_token=True)),
+    Check("quant_heavy_tailed", "heavy-tailed (lognormal-scaled) data", _q_check(_heavy, per_token=True)),
+    Check("quant_amax_reuse", "amax given (reuse) == amax computed",
+          _q_check(_randn(6, 64, torch.bfloat16, 10), per_token=True,
+                   amax=R.nonfinite_amax(_randn(6, 64, torch.bfloat16, 10)(), True))),
+    Check("dequant_fp32_per_tensor", "dequantize to fp32", _dequant_check(False, torch.float32)),
+    Check("dequant_bf16_per_token", "dequantize to bf16 (RNE)", _dequant_check(True, torch.bfloat16)),
+    Check("dequant_fp16", "dequantize to fp16", _dequant_check(True, torch.float16)),
+    Check("dequant_gemm_operand", "E2M1*sf operand in bf16 (no global scale)", _dequant_check(True, torch.bfloat16, False)),
+    Check("rmsnorm_quant_amax_reuse", "fused RMSNorm + per-token quantize == quantize_ref(y)", _rmsnorm_check),
+    Check("gemm_decode_fp4_m1", "aligned_linear M=1, packed FP4 operands", _gemm_check(1, "fp4")),
+    Check("gemm_decode_fp4_m16", "aligned_linear M=16, packed FP4 operands", _gemm_check(16, "fp4")),
+    Check("gemm_bf16_operands_m33", "aligned_linear M=33, pre-dequantized bf16 operands", _gemm_check(33, "bf16")),
+    Check("gemm_tile16_weights", "aligned_linear with 16x16-tile weights", _gemm_check(5, "auto", True)),
+    Check("gemm_k16", "aligned_linear K=16", _gemm_check(3, "fp4", k=16)),
+    Check("gemm_batch_invariance", "rows identical for every M", _invariance_check),
+    Check("grouped_moe_fp4", "MoE route+grouped GEMM+combine, FP4 operands", _grouped_check("fp4")),
+    Check("grouped_moe_bf16_operands", "MoE grouped GEMM, bf16 operands", _grouped_check("bf16")),
+    Check("grouped_batch_invariance", "MoE rows identical for any token count", _grouped_invariance),
+    Check("swizzle_layout", "swizzled scale layout == blocked-permute form; round trip", _swizzle_check),
+    Check("gemm_large_m4096", "aligned_linear M=4096 K=2048 (bf16 tensor cores)", _gemm_check(4096, "auto", k=2048, n=256),
+          gpu_only=True),
+]
+
+
+def run_checks(names: list[str] | None = None, device: str | None = None) -> list[CheckResult]:
+    """Run the checks (all, or those named). GPU-only checks are skipped without CUDA; with CUDA,
+    shapes are the larger 'big' variants."""
+    dev = torch.device(device or ("cpu" if INTERPRET else "cuda"))
+    big = dev.type == "cuda"
+    known = {c.name for c in CHECKS}
+    if names:
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise ValueError(f"unknown check(s): {', '.join(bad)}")
+    out = []
+    for c in CHECKS:
+        if names and c.name not in names:
+            continue
+        if c.gpu_only and dev.type != "cuda":
+            out.append(CheckResult(c.name, c.what, "skip", "GPU only (no CUDA here)", 0.0, c.exact))
+            continue
+        t0 = time.perf_counter()
+        try:
+            detail, status = c.fn(dev, big), "pass"
+        except AssertionError as e:
+            detail, status = str(e), "fail"
+        except Exception as e:  # a crash is a failure too, with its reason
+            detail, status = f"{type(e).__name__}: {e}", "fail"
+        out.append(CheckResult(c.name, c.what, status, detail, time.perf_counter() - t0, c.exact))
+    return out
