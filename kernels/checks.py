@@ -68,7 +68,8 @@ def _q_check(make: Callable[[], torch.Tensor], **kw) -> Callable[[torch.device, 
         from .triton_nvfp4 import nvfp4_quantize
 
         x = make().to(dev)
-        return assert_same_q(nvfp4_quantize(x, **kw), R.nvfp4_quantize_ref(x, **kw))
+        kwd = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        return assert_same_q(nvfp4_quantize(x, **kwd), R.nvfp4_quantize_ref(x, **kwd))
 
     return run
 
