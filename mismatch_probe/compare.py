@@ -39,7 +39,8 @@ def tokens_table(rollouts: Sequence[Any], scores: Sequence[np.ndarray], source: 
         cols["token_id"].append(np.asarray(ids[1:]))
         cols["is_response"].append(pos >= n_prompt)
         cols["logprob"].append(np.asarray(lp, dtype=np.float64))
-    data = {k: np.concatenate(v) if v else np.array([]) for k, v in cols.items()}
+    types = {"is_response": bool, "logprob": np.float64}
+    data = {k: np.concatenate(v) if v else np.array([], dtype=types.get(k, np.int32)) for k, v in cols.items()}
     t = pa.table(data)
     return t.append_column("source", pa.array([source] * t.num_rows, pa.string()))
 
