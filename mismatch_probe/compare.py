@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.metrics import logprob_gap
+from mismatch_probe.schema import conform
 
 # pair name -> (column of side A, column of side B); d = A - B
 PAIRS = {
@@ -42,7 +43,7 @@ def tokens_table(rollouts: Sequence[Any], scores: Sequence[np.ndarray], source: 
     types = {"is_response": bool, "logprob": np.float64}
     data = {k: np.concatenate(v) if v else np.array([], dtype=types.get(k, np.int32)) for k, v in cols.items()}
     t = pa.table(data)
-    return t.append_column("source", pa.array([source] * t.num_rows, pa.string()))
+    return conform(t.append_column("source", pa.array([source] * t.num_rows, pa.string())), "tokens")
 
 
 def decode_table(rollouts: Sequence[Any]) -> pa.Table:
