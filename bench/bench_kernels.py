@@ -39,7 +39,6 @@ def _safe(rows: list[dict[str, Any]], name: str, fn, **meta) -> float | None:  #
 
 def bench_quantize(rows: list[dict[str, Any]], quick: bool) -> None:
     import torch
-
     from mismatch_probe.kernels import nvfp4_quantize, nvfp4_quantize_ref
 
     m = k = 8192
@@ -64,7 +63,6 @@ def bench_quantize(rows: list[dict[str, Any]], quick: bool) -> None:
 
 def bench_linear(rows: list[dict[str, Any]], quick: bool) -> None:
     import torch
-
     from mismatch_probe.kernels import (
         aligned_linear,
         nvfp4_dequantize_ref,
@@ -72,6 +70,7 @@ def bench_linear(rows: list[dict[str, Any]], quick: bool) -> None:
         nvfp4_quantize_ref,
         w4a4_matmul,
     )
+    from mismatch_probe.kernels.aligned_linear import choose_path
 
     n = k = 8192
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -84,12 +83,10 @@ def bench_linear(rows: list[dict[str, Any]], quick: bool) -> None:
         cub = _safe(rows, f"M={m}: cuBLAS bf16 x @ w.t()", lambda: x @ w.t(), m=m, flops=flops)
         _safe(rows, f"M={m}: W4A4 GEMM (auto path, A pre-quantized)", lambda: w4a4_matmul(xq, wq), m=m, flops=flops,
               cublas_ms=cub)
-        if m == 8192:
-            _safe(rows, f"M={m}: W4A4 GEMM (fp4 path)", lambda: w4a4_matmul(xq, wq, path="fp4"), m=m, flops=flops,
-                  cublas_ms=cub)
-        else:
-            _safe(rows, f"M={m}: W4A4 GEMM (bf16-operand path)", lambda: w4a4_matmul(xq, wq, path="bf16"), m=m,
-                  flops=flops, cublas_ms=cub)
+        for alt in ("fp4", "fp4w", "bf16"):
+            if alt != choose_path(m) and not (m == 8192 and alt == "fp4"):
+                _safe(rows, f"M={m}: W4A4 GEMM ({alt} path)", lambda: w4a4_matmul(xq, wq, path=alt), m=m,
+                      flops=flops, cublas_ms=cub)
         _safe(rows, f"M={m}: aligned_linear incl. per-token quantize", lambda: aligned_linear(x, wq), m=m, flops=flops,
               cublas_ms=cub)
         _safe(
@@ -97,12 +94,38 @@ def bench_linear(rows: list[dict[str, Any]], quick: bool) -> None:
             lambda: nvfp4_dequantize_ref(nvfp4_quantize_ref(x, per_token=True), torch.bfloat16) @ w_deq.t(),
             m=m, flops=flops, cublas_ms=cub,
         )
-        del x, xq
+
+
+def bench_sweep(rows: list[dict[str, Any]], quick: bool) -> None:
+    """Tile-config sweep of the W4A4 GEMM; every config's output must equal the default's bits."""
+    import torch
+    from mismatch_probe.kernels import nvfp4_quantize, w4a4_matmul
+
+    n = k = 8192
+    wq = nvfp4_quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    sweeps = {
+        16: [(p, {"BM": 16, "BN": bn, "num_warps": nw, "num_stages": ns})
+             for p in ("fp4w", "fp4") for bn in (16, 32, 64) for nw in (2, 4) for ns in (3, 5)],
+        8192: [("bf16", {"BM": bm, "BN": bn, "num_warps": nw, "num_stages": ns})
+               for bm, bn, nw in ((128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4), (64, 256, 8))
+               for ns in (3, 4)] + [("fp4w", {"BM": 128, "BN": 128, "num_warps": 8, "num_stages": 3})],
+    }
+    for m, cfgs in sweeps.items():
+        xq = nvfp4_quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), per_token=True)
+        base = w4a4_matmul(xq, wq)
+        for p, cfg in cfgs:
+            name = f"sweep M={m} {p} BM={cfg['BM']} BN={cfg['BN']} w={cfg['num_warps']} s={cfg['num_stages']}"
+            try:
+                same = torch.equal(w4a4_matmul(xq, wq, path=p, config=cfg).view(torch.int16), base.view(torch.int16))
+            except Exception as e:
+                rows.append({"name": name, "ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+                continue
+            _safe(rows, name, lambda: w4a4_matmul(xq, wq, path=p, config=cfg), flops=2 * m * n * k,
+                  bits_equal_default=same)
 
 
 def bench_moe(rows: list[dict[str, Any]], quick: bool) -> None:
     import torch
-
     from mismatch_probe.kernels import grouped_w4a4, moe_route, nvfp4_quantize, quantize_expert_weights
     from mismatch_probe.kernels.grouped_gemm import gather_rows
 
@@ -110,7 +133,7 @@ def bench_moe(rows: list[dict[str, Any]], quick: bool) -> None:
     for name, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
         wb = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.05
         wq = quantize_expert_weights(wb)
-        wt = wb.transpose(1, 2).contiguous()  # [E, K, N] for torch._grouped_mm
+        wt = wb.transpose(1, 2)  # [E, K, N] view (column-major per expert) for torch._grouped_mm
         for t in (16384, 64):
             ids = torch.topk(torch.rand(t, e, device="cuda"), top, dim=1).indices
             perm, offsets = moe_route(ids, e)
@@ -134,7 +157,7 @@ def bench_moe(rows: list[dict[str, Any]], quick: bool) -> None:
             _safe(rows, f"{tag}: per-expert bf16 loop", loop, flops=flops)
             _safe(rows, f"{tag}: grouped W4A4 (auto path)", lambda: grouped_w4a4(a, offsets, wq), flops=flops,
                   grouped_mm_ms=gm)
-            alt = "bf16" if t <= 64 else "fp4"
+            alt = "bf16" if t <= 64 else "fp4w"
             _safe(rows, f"{tag}: grouped W4A4 ({alt} path)", lambda: grouped_w4a4(a, offsets, wq, path=alt),
                   flops=flops, grouped_mm_ms=gm)
 
@@ -155,7 +178,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="quantize,linear,moe")
+    ap.add_argument("--only", default="quantize,linear,moe,sweep")
     args = ap.parse_args()
     import torch
     import triton
@@ -181,7 +204,7 @@ def main() -> int:
         print(f"[check] {passed}/{total} passed in {time.time() - t0:.0f}s", flush=True)
     rows: list[dict[str, Any]] = []
     for part in args.only.split(","):
-        {"quantize": bench_quantize, "linear": bench_linear, "moe": bench_moe}[part](rows, args.quick)
+        {"quantize": bench_quantize, "linear": bench_linear, "moe": bench_moe, "sweep": bench_sweep}[part](rows, args.quick)
         os.makedirs(args.out, exist_ok=True)
         result["bench"] = rows
         with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -206,6 +229,8 @@ def print_table(result: dict[str, Any]) -> None:
                 d.append(f"{r['copy_ms'] / ms * 100:.0f}% of copy")
         if "flops" in r:
             d.append(f"{r['flops'] / ms / 1e9:.1f} TFLOP/s")
+        if "bits_equal_default" in r:
+            d.append("bits == default" if r["bits_equal_default"] else "BITS DIFFER")
         for key, lab in (("cublas_ms", "cuBLAS"), ("grouped_mm_ms", "_grouped_mm")):
             if r.get(key):
                 d.append(f"{r[key] / ms:.2f}x vs {lab}")

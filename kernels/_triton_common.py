@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available()
+_MODE = os.environ.get("MISMATCH_PROBE_TRITON_MODE", "auto")  # auto | jit (force, e.g. AOT compile tests)
+INTERPRET: bool = _MODE != "jit" and (os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available())
 
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction
@@ -104,11 +105,22 @@ def e2m1_encode(y):
 
 @kjit
 def e2m1_decode(c):
-    """int32 E2M1 codes -> fp32 values (code 8 -> -0.0)."""
-    idx = c & 7
-    bits = (((idx >> 1) + 126) << 23) | ((idx & 1) << 22)
-    mag = tl.where(idx < 2, idx.to(tl.float32) * 0.5, bits.to(tl.float32, bitcast=True))
-    return tl.where((c & 8) != 0, -mag, mag)
+    """int32 E2M1 codes -> fp32 values (code 8 -> -0.0).
+
+    The nibble s|e1 e0|m is placed in the fp32 bit fields (sign bit 31, exponent bits 24-23,
+    mantissa bit 22): that float is E2M1 * 2^-126 exactly (e = 0 lands on the fp32 subnormal
+    2^-127 * m), so one exact multiply by 2^126 gives the value (``mul.f32``: no flush to zero)."""
+    bits = ((c & 7) << 22) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
+
+
+@kjit
+def unpack_decode_tile(p):
+    """[R, C] packed bytes -> [R, 2C] fp32 E2M1 values (low nibble first), as e2m1_decode."""
+    p32 = p.to(tl.int32)
+    lo = (((p32 & 7) << 22) | ((p32 & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    hi = (((p32 & 112) << 18) | ((p32 & 128) << 24)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    return tl.reshape(tl.join(lo, hi), (p.shape[0], p.shape[1] * 2))
 
 
 @kjit

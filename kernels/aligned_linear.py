@@ -17,24 +17,27 @@ from .triton_nvfp4 import check_qtensor, nvfp4_dequantize, nvfp4_quantize
 from .triton_w4a4 import w4a4_kernel
 
 DECODE_MAX_M = 64  # at or below: the decode path (packed FP4 operands read directly)
-PATHS = ("auto", "fp4", "bf16")
+PATHS = ("auto", "fp4", "fp4w", "bf16")
 
 
 def choose_path(m: int, path: str = "auto") -> str:
-    """'fp4' (operands decoded in the mainloop) for M <= 64, else 'bf16' (pre-dequantized exact
-    E2M1*sf operands). Both give identical bits; only speed differs."""
+    """Operand forms: 'fp4' both packed FP4 + scales decoded in the mainloop; 'fp4w' weights packed
+    (decoded in the mainloop), activations pre-dequantized to exact bf16 ``E2M1*sf`` (the decode
+    path: small A decoded once instead of once per N tile); 'bf16' both pre-dequantized (large M:
+    keeps the mainloop on the tensor cores). All give identical bits; only speed differs.
+    'auto': 'fp4w' for M <= 64, else 'bf16'."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if path != "auto":
         return path
-    return "fp4" if m <= DECODE_MAX_M else "bf16"
+    return "fp4w" if m <= DECODE_MAX_M else "bf16"
 
 
 def gemm_config(m: int, path: str) -> dict[str, int]:
     """Tile configuration by shape (never changes the bits: every tile computes the same sums)."""
     if INTERPRET:
         return {"BM": 16, "BN": 16, "num_warps": 4, "num_stages": 1}
-    if path == "fp4":
+    if path in ("fp4", "fp4w"):
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         return {"BM": bm, "BN": 32 if m <= 16 else 64, "num_warps": 4, "num_stages": 4}
     return {"BM": 128, "BN": 128, "num_warps": 8, "num_stages": 3}
@@ -56,10 +59,16 @@ def _operand(q: NVFP4Tensor, fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def w4a4_matmul(
-    a: NVFP4Tensor, w: NVFP4Tensor, *, out_dtype: torch.dtype = torch.bfloat16, path: str = "auto"
+    a: NVFP4Tensor,
+    w: NVFP4Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    path: str = "auto",
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """NVFP4 x NVFP4 GEMM ``a @ w.T`` ([M, K] x [N, K] -> [M, N]); bit-exact with
-    :func:`w4a4_gemm_ref`. ``path``: 'auto' | 'fp4' | 'bf16' (same bits, different speed)."""
+    :func:`w4a4_gemm_ref`. ``path``: 'auto' | 'fp4' | 'fp4w' | 'bf16'; ``config``: tile override
+    (BM, BN, num_warps, num_stages) for tuning. Neither changes the bits, only the speed."""
     check_qtensor(a, "a")
     check_qtensor(w, "w")
     kernel_device_ok(a.codes, w.codes)
@@ -69,12 +78,13 @@ def w4a4_matmul(
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
     p = choose_path(m, path)
-    cfg = gemm_config(m, p)
+    cfg = {**gemm_config(m, p), **(config or {})}
     out = torch.empty(m, n, dtype=out_dtype, device=a.codes.device)
     if m == 0:
         return out
-    a_op, a_sf = _operand(a, p == "fp4")
-    b_op, b_sf = _operand(w, p == "fp4")
+    a_fp4, b_fp4 = p == "fp4", p in ("fp4", "fp4w")
+    a_op, a_sf = _operand(a, a_fp4)
+    b_op, b_sf = _operand(w, b_fp4)
     bm, bn = cfg["BM"], cfg["BN"]
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     obf = out_dtype == torch.bfloat16
@@ -83,7 +93,7 @@ def w4a4_matmul(
         a_op, a_sf, a.amax, b_op, b_sf, w.amax, out.view(torch.int16) if obf else out,
         a.amax, a.amax, a.amax,  # tile tables: unused when not grouped
         m, n, k, 0, 0, 0,
-        p == "fp4", p == "fp4", a.per_token, w.per_token,
+        a_fp4, b_fp4, a.per_token, w.per_token,
         False, bm, bn, _kstep(k // 16), INTERPRET, not INTERPRET, obf,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

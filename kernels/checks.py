@@ -177,7 +177,7 @@ def _gemm_check(m: int, path: str, tile16: bool = False, k: int = 256, n: int = 
     def run(dev: torch.device, big: bool) -> str:
         from .aligned_linear import aligned_linear
 
-        kk, nn = (k * 8, n * 32) if big else (k, n)
+        kk, nn = (k * 8, n * 32) if big and k <= 256 else (k, n)
         w = _weights(nn, kk, 11, tile16=tile16)
         w = R.NVFP4Tensor(w.codes.to(dev), w.scales.to(dev), w.amax.to(dev))
         x = torch.randn(m, kk, generator=_gen(12)).to(torch.bfloat16).to(dev)
@@ -293,6 +293,7 @@ CHECKS: list[Check] = [
     Check("rmsnorm_quant_amax_reuse", "fused RMSNorm + per-token quantize == quantize_ref(y)", _rmsnorm_check),
     Check("gemm_decode_fp4_m1", "aligned_linear M=1, packed FP4 operands", _gemm_check(1, "fp4")),
     Check("gemm_decode_fp4_m16", "aligned_linear M=16, packed FP4 operands", _gemm_check(16, "fp4")),
+    Check("gemm_decode_fp4w_m16", "aligned_linear M=16, FP4 weights + bf16 activations", _gemm_check(16, "fp4w")),
     Check("gemm_bf16_operands_m33", "aligned_linear M=33, pre-dequantized bf16 operands", _gemm_check(33, "bf16")),
     Check("gemm_tile16_weights", "aligned_linear with 16x16-tile weights", _gemm_check(5, "auto", True)),
     Check("gemm_k16", "aligned_linear K=16", _gemm_check(3, "fp4", k=16)),

@@ -93,6 +93,7 @@ def grouped_w4a4(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     path: str = "auto",
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """One-launch grouped GEMM: rows ``offsets[e]:offsets[e+1]`` of ``a`` (per-token NVFP4,
     grouped by expert) times expert e's weights ``[N, K]`` transposed. Bit-exact with
@@ -120,13 +121,14 @@ def grouped_w4a4(
         return out
     avg = max(1, m // max(1, e_count))
     p = choose_path(avg, path)
-    cfg = gemm_config(avg, p)
+    cfg = {**gemm_config(avg, p), **(config or {})}
     bm, bn = cfg["BM"], cfg["BN"]
     te, tr0, tr1 = tile_schedule(offsets.to(a.codes.device), bm, m)
-    if p == "fp4":
-        a_op, b_op = a.codes, w.codes
+    a_fp4, b_fp4 = p == "fp4", p in ("fp4", "fp4w")
+    a_op = a.codes if a_fp4 else nvfp4_dequantize(a, torch.bfloat16, apply_global=False)
+    if b_fp4:
+        b_op = w.codes
     else:
-        a_op = nvfp4_dequantize(a, torch.bfloat16, apply_global=False)
         flat = NVFP4Tensor(w.codes.reshape(e_count * n, k // 2), w.scales.reshape(e_count * n, k // 16), w.amax[:1])
         b_op = nvfp4_dequantize(flat, torch.bfloat16, apply_global=False).reshape(e_count, n, k)
     obf = out_dtype == torch.bfloat16
@@ -135,7 +137,7 @@ def grouped_w4a4(
         a_op, a.scales, a.amax, b_op, w.scales, w.amax, out.view(torch.int16) if obf else out,
         te, tr0, tr1,
         m, n, k, b_op[0].numel(), n * (k // 16), 1,
-        p == "fp4", p == "fp4", True, False,
+        a_fp4, b_fp4, True, False,
         True, bm, bn, _kstep(k // 16), INTERPRET, not INTERPRET, obf,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

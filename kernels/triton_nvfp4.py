@@ -15,7 +15,6 @@ from ._triton_common import (
     INTERPRET,
     bf16_bits_rne,
     bf16_round,
-    e2m1_decode,
     e2m1_encode,
     e4m3_decode,
     e4m3_round,
@@ -25,7 +24,7 @@ from ._triton_common import (
     require_contiguous,
     rmax,
     rsum,
-    unpack_tile,
+    unpack_decode_tile,
 )
 from .nvfp4_ref import NVFP4Tensor, check_amax, nonfinite_amax, validate_input
 
@@ -168,7 +167,7 @@ def _dequant_kernel(
     c16 = pid_k * (BK // 16) + tl.arange(0, BK // 16)
     p = tl.load(codes_ptr + r[:, None] * (K // 2) + c2[None, :], mask=rmask[:, None] & (c2 < K // 2)[None, :], other=0)
     sb = tl.load(scales_ptr + r[:, None] * (K // 16) + c16[None, :], mask=rmask[:, None] & (c16 < K // 16)[None, :], other=0)
-    vals = e2m1_decode(unpack_tile(p))
+    vals = unpack_decode_tile(p)
     sf = e4m3_decode(sb.to(tl.int32))
     if GLOBAL:
         if AMAX_PER_ROW:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from ._triton_common import bf16_bits_rne, e2m1_decode, e4m3_decode, kjit, unpack_tile
+from ._triton_common import bf16_bits_rne, e4m3_decode, kjit, unpack_decode_tile
 
 
 @kjit
@@ -42,7 +42,7 @@ def _load_operand(ptr, sf_ptr, rows, rmask, K, kb, FP4: tl.constexpr, BR: tl.con
         j8 = tl.arange(0, 8)
         p = tl.load(ptr + rows[:, None] * (K // 2) + kb * 8 + j8[None, :], mask=rmask[:, None], other=0)
         sb = tl.load(sf_ptr + rows * (K // 16) + kb, mask=rmask, other=0)
-        v = e2m1_decode(unpack_tile(p)) * e4m3_decode(sb.to(tl.int32))[:, None]
+        v = unpack_decode_tile(p) * e4m3_decode(sb.to(tl.int32))[:, None]
         if F32:
             return v
         else:
