@@ -5,9 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def build_report(
-    run: Path, out: Path | None = None, *, gate_config: Path | None = None
-) -> tuple[Path, dict[str, str]]:
+def build_report(run: Path, out: Path | None = None, *, gate_config: Path | None = None) -> tuple[Path, dict[str, str]]:
     """Render ``RUN/report.html`` (or ``out``); returns the path and the absent sections with reasons."""
     from mismatch_probe.reports.load import load_run
     from mismatch_probe.reports.render import write_report

@@ -56,9 +56,7 @@ def table(
         rc = f' class="{row_cls[i]}"' if row_cls and row_cls[i] else ""
         body.append(f"<tr{rc}>{''.join(r)}</tr>")
     idattr = f' id="{tid}"' if tid else ""
-    return (
-        f'<table class="{cls}"{idattr}><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
-    )
+    return f'<table class="{cls}"{idattr}><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
 def td(x: Any, cls: str = "") -> str:

@@ -57,8 +57,7 @@ def _read_versioned_parquet(path: Path, kind: str, required: tuple[str, ...]) ->
     ver = read_schema_version(path)
     if ver > SCHEMA_VERSION:
         raise SchemaError(
-            f"{path} has schema version {ver}, newer than this mismatch-probe reads ({SCHEMA_VERSION}); "
-            "upgrade mismatch-probe"
+            f"{path} has schema version {ver}, newer than this mismatch-probe reads ({SCHEMA_VERSION}); upgrade mismatch-probe"
         )
     try:
         df = pq.read_table(path).to_pandas()
@@ -74,9 +73,7 @@ def _summary_from_gaps(gaps: pd.DataFrame) -> dict[str, Any]:
     resp = gaps[gaps["is_response"]]
     pairs = {}
     for pair, (a, b, _) in PAIR_COLUMNS.items():
-        pairs[pair] = logprob_gap(
-            resp[a].to_numpy(float), resp[b].to_numpy(float), seq_ids=resp["seq_id"].to_numpy()
-        )
+        pairs[pair] = logprob_gap(resp[a].to_numpy(float), resp[b].to_numpy(float), seq_ids=resp["seq_id"].to_numpy())
     return {
         "schema_version": SCHEMA_VERSION,
         "n_sequences": int(gaps["seq_id"].nunique()),
@@ -127,9 +124,7 @@ def load_run(run: Path) -> RunData:
     gaps_path = root / "compare" / "token_gaps.parquet"
     if not gaps_path.exists():
         status = manifest.get("status", "?")
-        raise SchemaError(
-            f"missing file: {gaps_path} (run status {status!r}); run `mismatch-probe compare` to completion"
-        )
+        raise SchemaError(f"missing file: {gaps_path} (run status {status!r}); run `mismatch-probe compare` to completion")
     gaps = read_table(gaps_path, "token_gaps").to_pandas()
     data = RunData(root=root, manifest=manifest, summary={}, gaps=gaps)
     if manifest.get("status") != "complete":
@@ -139,9 +134,7 @@ def load_run(run: Path) -> RunData:
         data.summary = read_summary(root)
     else:
         data.summary = _summary_from_gaps(gaps)
-        data.notes.append(
-            "compare/summary.json is missing: headline metrics recomputed from token_gaps.parquet"
-        )
+        data.notes.append("compare/summary.json is missing: headline metrics recomputed from token_gaps.parquet")
     for pair in PAIRS:
         data.summary["pairs"].setdefault(pair, {})
 

@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
@@ -57,15 +58,38 @@ def to_svg(fig: plt.Figure) -> str:
     prefix = f"c{next(_counter)}-"
     ids = set(re.findall(r'\bid="([^"]+)"', svg))
     if ids:
-        pat = re.compile(
-            r'(\bid="|#)('
-            + "|".join(re.escape(i) for i in sorted(ids, key=len, reverse=True))
-            + r')(?=["\)])'
-        )
+        pat = re.compile(r'(\bid="|#)(' + "|".join(re.escape(i) for i in sorted(ids, key=len, reverse=True)) + r')(?=["\)])')
         svg = pat.sub(lambda m: m.group(1) + prefix + m.group(2), svg)
     # responsive: drop fixed width/height, keep the viewBox
     svg = re.sub(r'^<svg([^>]*?) width="[^"]+" height="[^"]+"', r"<svg\1", svg, count=1)
     return svg
+
+
+def _log_label(v: float, _pos: object = None) -> str:
+    """Tick label without mathtext (which costs seconds per chart): 1e-3, 0.01, 1, 100."""
+    if v == 0:
+        return "0"
+    e = int(np.floor(np.log10(abs(v)) + 1e-9))
+    if abs(v) != 10.0**e:
+        return ""
+    sign = "-" if v < 0 else ""
+    return f"{sign}{10.0**e:g}" if -2 <= e <= 3 else f"{sign}1e{e}"
+
+
+def _plain_log(ax: plt.Axes, which: str = "y") -> None:
+    """Plain-text major tick labels, no minor labels, on a log or symlog axis."""
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(_log_label))
+    axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
+def _finish(fig: plt.Figure, axes: list[plt.Axes], **adjust: float) -> str:
+    for ax in axes:
+        for which in ("x", "y"):
+            if (ax.get_xscale() if which == "x" else ax.get_yscale()) in ("log", "symlog"):
+                _plain_log(ax, which)
+    fig.subplots_adjust(**adjust)
+    return to_svg(fig)
 
 
 def _floor(values: np.ndarray) -> float:
@@ -73,9 +97,7 @@ def _floor(values: np.ndarray) -> float:
     return float(pos.min() / 10) if pos.size else 1e-12
 
 
-def drift_chart(
-    ops: pd.DataFrame, first: dict[str, dict[str, Any] | None], local: list[dict[str, Any]] | None
-) -> str:
+def drift_chart(ops: pd.DataFrame, first: dict[str, dict[str, Any] | None], local: list[dict[str, Any]] | None) -> str:
     """Op error along depth (execution order); first divergent ops marked; local vs inherited error."""
     n_panels = 2 if local else 1
     fig, axes = plt.subplots(n_panels, 1, figsize=(10, 3.4 * n_panels), sharex=True, squeeze=False)
@@ -88,12 +110,8 @@ def drift_chart(
     eq = bitwise >= 1.0
     ax.plot(x, np.where(rel > 0, rel, floor), "-", color="#1f77b4", lw=1, label="relative L2 error")
     ax.plot(x, np.where(mad > 0, mad, floor), "-", color="#ff7f0e", lw=1, alpha=0.8, label="max |diff|")
-    ax.scatter(
-        x[eq], np.full(eq.sum(), floor), marker="s", s=10, color="#2ca02c", label="bitwise equal", zorder=3
-    )
-    ax.scatter(
-        x[~eq], np.where(rel[~eq] > 0, rel[~eq], floor), s=12, color="#d62728", label="differs", zorder=3
-    )
+    ax.scatter(x[eq], np.full(eq.sum(), floor), marker="s", s=10, color="#2ca02c", label="bitwise equal", zorder=3)
+    ax.scatter(x[~eq], np.where(rel[~eq] > 0, rel[~eq], floor), s=12, color="#d62728", label="differs", zorder=3)
     ax.set_yscale("log")
     ax.set_ylabel("error (sampler vs learner)")
     ax.set_title("Where drift starts: op error along depth")
@@ -123,12 +141,8 @@ def drift_chart(
         le = np.array([float(loc.get(op, {}).get("local_error", np.nan)) for op in ops["op"]])
         ie = np.array([float(loc.get(op, {}).get("inherited_error", np.nan)) for op in ops["op"]])
         fl = _floor(np.concatenate([le, ie]))
-        ax2.bar(
-            x - 0.2, np.where(le > 0, le, fl), width=0.4, color="#d62728", label="local (introduced here)"
-        )
-        ax2.bar(
-            x + 0.2, np.where(ie > 0, ie, fl), width=0.4, color="#7f7f7f", label="inherited (from inputs)"
-        )
+        ax2.bar(x - 0.2, np.where(le > 0, le, fl), width=0.4, color="#d62728", label="local (introduced here)")
+        ax2.bar(x + 0.2, np.where(ie > 0, ie, fl), width=0.4, color="#7f7f7f", label="inherited (from inputs)")
         ax2.set_yscale("log")
         ax2.set_ylabel("error")
         ax2.set_title("Local vs inherited error (input substitution)")
@@ -139,12 +153,9 @@ def drift_chart(
     step = max(1, len(starts) // 24)
     ticks = starts[::step]
     bottom.set_xticks(ticks)
-    bottom.set_xticklabels(
-        [ops["op"].iloc[i] if layers[i] < 0 else f"L{layers[i]}" for i in ticks], fontsize=7
-    )
+    bottom.set_xticklabels([ops["op"].iloc[i] if layers[i] < 0 else f"L{layers[i]}" for i in ticks], fontsize=7)
     bottom.set_xlabel("ops in execution order (ticks: start of each layer)")
-    fig.tight_layout()
-    return to_svg(fig)
+    return _finish(fig, list(axes[:, 0]), hspace=0.3)
 
 
 def scatter_chart(resp: pd.DataFrame, max_points: int = 200_000) -> str:
@@ -172,8 +183,7 @@ def scatter_chart(resp: pd.DataFrame, max_points: int = 200_000) -> str:
     a2.set_xlabel("sampler (decode) logprob")
     a2.set_ylabel("learner - sampler (symlog)")
     a2.set_title("Gap against token logprob")
-    fig.tight_layout()
-    return to_svg(fig)
+    return _finish(fig, [a1, a2], wspace=0.3)
 
 
 def histogram_chart(resp: pd.DataFrame) -> str:
@@ -200,8 +210,7 @@ def histogram_chart(resp: pd.DataFrame) -> str:
     ax.set_ylabel("tokens")
     ax.set_title("Distribution of |dlogp| over response tokens")
     ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    return to_svg(fig)
+    return _finish(fig, [ax])
 
 
 def decomposition_chart(summary: dict[str, Any], resp: pd.DataFrame) -> str:
@@ -245,8 +254,7 @@ def decomposition_chart(summary: dict[str, Any], resp: pd.DataFrame) -> str:
     a2.set_xlabel("response position (tokens after the prompt)")
     a2.set_ylabel("mean |d|")
     a2.set_title("Gap along the response")
-    fig.tight_layout()
-    return to_svg(fig)
+    return _finish(fig, [a1, a2], wspace=0.3)
 
 
 def ablation_chart(ablation: list[dict[str, Any]], top: int = 20) -> str:
@@ -260,5 +268,4 @@ def ablation_chart(ablation: list[dict[str, Any]], top: int = 20) -> str:
     ax.set_yticklabels(labels, fontsize=7)
     ax.set_xlabel("share of the final logprob gap removed by aligning the group")
     ax.set_title("Ablation ranking")
-    fig.tight_layout()
-    return to_svg(fig)
+    return _finish(fig, [ax])

@@ -74,15 +74,13 @@ def headline(data: RunData, gate: list[CheckResult] | None) -> tuple[str, str]:
     fv = m.get("full_vocab") or {}
     cards += [(k, f"full-vocab {k}", v) for k, v in fv.items() if isinstance(v, int | float)]
     card_html = "".join(
-        f'<div class="card" data-metric="{esc(k)}"><div class="k">{esc(label)}</div>'
-        f'<div class="v">{num(v)}</div></div>'
+        f'<div class="card" data-metric="{esc(k)}"><div class="k">{esc(label)}</div><div class="v">{num(v)}</div></div>'
         for k, label, v in cards
     )
     out = [
         f'<div class="verdict" id="verdict"><span class="badge v-{esc(key)}">{esc(key.upper())}</span>'
         f"<div><div>{esc(sentence)}</div><div class='muted'>{esc(rule)}</div></div></div>",
-        "<h3>Headline metrics: learner vs sampler-decode</h3>"
-        f'<div class="cards" id="headline-metrics">{card_html}</div>',
+        f'<h3>Headline metrics: learner vs sampler-decode</h3><div class="cards" id="headline-metrics">{card_html}</div>',
     ]
     if gate is not None:
         rows = [
@@ -146,9 +144,7 @@ def drift(data: RunData) -> str:
     local = (data.bisect or {}).get("local_errors") or None
     src = "bisect.json" if data.bisect is not None else "op_errors.parquet (first op not bitwise equal)"
     lines = "".join(f"<li>first divergent op, {k}: <b>{esc(_fd_text(v))}</b></li>" for k, v in fd.items())
-    cap = (
-        "Per-op error of sampler vs learner on the same tokens, in execution order; zeros drawn at the floor."
-    )
+    cap = "Per-op error of sampler vs learner on the same tokens, in execution order; zeros drawn at the floor."
     if not local:
         cap += " Local vs inherited error absent: bisect.json has no local_errors."
     return f'<ul id="first-divergent">{lines}</ul><p class="muted">source: {esc(src)}</p>' + figure(
@@ -179,13 +175,8 @@ def decomposition(data: RunData) -> str:
         rows.append([td(k)] + [td_num(data.summary["pairs"].get(p, {}).get(k)) for p in pairs])
     fv_keys = sorted({k for p in pairs for k in (data.summary["pairs"].get(p, {}).get("full_vocab") or {})})
     for k in fv_keys:
-        rows.append(
-            [td(f"full_vocab.{k}")]
-            + [td_num((data.summary["pairs"][p].get("full_vocab") or {}).get(k)) for p in pairs]
-        )
-    tbl = table(
-        ["metric"] + [plots.PAIR_LABELS[p] for p in pairs], rows, numeric=[1, 2, 3], tid="decomposition-table"
-    )
+        rows.append([td(f"full_vocab.{k}")] + [td_num((data.summary["pairs"][p].get("full_vocab") or {}).get(k)) for p in pairs])
+    tbl = table(["metric"] + [plots.PAIR_LABELS[p] for p in pairs], rows, numeric=[1, 2, 3], tid="decomposition-table")
     return (
         figure(
             "decomposition",
@@ -210,10 +201,7 @@ def worst_tokens(data: RunData, top: int = 25, before: int = 12, after: int = 4)
     worst = resp.loc[key.sort_values(ascending=False, kind="stable").index[:top]]
     if worst.empty:
         return missing("Worst tokens", "no response tokens in token_gaps.parquet")
-    seqs = {
-        sid: g.sort_values("pos")
-        for sid, g in data.gaps[data.gaps["seq_id"].isin(worst["seq_id"])].groupby("seq_id")
-    }
+    seqs = {sid: g.sort_values("pos") for sid, g in data.gaps[data.gaps["seq_id"].isin(worst["seq_id"])].groupby("seq_id")}
     rows = []
     for r in worst.itertuples():
         g = seqs[r.seq_id]
@@ -224,9 +212,7 @@ def worst_tokens(data: RunData, top: int = 25, before: int = 12, after: int = 4)
         for j in range(lo, hi):
             tid, is_resp = int(g["token_id"].iloc[j]), bool(g["is_response"].iloc[j])
             cls = "tok hit" if j == i else ("tok" if is_resp else "tok prompt")
-            chips.append(
-                f'<span class="{cls}" title="id {tid}, pos {int(pos[j])}">{esc(_tok_text(data, tid))}</span>'
-            )
+            chips.append(f'<span class="{cls}" title="id {tid}, pos {int(pos[j])}">{esc(_tok_text(data, tid))}</span>')
         ctx = ("\u2026" if lo > 0 else "") + "".join(chips) + ("\u2026" if hi < len(g) else "")
         rows.append(
             [
@@ -298,10 +284,7 @@ def op_table(data: RunData) -> str:
             or (fd and r.op == fd.get("op") and fd.get("exec_order") is None)
             else ""
         )
-    cap = "".join(
-        f"<li>{esc(s)}: {v['rows']:,} rows, {v['bytes'] / 1e6:.1f} MB</li>"
-        for s, v in data.ops_capture.items()
-    )
+    cap = "".join(f"<li>{esc(s)}: {v['rows']:,} rows, {v['bytes'] / 1e6:.1f} MB</li>" for s, v in data.ops_capture.items())
     cap_html = f'<p class="muted">Op capture files:</p><ul class="muted">{cap}</ul>' if cap else ""
     return (
         cap_html

@@ -45,9 +45,7 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
     tok.save(str(model_dir / "tokenizer.json"))
 
 
-def _gaps(
-    rng: np.random.Generator, n_seq: int, seq_len: int, prompt_len: int, vocab: int, scale: float
-) -> pa.Table:
+def _gaps(rng: np.random.Generator, n_seq: int, seq_len: int, prompt_len: int, vocab: int, scale: float) -> pa.Table:
     seq = np.repeat(np.arange(n_seq, dtype=np.int32), seq_len)
     pos = np.tile(np.arange(seq_len, dtype=np.int32), n_seq)
     resp = pos >= prompt_len
@@ -89,10 +87,7 @@ def _summary(gaps: pa.Table) -> dict:
         "learner_vs_prefill": ("lp_learner", "lp_prefill"),
         "prefill_vs_decode": ("lp_prefill", "lp_decode"),
     }
-    pairs = {
-        p: logprob_gap(r[a].to_numpy(), r[b].to_numpy(), seq_ids=r["seq_id"].to_numpy())
-        for p, (a, b) in cols.items()
-    }
+    pairs = {p: logprob_gap(r[a].to_numpy(), r[b].to_numpy(), seq_ids=r["seq_id"].to_numpy()) for p, (a, b) in cols.items()}
     assert set(pairs) == set(PAIRS)
     return {
         "schema_version": SCHEMA_VERSION,
@@ -130,9 +125,7 @@ def _op_errors(rng: np.random.Generator, n_layers: int, n_rows: int, diverge_at:
     return pa.Table.from_pylist(rows).replace_schema_metadata(meta)
 
 
-def _ops_full(
-    rng: np.random.Generator, names: list[tuple[str, int]], n_seq: int, seq_len: int, width: int
-) -> pa.Table:
+def _ops_full(rng: np.random.Generator, names: list[tuple[str, int]], n_seq: int, seq_len: int, width: int) -> pa.Table:
     n_tok = n_seq * seq_len
     n = n_tok * len(names)
     op_idx = np.repeat(np.arange(len(names)), n_tok)
@@ -178,8 +171,7 @@ def _bisect(names: list[tuple[str, int]], diverge_at: int, rng: np.random.Genera
     ]
     n_layers = max(layer for _, layer in names) + 1
     abl += [
-        {"group": f"layers {a}-{a + 1}", "kind": "layer_range", "share": 0.5, "gap_after": 5e-4}
-        for a in range(0, n_layers, 2)
+        {"group": f"layers {a}-{a + 1}", "kind": "layer_range", "share": 0.5, "gap_after": 5e-4} for a in range(0, n_layers, 2)
     ]
     return {
         "schema_version": SCHEMA_VERSION,
@@ -222,9 +214,7 @@ def make_run(
     names = op_names(n_layers)
     diverge_at = len(LAYER_OPS) + 6  # layer 1, attn.core
     if ops:
-        pq.write_table(
-            _op_errors(rng, n_layers, n_seq * seq_len, diverge_at), root / "compare" / "op_errors.parquet"
-        )
+        pq.write_table(_op_errors(rng, n_layers, n_seq * seq_len, diverge_at), root / "compare" / "op_errors.parquet")
     if full_ops:
         for side in ("learner", "sampler"):
             write_table(root / side / "ops.parquet", _ops_full(rng, names, n_seq, seq_len, hidden), "ops")
