@@ -19,9 +19,7 @@ out_console = Console(width=None if sys.stdout.isatty() else 150)
 @app.command("report")
 def report(
     run: Path = typer.Argument(..., help="Run directory written by `mismatch-probe compare`."),
-    out: Path | None = typer.Option(
-        None, "--out", "-o", help="HTML file to write \\[default: RUN/report.html]."
-    ),
+    out: Path | None = typer.Option(None, "--out", "-o", help="HTML file to write \\[default: RUN/report.html]."),
     gate_config: Path | None = typer.Option(
         None, "--gate-config", help="Gate TOML: show its checks and use its verdict in the report."
     ),
@@ -37,46 +35,47 @@ def report(
     console.print(f"wrote {path} ({size / 1e6:.2f} MB) in {time.perf_counter() - t0:.1f} s", highlight=False)
 
 
+def _write_output(path: Path, data: bytes) -> None:
+    """Write a result file atomically; ``-`` is stdout, devices and pipes are written in place."""
+    from mismatch_probe.schema import atomic_write_bytes
+
+    if str(path) == "-":
+        sys.stdout.write(data.decode())
+        sys.stdout.flush()
+    elif path.exists() and not path.is_file():
+        with open(path, "ab") as f:
+            f.write(data)
+    else:
+        atomic_write_bytes(path, data)
+
+
 @app.command("gate")
 def gate(
     run: Path = typer.Argument(..., help="Run directory written by `mismatch-probe compare`."),
     config: Path | None = typer.Option(None, "--config", help="TOML file with thresholds (\\[gate] table)."),
-    pair: str | None = typer.Option(
-        None, "--pair", help="Pair the threshold flags apply to \\[default: learner_vs_decode]."
-    ),
-    max_mean_abs_dlogp: float | None = typer.Option(
-        None, "--max-mean-abs-dlogp", help="Bound on mean |dlogp|."
-    ),
+    pair: str | None = typer.Option(None, "--pair", help="Pair the threshold flags apply to \\[default: learner_vs_decode]."),
+    max_mean_abs_dlogp: float | None = typer.Option(None, "--max-mean-abs-dlogp", help="Bound on mean |dlogp|."),
     max_max_abs_dlogp: float | None = typer.Option(None, "--max-max-abs-dlogp", help="Bound on max |dlogp|."),
     max_k3: float | None = typer.Option(None, "--max-k3", help="Bound on the k3 KL estimator."),
-    max_clip_frac: float | None = typer.Option(
-        None, "--max-clip-frac", help="Bound on the PPO clip fraction."
-    ),
+    max_clip_frac: float | None = typer.Option(None, "--max-clip-frac", help="Bound on the PPO clip fraction."),
     max_kl: float | None = typer.Option(
         None, "--max-kl", help="Bound on full-vocabulary KL, both directions (skipped where not captured)."
     ),
-    check: list[str] = typer.Option(
-        [], "--check", help="Generic check [PAIR.]METRIC<=VALUE (also < >= > ==); repeatable."
-    ),
+    check: list[str] = typer.Option([], "--check", help="Generic check [PAIR.]METRIC<=VALUE (also < >= > ==); repeatable."),
     allow_first_divergent: bool | None = typer.Option(
         None,
         "--allow-first-divergent/--no-first-divergent",
         help="Allow an op where the engines first differ (needs op capture) \\[default: not checked].",
     ),
-    first_divergent_kind: str | None = typer.Option(
-        None, "--first-divergent-kind", help="bitwise (default) or tolerance."
-    ),
+    first_divergent_kind: str | None = typer.Option(None, "--first-divergent-kind", help="bitwise (default) or tolerance."),
     strict: bool | None = typer.Option(
         None, "--strict/--no-strict", help="Fail checks whose metric this run did not record (default: skip)."
     ),
-    markdown: Path | None = typer.Option(
-        None, "--markdown", help="Write a Markdown summary (CI step summary)."
-    ),
+    markdown: Path | None = typer.Option(None, "--markdown", help="Write a Markdown summary (CI step summary)."),
     junit: Path | None = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per check)."),
 ) -> None:
     """Check a run's gap against thresholds: exit 0 pass, 1 fail, 2 usage or input error."""
     from mismatch_probe import gate as g
-    from mismatch_probe.schema import atomic_write_bytes
 
     t0 = time.perf_counter()
     toml = g.load_toml(config) if config else None
@@ -109,9 +108,9 @@ def gate(
         table.add_row(r.name, r.pair, g.fmt_num(r.value), r.threshold, style[r.verdict], r.detail)
     out_console.print(table)
     if markdown is not None:
-        atomic_write_bytes(markdown, g.to_markdown(results, run, manifest).encode())
+        _write_output(markdown, g.to_markdown(results, run, manifest).encode())
     if junit is not None:
-        atomic_write_bytes(junit, g.to_junit(results, run, time.perf_counter() - t0))
+        _write_output(junit, g.to_junit(results, run, time.perf_counter() - t0))
     n_fail = sum(r.verdict == "fail" for r in results)
     if verdict == "fail":
         out_console.print(f"[bold red]gate FAILED[/]: {n_fail} of {len(results)} checks failed")

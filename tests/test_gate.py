@@ -163,6 +163,8 @@ def test_cli_exit_codes(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     code, out = run_cli(capsys, "gate", run, "--max-mean-abs-dlogp", mean / 2, "--junit", xml)
     assert code == 1 and "FAIL" in out
     assert ET.parse(xml).getroot().get("failures") == "1"
+    code, out = run_cli(capsys, "gate", run, "--max-k3", "1", "--markdown", "-")
+    assert code == 0 and "| k3 | learner_vs_decode |" in out
     code, out = run_cli(capsys, "gate", run, "--no-first-divergent")
     assert code == 1
     code, out = run_cli(capsys, "gate", run, "--allow-first-divergent")

@@ -192,3 +192,13 @@ def test_bad_inputs_exit_2_with_clear_error(how: str, tmp_path: Path, cli) -> No
     assert "error:" in r.err and ERRORS[how] in " ".join(r.err.split())
     assert "Traceback" not in r.err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_report_with_gate_config(full_run: Path, tmp_path: Path, cli) -> None:
+    cfg = tmp_path / "gate.toml"
+    cfg.write_text("[gate]\nmax_k3 = 1.0\nmax_mean_abs_dlogp = 0.0\n")
+    r = cli("report", full_run, "--out", tmp_path / "r.html", "--gate-config", cfg)
+    assert r.code == 0, r.out + r.err
+    html = (tmp_path / "r.html").read_text()
+    assert 'data-verdict="fail"' in html and 'id="gate-table"' in html
+    assert "gate fail: 1 of 2 checks failed" in html
