@@ -56,11 +56,24 @@ def compare(
     prompts: Path | None = typer.Option(None, "--prompts", "-p", help="JSONL prompts file (see README)."),
     n: int = typer.Option(2, "--n", help="Samples per prompt."),
     max_tokens: int = typer.Option(16, "--max-tokens", help="Response length limit."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (logprobs stay those of the raw T=1 distribution)."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (logprobs: raw T=1 distribution)."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (prompt i uses seed + i)."),
     micro_batch_size: int = typer.Option(8, "--micro-batch-size", help="Learner micro-batch size (right padding)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32 (both engines)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory."),
+    nproc: int = typer.Option(2, "--nproc", help="--learner fsdp: number of ranks (gloo on CPU, NCCL on CUDA)."),
+    fsdp_timeout: float = typer.Option(
+        300.0,
+        "--fsdp-timeout",
+        help="--learner fsdp: seconds; a rank that dies or hangs stops the run within this (exit code 3).",
+    ),
+    fsdp_param_dtype: str | None = typer.Option(
+        None, "--fsdp-param-dtype", help="--learner fsdp: MixedPrecisionPolicy param dtype (default: --dtype)."
+    ),
+    fsdp_reduce_dtype: str = typer.Option(
+        "float32", "--fsdp-reduce-dtype", help="--learner fsdp: MixedPrecisionPolicy reduce dtype (recorded)."
+    ),
+    fsdp_fault: str | None = typer.Option(None, "--_fsdp-fault", hidden=True),  # test-only fault injection
 ) -> None:
     """Run sampler (vLLM) and learner (HF) on the same tokens; write RUN/ with token tables and gaps."""
     from mismatch_probe.pipeline import CompareConfig, run_compare
@@ -79,6 +92,11 @@ def compare(
         micro_batch_size=micro_batch_size,
         dtype=dtype,
         overwrite=overwrite,
+        nproc=nproc,
+        fsdp_timeout_s=fsdp_timeout,
+        fsdp_param_dtype=fsdp_param_dtype,
+        fsdp_reduce_dtype=fsdp_reduce_dtype,
+        extra={"_fsdp_fault": fsdp_fault} if fsdp_fault else {},
     )
     path, summary = run_compare(cfg, console)
     console.print(summary_table(summary, f"logprob gap, {summary['n_sequences']} sequences ({model})"))

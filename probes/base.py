@@ -65,6 +65,8 @@ class Runner(ABC):
         self.vocab_size = vocab_size
         self.info = RunnerInfo(engine=self.name)
         self._loaded = False
+        self.capture: Any = None  # a CapturePlan: record canonical ops while scoring
+        self.ops: Any = None  # the ops table (pyarrow) of the last captured score()
 
     def __enter__(self) -> Runner:
         self._load_impl()
@@ -76,13 +78,16 @@ class Runner(ABC):
             self._unload_impl()
             self._loaded = False
 
-    def score(self, seqs: list[list[int]]) -> list[np.ndarray]:
+    def score(self, seqs: list[list[int]], seq_ids: list[int] | None = None) -> list[np.ndarray]:
         """Teacher-forced logprob of each token given its prefix: array of len(seq) - 1 per seq
-        (entry j is the logprob of ``seq[j + 1]``)."""
+        (entry j is the logprob of ``seq[j + 1]``). ``seq_ids`` name the sequences in captures."""
         if not self._loaded:
             raise RuntimeError(f"{self.name} runner used outside its `with` block")
         _check_seqs(seqs, self.vocab_size)
-        out = self._score_impl(seqs)
+        seq_ids = list(range(len(seqs))) if seq_ids is None else list(seq_ids)
+        if len(seq_ids) != len(seqs) or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids must name each sequence once")
+        out = self._score_impl(seqs, seq_ids)
         for s, lp in zip(seqs, out, strict=True):
             assert lp.shape == (len(s) - 1,), (lp.shape, len(s))
         return out
@@ -94,7 +99,7 @@ class Runner(ABC):
     def _unload_impl(self) -> None: ...
 
     @abstractmethod
-    def _score_impl(self, seqs: list[list[int]]) -> list[np.ndarray]: ...
+    def _score_impl(self, seqs: list[list[int]], seq_ids: list[int]) -> list[np.ndarray]: ...
 
 
 class SamplerRunner(Runner):

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from mismatch_probe.probes.base import Runner
 
 
@@ -68,14 +69,23 @@ class HfLearner(Runner):
     def _unload_impl(self) -> None:
         self.model = None
 
-    def _score_impl(self, seqs: list[list[int]]) -> list[np.ndarray]:
+    def _score_impl(self, seqs: list[list[int]], seq_ids: list[int]) -> list[np.ndarray]:
+        import contextlib
+
         import torch
+
+        from mismatch_probe.probes.capture import OpRecorder
+        from mismatch_probe.probes.hf_capture import HfCapture
 
         out: list[np.ndarray] = []
         mb = self.micro_batch_size
-        with torch.inference_mode():
+        rec = OpRecorder(self.capture) if self.capture is not None else None
+        cap = HfCapture(self.model, rec) if rec is not None else None
+        with torch.inference_mode(), cap if cap is not None else contextlib.nullcontext():
             for start in range(0, len(seqs), mb):
                 chunk = seqs[start : start + mb]
+                if cap is not None:
+                    cap.set_batch(seq_ids[start : start + mb], [len(s) for s in chunk], max(len(s) for s in chunk))
                 width = max(len(s) for s in chunk)
                 ids = torch.zeros(len(chunk), width, dtype=torch.long)
                 mask = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -88,4 +98,7 @@ class HfLearner(Runner):
                 out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
                 if self.progress is not None:
                     self.progress(len(chunk))
+        if rec is not None:
+            self.ops = rec.table()
+            self.info.settings["unobservable_ops"] = list(HfCapture.unobservable)
         return out

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
 
 
@@ -68,7 +69,13 @@ class VllmSampler(SamplerRunner):
             max_model_len=self.max_model_len,
             gpu_memory_utilization=frac,
             enforce_eager=self.enforce_eager,
+            enable_prefix_caching=False,
         )
+        self.info.auto["enable_prefix_caching"] = {
+            "value": False,
+            "reason": "every token of the prefill rescoring must be computed (and captured); with prefix "
+            "caching the prefill view would depend on which requests ran before",
+        }
         kwargs.update(self.llm_kwargs)
         self.llm = vllm.LLM(**kwargs)
         self.info.settings.update(
@@ -125,14 +132,35 @@ class VllmSampler(SamplerRunner):
                 )
         return rollouts
 
-    def _score_impl(self, seqs: list[list[int]]) -> list[np.ndarray]:
+    def _score_impl(self, seqs: list[list[int]], seq_ids: list[int]) -> list[np.ndarray]:
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 
         sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=self.seed)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=s) for s in seqs]
+        if self.capture is None:
+            outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        else:
+            outs = self._captured_generate(prompts, sp, seqs, seq_ids)
         res = []
         for s, out in zip(seqs, outs, strict=True):
             pl = out.prompt_logprobs
             res.append(np.array([pl[j][s[j]].logprob for j in range(1, len(s))], dtype=np.float64))
         return res
+
+    def _captured_generate(self, prompts: list[Any], sp: Any, seqs: list[list[int]], seq_ids: list[int]) -> Any:
+        """``generate`` with canonical-op hooks installed in the worker's model, removed after."""
+        from mismatch_probe.probes.capture import OpRecorder
+        from mismatch_probe.probes.vllm_capture import VllmCapture
+
+        rec = OpRecorder(self.capture)
+        cap = VllmCapture(rec, seqs, seq_ids)
+        self.llm.apply_model(cap.install)
+        try:
+            outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        finally:
+            self.llm.apply_model(lambda _m: cap.remove())
+        self.ops = rec.table()
+        self.info.settings["unobservable_ops"] = cap.unobservable
+        self.info.settings["capture_unmatched_rows"] = cap.unmatched_rows
+        return outs

@@ -1,0 +1,226 @@
+"""Canonical-op capture inside vLLM (installed through ``LLM.apply_model``).
+
+vLLM flattens the tokens of all scheduled requests into one ``[num_tokens, ...]`` dimension and
+fuses modules; this adapter undoes both:
+
+- token mapping: hooks on the embedding and on decoder layer 0 read the step's token ids and positions
+  and cuts them into per-request segments (from the attention metadata's ``query_start_loc`` when
+  available, else where positions stop increasing by one). Each segment is matched to the one
+  sequence being scored whose next uncomputed position is the segment's first position and whose
+  tokens there are the segment's tokens. This holds under chunked prefill (a request's chunks
+  arrive in order) and when several sequences share a step. Sequences with identical tokens are
+  interchangeable: their rows are the same computation. Unmatched rows (padding) are dropped.
+- fused modules: ``qkv_proj`` is split into q, k, v; ``gate_up_proj`` into gate, up; the fused
+  add + RMSNorm returns ``(normed, residual)`` where ``residual`` is the true residual stream, so
+  ``L.resid_mid`` is taken from ``post_attention_layernorm`` and ``L.out`` from the next layer's
+  ``input_layernorm`` (the last layer's from the final norm).
+- logits: ``LogitsProcessor`` is called on subsets of rows (sampling, prompt logprobs); its input
+  rows are matched to their token by the digest of the final-norm row they are (equal rows, from
+  shared prefixes, are handed out in order: they hold the same values).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.probes.capture import OpRecorder
+from mismatch_probe.probes.hooks import HookSet, first
+
+# vLLM computes top-k routing inside its fused-MoE kernel: not observable from modules.
+UNOBSERVABLE_MOE = ("moe.topk_ids", "moe.topk_weights")
+
+
+def _digest(row: Any) -> str:
+    import torch
+
+    raw = row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
+def _segments(positions: np.ndarray, qsl: np.ndarray | None) -> list[tuple[int, int]]:
+    n = positions.shape[0]
+    if qsl is not None and qsl.size >= 2 and int(qsl[-1]) <= n:
+        return [(int(a), int(b)) for a, b in zip(qsl[:-1], qsl[1:], strict=True) if b > a]
+    cuts = [0] + [i for i in range(1, n) if positions[i] != positions[i - 1] + 1] + [n]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def _query_start_loc() -> np.ndarray | None:
+    try:
+        from vllm.forward_context import get_forward_context
+
+        md = get_forward_context().attn_metadata
+    except Exception:
+        return None
+    if isinstance(md, dict):
+        md = next(iter(md.values()), None)
+    if isinstance(md, list):
+        md = md[0] if md else None
+    q = getattr(md, "query_start_loc", None)
+    return None if q is None else q.detach().cpu().numpy()
+
+
+class VllmCapture:
+    """Hooks on a vLLM model (call :meth:`install` inside ``apply_model``)."""
+
+    def __init__(self, recorder: OpRecorder, seqs: list[list[int]], seq_ids: list[int]) -> None:
+        self.rec = recorder
+        self.seqs = [np.asarray(s, np.int64) for s in seqs]
+        self.seq_ids = list(seq_ids)
+        self.next_pos = [0] * len(seqs)
+        self.hooks = HookSet()
+        self._seq = np.zeros(0, np.int64)
+        self._pos = np.zeros(0, np.int64)
+        self._norm_rows: dict[str, deque[tuple[int, int]]] = {}
+        self.unmatched_rows = 0
+        self.unobservable: list[str] = []
+        self.num_layers = 0
+        self._cur_layer = -1
+        self._pending_ids: Any = None
+        self._pending_embed: Any = None
+
+    # ---- token mapping -------------------------------------------------------------------
+    def _map_step(self, args: tuple, kwargs: dict) -> None:
+        # a pre-hook on decoder layer 0: forward(positions, hidden_states, residual). (The decoder
+        # stack itself is called around nn.Module hooks by vLLM's compile wrapper.)
+        positions = kwargs.get("positions", args[0] if args else None)
+        ids = self._pending_ids
+        if ids is None or positions is None:
+            raise RuntimeError("vLLM capture: cannot see this step's token ids / positions")
+        ids_np = ids.detach().cpu().numpy().astype(np.int64)
+        pos_np = positions.detach().cpu().numpy().astype(np.int64).reshape(-1)
+        n = ids_np.shape[0]
+        seq = np.full(n, -1, np.int64)
+        used: set[int] = set()
+        for a, b in _segments(pos_np, _query_start_loc()):
+            p0, toks = int(pos_np[a]), ids_np[a:b]
+            for k, s in enumerate(self.seqs):
+                if k in used or self.next_pos[k] != p0 or p0 + (b - a) > s.shape[0]:
+                    continue
+                if np.array_equal(s[p0 : p0 + (b - a)], toks):
+                    used.add(k)
+                    self.next_pos[k] = p0 + (b - a)
+                    seq[a:b] = self.seq_ids[k]
+                    break
+        self.unmatched_rows += int((seq < 0).sum())
+        self._seq, self._pos = seq, pos_np
+        self._norm_rows = {}
+        if self._pending_embed is not None and self._pending_embed.shape[0] == n:
+            self._rec("embed", self._pending_embed)
+        self._pending_embed = self._pending_ids = None
+
+    def _rec(self, op: str, t: Any) -> None:
+        n = self._seq.shape[0]
+        self.rec.record(op, t.reshape(n, -1), self._seq, self._pos)
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def install(self, model: Any) -> None:
+        m = model.model
+        self.num_layers = len(m.layers)
+        if not hasattr(m.layers[0].mlp, "gate_up_proj"):
+            self.unobservable = list(UNOBSERVABLE_MOE)
+        self.hooks.pre(m.layers[0], self._map_step)
+        # vLLM may embed the tokens before the model's forward: keep ids and output until mapped
+        self.hooks.pre(m.embed_tokens, lambda a, k: setattr(self, "_pending_ids", a[0] if a else k.get("input_ids")))
+        self.hooks.fwd(m.embed_tokens, lambda o: setattr(self, "_pending_embed", first(o)))
+        rope_seen: set[int] = set()
+        for i, layer in enumerate(m.layers):
+            self.hooks.pre(layer, lambda _a, _k, i=i: setattr(self, "_cur_layer", i))
+            self._layer(i, layer)
+            rope = getattr(layer.self_attn, "rotary_emb", None)
+            if rope is not None and id(rope) not in rope_seen:  # often one module shared by all layers
+                rope_seen.add(id(rope))
+                self.hooks.fwd(rope, self._rope)
+
+        def final(out: Any) -> None:
+            if isinstance(out, tuple):
+                normed, resid = out[0], out[1]
+                self._rec(f"{self.num_layers - 1}.out", resid)
+            else:
+                normed = out
+            self._rec("final_norm", normed)
+            rows = normed.reshape(normed.shape[0], -1).cpu()
+            for r in range(rows.shape[0]):
+                if self._seq[r] >= 0:  # equal rows (shared prefixes) queue up: each is consumed once
+                    self._norm_rows.setdefault(_digest(rows[r]), deque()).append((int(self._seq[r]), int(self._pos[r])))
+
+        self.hooks.fwd(m.norm, final)
+        lp = getattr(model, "logits_processor", None)
+        if lp is not None:
+            pending: list[np.ndarray] = []
+
+            def logits_in(args: tuple, kwargs: dict) -> None:
+                hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+                rows = hidden.reshape(hidden.shape[0], -1).cpu()
+                keys = []
+                for r in range(rows.shape[0]):
+                    q = self._norm_rows.get(_digest(rows[r]))
+                    keys.append(q.popleft() if q else (-1, -1))  # a row scored twice is dropped
+                pending.append(np.array(keys, np.int64).reshape(-1, 2))
+
+            def logits_out(out: Any) -> None:
+                keys = pending.pop()
+                seq, pos = keys[:, 0].copy(), keys[:, 1].copy()
+                t = first(out)
+                self.rec.record("logits", t.reshape(t.shape[0], -1), seq, pos)
+
+            self.hooks.pre(lp, logits_in)
+            self.hooks.fwd(lp, logits_out)
+
+    def _rope(self, out: Any) -> None:
+        if isinstance(out, tuple) and len(out) == 2:
+            self._rec(f"{self._cur_layer}.attn.rope_q", out[0])
+            self._rec(f"{self._cur_layer}.attn.rope_k", out[1])
+
+    def _layer(self, i: int, layer: Any) -> None:
+        a = layer.self_attn
+
+        def input_norm(out: Any) -> None:
+            if isinstance(out, tuple):
+                self._rec(f"{i}.input_norm", out[0])
+                self._rec(f"{i - 1}.out", out[1])  # hidden + residual of the previous layer
+            else:
+                self._rec(f"{i}.input_norm", out)
+
+        self.hooks.fwd(layer.input_layernorm, input_norm)
+        q_size, kv_size = int(a.q_size), int(a.kv_size)
+
+        def qkv(out: Any) -> None:
+            q, k, v = first(out).split([q_size, kv_size, kv_size], dim=-1)
+            self._rec(f"{i}.attn.q", q)
+            self._rec(f"{i}.attn.k", k)
+            self._rec(f"{i}.attn.v", v)
+
+        self.hooks.fwd(a.qkv_proj, qkv)
+        if hasattr(a, "q_norm"):
+            self.hooks.fwd(a.q_norm, lambda o: self._rec(f"{i}.attn.q_norm", first(o)))
+            self.hooks.fwd(a.k_norm, lambda o: self._rec(f"{i}.attn.k_norm", first(o)))
+        self.hooks.fwd(a.attn, lambda o: self._rec(f"{i}.attn.core", first(o)))
+        self.hooks.fwd(a.o_proj, lambda o: self._rec(f"{i}.attn.o", first(o)))
+
+        def post_norm(out: Any) -> None:
+            self._rec(f"{i}.post_attn_norm", out[0])
+            self._rec(f"{i}.resid_mid", out[1])
+
+        self.hooks.fwd(layer.post_attention_layernorm, post_norm)
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_up_proj"):
+
+            def gate_up(out: Any) -> None:
+                g, u = first(out).chunk(2, dim=-1)
+                self._rec(f"{i}.mlp.gate", g)
+                self._rec(f"{i}.mlp.up", u)
+
+            self.hooks.fwd(mlp.gate_up_proj, gate_up)
+            self.hooks.fwd(mlp.act_fn, lambda o: self._rec(f"{i}.mlp.act", first(o)))
+            self.hooks.fwd(mlp.down_proj, lambda o: self._rec(f"{i}.mlp.down", first(o)))
+        else:
+            self.hooks.fwd(mlp.gate, lambda o: self._rec(f"{i}.moe.router_logits", first(o)))
+            self.hooks.fwd(mlp, lambda o: self._rec(f"{i}.moe.out", first(o)))
+
+    def remove(self) -> None:
+        self.hooks.remove()
