@@ -53,9 +53,7 @@ TOML_KEYS = frozenset(MAX_FLAGS) | {
     "strict",
 }
 
-_CHECK_RE = re.compile(
-    r"^\s*(?:(?P<pair>[a-z_]+)\.)?(?P<metric>[A-Za-z0-9_]+)\s*(?P<op><=|>=|==|<|>)\s*(?P<val>\S+)\s*$"
-)
+_CHECK_RE = re.compile(r"^\s*(?:(?P<pair>[a-z_]+)\.)?(?P<metric>[A-Za-z0-9_]+)\s*(?P<op><=|>=|==|<|>)\s*(?P<val>\S+)\s*$")
 
 
 # --------------------------------------------------------------------------- run inputs
@@ -77,8 +75,7 @@ def read_run_json(path: Path, what: str) -> dict[str, Any]:
         raise SchemaError(f"{path}: unreadable schema_version {ver!r}")
     if ver > SCHEMA_VERSION:
         raise SchemaError(
-            f"{path} has schema version {ver}, newer than this mismatch-probe reads ({SCHEMA_VERSION}); "
-            "upgrade mismatch-probe"
+            f"{path} has schema version {ver}, newer than this mismatch-probe reads ({SCHEMA_VERSION}); upgrade mismatch-probe"
         )
     return obj
 
@@ -204,9 +201,7 @@ def parse_check(spec: str, default_pair: str) -> Check:
     pair = _check_pair(m["pair"] or default_pair, f"check {spec!r}")
     metric = m["metric"]
     if metric not in KNOWN_METRICS:
-        raise UsageError(
-            f"check {spec!r}: unknown metric {metric!r}; known: {', '.join(sorted(KNOWN_METRICS))}"
-        )
+        raise UsageError(f"check {spec!r}: unknown metric {metric!r}; known: {', '.join(sorted(KNOWN_METRICS))}")
     return Check(metric, m["op"], _to_float(m["val"], f"check {spec!r}"), pair)
 
 
@@ -229,9 +224,7 @@ def load_toml(path: Path) -> dict[str, Any]:
         data = data["gate"]
     unknown = sorted(set(data) - TOML_KEYS)
     if unknown:
-        raise UsageError(
-            f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(TOML_KEYS))}"
-        )
+        raise UsageError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(TOML_KEYS))}")
     return data
 
 
@@ -319,9 +312,7 @@ def evaluate(cfg: GateConfig, summary: dict[str, Any], run: Path | None = None) 
         value, why = _lookup(summary, c.pair, c.metric)
         thr = f"{c.op} {fmt_num(c.threshold)}"
         if value is None:
-            out.append(
-                CheckResult(c, c.metric, c.pair, None, thr, miss, why + (" (--strict)" if cfg.strict else ""))
-            )
+            out.append(CheckResult(c, c.metric, c.pair, None, thr, miss, why + (" (--strict)" if cfg.strict else "")))
             continue
         ok = _compare(value, c.op, c.threshold)
         detail = "" if ok else ("value is NaN" if math.isnan(value) else "threshold exceeded")
@@ -343,9 +334,7 @@ def evaluate(cfg: GateConfig, summary: dict[str, Any], run: Path | None = None) 
                 )
             )
         else:
-            val = (
-                "none" if fd is None else f"{fd.get('op')} (layer {fd.get('layer')}, #{fd.get('exec_order')})"
-            )
+            val = "none" if fd is None else f"{fd.get('op')} (layer {fd.get('layer')}, #{fd.get('exec_order')})"
             ok = cfg.allow_first_divergent or fd is None
             out.append(
                 CheckResult(

@@ -7,10 +7,9 @@ from pathlib import Path
 
 def build_report(run: Path, out: Path | None = None, *, gate_config: Path | None = None) -> tuple[Path, dict[str, str]]:
     """Render ``RUN/report.html`` (or ``out``); returns the path and the absent sections with reasons."""
+    from mismatch_probe import gate as g
     from mismatch_probe.reports.load import load_run
     from mismatch_probe.reports.render import write_report
-
-    from mismatch_probe import gate as g
 
     run = Path(run)
     data = load_run(run)

@@ -7,12 +7,11 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
+from mismatch_probe import __version__
+from mismatch_probe.gate import CheckResult
 from mismatch_probe.reports import sections
 from mismatch_probe.reports.html import esc
 from mismatch_probe.reports.load import RunData
-
-from mismatch_probe import __version__
-from mismatch_probe.gate import CheckResult
 
 # (anchor id, title, builder); the order of the page
 SECTIONS = (

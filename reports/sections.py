@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
+
+from mismatch_probe.gate import CheckResult, fmt_num
 from mismatch_probe.reports import plots
 from mismatch_probe.reports.html import esc, figure, kv_table, missing, num, table, td, td_num
 from mismatch_probe.reports.load import RunData
-
-from mismatch_probe.gate import CheckResult, fmt_num
 
 HEADLINE = (
     ("mean_abs_dlogp", "mean |dlogp|"),
@@ -188,11 +189,15 @@ def decomposition(data: RunData) -> str:
     )
 
 
+_CTRL = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
+_VISIBLE = {"\n": "\u21b5", "\t": "\u2192", "\r": "\u240d"}
+
+
 def _tok_text(data: RunData, tid: int) -> str:
     if data.decode is None:
         return f"<{tid}>"
     s = data.decode([tid])
-    return s.replace("\n", "\u21b5").replace("\t", "\u2192") if s else f"<{tid}>"
+    return _CTRL.sub(lambda m: _VISIBLE.get(m.group(), "\u00b7"), s) if s else f"<{tid}>"
 
 
 def worst_tokens(data: RunData, top: int = 25, before: int = 12, after: int = 4) -> str:

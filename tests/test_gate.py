@@ -11,10 +11,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from mismatch_probe.reports.synthetic import make_run
 
 from mismatch_probe import gate as g
 from mismatch_probe.errors import SchemaError, UsageError
+from mismatch_probe.reports.synthetic import make_run
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from mismatch_probe.reports.synthetic import make_run
 
 

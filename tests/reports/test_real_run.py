@@ -15,10 +15,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from mismatch_probe.reports import build_report
 from report_chromium import CHROMIUM, load, screenshot
 
 from mismatch_probe.gate import fmt_num
+from mismatch_probe.reports import build_report
 
 pytestmark = pytest.mark.vllm
 CLI = [sys.executable, "-c", "import sys; from mismatch_probe.cli import main; main(sys.argv[1:])"]

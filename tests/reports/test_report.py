@@ -10,11 +10,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from mismatch_probe.errors import SchemaError
 from mismatch_probe.reports import build_report
 from mismatch_probe.reports.load import _summary_from_gaps, load_run
 from mismatch_probe.reports.synthetic import make_run
-
-from mismatch_probe.errors import SchemaError
 from mismatch_probe.schema import read_table, write_table
 
 CHARTS_ALWAYS = ("scatter", "histogram", "decomposition")

@@ -8,8 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
-from mismatch_probe.reports import build_report
 from report_chromium import CHROMIUM, load, screenshot
+
+from mismatch_probe.reports import build_report
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium chromium-driver)")
 
