@@ -61,6 +61,14 @@ def compare(
     micro_batch_size: int = typer.Option(8, "--micro-batch-size", help="Learner micro-batch size (right padding)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32 (both engines)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory."),
+    align: str = typer.Option("engine", "--align", help="engine | strict: strict makes every op batch-invariant and identical in both engines."),
+    recipe: str | None = typer.Option(
+        None, "--recipe", help="Both sides: engine | strict | nvfp4-dynamic-tensor | nvfp4-static | nvfp4-per-token."
+    ),
+    learner_recipe: str | None = typer.Option(None, "--learner-recipe", help="The learner's recipe (overrides --recipe)."),
+    sampler_recipe: str | None = typer.Option(None, "--sampler-recipe", help="The sampler's recipe (overrides --recipe)."),
+    capture: str = typer.Option("full", "--capture", help="Op capture: off | digest | stats | full."),
+    capture_rule: list[str] = typer.Option([], "--capture-rule", help="GLOB=MODE[@START:END] (repeatable; last match wins)."),
     nproc: int = typer.Option(2, "--nproc", help="--learner fsdp: number of ranks (gloo on CPU, NCCL on CUDA)."),
     fsdp_timeout: float = typer.Option(
         300.0,
@@ -92,6 +100,12 @@ def compare(
         micro_batch_size=micro_batch_size,
         dtype=dtype,
         overwrite=overwrite,
+        align=align,
+        recipe=recipe,
+        learner_recipe=learner_recipe,
+        sampler_recipe=sampler_recipe,
+        capture=capture,
+        capture_rules=list(capture_rule),
         nproc=nproc,
         fsdp_timeout_s=fsdp_timeout,
         fsdp_param_dtype=fsdp_param_dtype,

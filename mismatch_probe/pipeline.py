@@ -44,13 +44,43 @@ class CompareConfig:
     micro_batch_size: int = 8
     dtype: str = "bfloat16"
     overwrite: bool = False
+    nproc: int = 2  # --learner fsdp: ranks
+    fsdp_timeout_s: float = 300.0  # --learner fsdp: a rank that dies or hangs ends the run within this
+    fsdp_param_dtype: str | None = None  # FSDP MixedPrecisionPolicy param dtype (None: --dtype)
+    fsdp_reduce_dtype: str = "float32"  # FSDP MixedPrecisionPolicy reduce dtype
+    capture: str = "full"  # off | digest | stats | full: default op-capture mode
+    capture_rules: list[str] = field(default_factory=list)  # GLOB=MODE[@START:END], last match wins
+    align: str = "engine"  # --align: engine | strict (every op batch-invariant, identical in both engines)
+    recipe: str | None = None  # --recipe (both sides): engine | strict | nvfp4-dynamic-tensor | nvfp4-static | nvfp4-per-token
+    learner_recipe: str | None = None  # --learner-recipe: overrides --recipe for the learner
+    sampler_recipe: str | None = None  # --sampler-recipe: overrides --recipe for the sampler
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def side_recipe(self, side: str) -> str:
+        """The resolved recipe name of ``side`` ('learner' | 'sampler'): --align combined with
+        --learner-recipe / --sampler-recipe, else --recipe (see mismatch_probe.kernels.recipes)."""
+        from mismatch_probe.kernels.recipes import resolve
+
+        own = self.learner_recipe if side == "learner" else self.sampler_recipe
+        try:
+            return resolve(self.align, own or self.recipe).name
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     def validate(self) -> None:
         if self.learner not in LEARNERS:
             raise UsageError(f"--learner must be one of {', '.join(LEARNERS)}, got {self.learner!r}")
-        if self.learner == "fsdp":
-            raise UsageError("--learner fsdp is not yet available in this version; use --learner hf")
+        if self.nproc < 1:
+            raise UsageError("--nproc must be >= 1")
+        if self.fsdp_timeout_s <= 0:
+            raise UsageError("--fsdp-timeout must be > 0 seconds")
+        fsdp_dtypes = (("--fsdp-param-dtype", self.fsdp_param_dtype), ("--fsdp-reduce-dtype", self.fsdp_reduce_dtype))
+        for flag, v in fsdp_dtypes:
+            if v is not None and v not in ("bfloat16", "float16", "float32"):
+                raise UsageError(f"{flag} must be bfloat16, float16 or float32")
+        from mismatch_probe import ops_stage
+
+        ops_stage.capture_plan(self)  # validates --capture and --capture-rule
         if self.sampler not in SAMPLERS:
             raise UsageError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.n < 1:
@@ -63,6 +93,11 @@ class CompareConfig:
             raise UsageError("--micro-batch-size must be >= 1")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise UsageError("--dtype must be bfloat16, float16 or float32")
+        recipes = {side: self.side_recipe(side) for side in ("learner", "sampler")}
+        if self.learner == "fsdp" and recipes["learner"] != "engine":
+            raise UsageError("--learner fsdp does not take a recipe yet (kernels.patch_hf supports FSDP2; use --learner hf)")
+        if recipes["learner"] != "engine" and self.dtype != "bfloat16":
+            raise UsageError("recipes other than 'engine' are defined for --dtype bfloat16")
 
 
 @dataclass
@@ -155,6 +190,7 @@ def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, A
             "model_dir": str(prep.model.path),
             "sampler_model_dir": str(prep.sampler_model.path),
             "model_type": prep.model.model_type,
+            "num_layers": prep.model.num_layers,
             "n_prompts": len(prep.specs),
         }
         run.write_manifest()

@@ -5,7 +5,7 @@ check it first and upgrade older versions step by step (``_UPGRADES``); a versio
 reader is an error. Schema history is append-only: never edit a released version, add one.
 
 History:
-  v1  tokens, token_gaps, ops (this release).
+  v1  tokens, token_gaps, ops, op_errors (this release).
 """
 
 from __future__ import annotations
@@ -78,7 +78,25 @@ OPS_V1 = pa.schema(
     ]
 )
 
-SCHEMAS: dict[str, pa.Schema] = {"tokens": TOKENS_V1, "token_gaps": TOKEN_GAPS_V1, "ops": OPS_V1}
+OP_ERRORS_V1 = pa.schema(
+    [
+        ("op", pa.string()),
+        ("layer", pa.int32()),
+        ("kind", pa.string()),
+        ("exec_order", pa.int32()),
+        ("dtype", pa.string()),
+        ("n_rows", pa.int64()),
+        ("bitwise_equal_frac", pa.float64()),
+        ("max_abs_diff", pa.float64()),
+        ("mean_abs_diff", pa.float64()),
+        ("rel_l2", pa.float64()),
+        ("cosine", pa.float64()),
+        ("sqnr_db", pa.float64()),
+        ("max_ulp", pa.float64()),
+    ]
+)
+
+SCHEMAS: dict[str, pa.Schema] = {"tokens": TOKENS_V1, "token_gaps": TOKEN_GAPS_V1, "ops": OPS_V1, "op_errors": OP_ERRORS_V1}
 
 # version -> function upgrading a table of that version to version + 1
 _UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {}

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from rich.progress import Progress
 
+from mismatch_probe import ops_stage
 from mismatch_probe.compare import decode_table, summarize, token_gaps, tokens_table
 from mismatch_probe.probes.base import GenerateParams, Rollout
 from mismatch_probe.schema import atomic_write_json, read_table, write_table
@@ -38,10 +39,13 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
         max_model_len=min(prep.sampler_model.max_positions, max(max_len, 64)),
         seed=cfg.seed,
         dtype=cfg.dtype,
+        recipe=cfg.side_recipe("sampler"),
     )
     with step(progress, "loading vLLM sampler"):
         sampler.__enter__()
     try:
+        with step(progress, "pre-flight: tokenizer and weight parity"):
+            ops_stage.sampler_preflight(prep, run, sampler)
         given = prep.specs[0].response_token_ids is not None
         if given:
             rollouts = [
@@ -57,8 +61,10 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
         if short:
             run.manifest["notes"].append(f"{len(short)} sequences of a single token were left out (nothing to score)")
             rollouts = [r for r in rollouts if len(r.token_ids) >= 2]
+        sampler.capture = ops_stage.capture_plan(cfg)
         with step(progress, f"rescoring {len(rollouts)} sequences as a prefill"):
-            prefill = sampler.score([r.token_ids for r in rollouts])
+            prefill = sampler.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts])
+        ops_stage.write_ops(run, "sampler", sampler)
     finally:
         _record(run, "sampler", sampler)
         sampler.__exit__(None, None, None)
@@ -73,13 +79,41 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
     from mismatch_probe.pipeline import step
     from mismatch_probe.probes.hf_probe import HfLearner
 
-    learner = HfLearner(prep.model.path, prep.model.vocab_size, micro_batch_size=cfg.micro_batch_size, dtype=cfg.dtype)
-    with step(progress, "loading HF learner"):
+    learner: Any
+    if cfg.learner == "fsdp":
+        from mismatch_probe.probes.fsdp_probe import FsdpLearner
+
+        learner = FsdpLearner(
+            prep.model.path,
+            prep.model.vocab_size,
+            micro_batch_size=cfg.micro_batch_size,
+            dtype=cfg.dtype,
+            nproc=cfg.nproc,
+            timeout_s=cfg.fsdp_timeout_s,
+            mp_param_dtype=cfg.fsdp_param_dtype,
+            mp_reduce_dtype=cfg.fsdp_reduce_dtype,
+            _fault=cfg.extra.get("_fsdp_fault"),  # test-only fault injection (never set by the CLI)
+        )
+        learner.seq_meta = [(r.seq_id, r.prompt_id, len(r.prompt_ids)) for r in rollouts]
+        learner.dataset_dest = run.path("learner/tokens_by_rank")  # moved in only after all ranks finished
+        learner.ops_dataset_dest = run.path("learner/ops_by_rank")  # where op capture is on
+    else:
+        learner = HfLearner(
+            prep.model.path,
+            prep.model.vocab_size,
+            micro_batch_size=cfg.micro_batch_size,
+            dtype=cfg.dtype,
+            recipe=cfg.side_recipe("learner"),
+        )
+    with step(progress, f"loading {learner.name.upper()} learner"):
         learner.__enter__()
     try:
+        ops_stage.learner_preflight(prep, run, learner)
+        learner.capture = ops_stage.capture_plan(cfg)
         with step(progress, "learner forward (teacher-forced)", total=len(rollouts)) as advance:
             learner.progress = advance
-            scores = learner.score([r.token_ids for r in rollouts])
+            scores = learner.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts])
+        ops_stage.write_ops(run, "learner", learner)
     finally:
         _record(run, "learner", learner)
         learner.__exit__(None, None, None)
@@ -97,4 +131,6 @@ def compare_tokens(run: RunWriter, progress: Progress) -> dict[str, Any]:
         write_table(run.path("compare/token_gaps.parquet"), pa.Table.from_pandas(gaps, preserve_index=False), "token_gaps")
         summary = {"schema_version": run.manifest["schema_version"], **summarize(gaps)}
         atomic_write_json(run.path("compare/summary.json"), summary)
+    with step(progress, "comparing captured ops"):
+        ops_stage.compare_ops(run.dir, int(run.manifest["config"].get("num_layers", 10_000)))
     return summary
