@@ -33,9 +33,12 @@ class HfLearner(Runner):
         device: str | None = None,
         attn_implementation: str = "sdpa",
         progress: Any = None,
+        recipe: str | None = None,
     ) -> None:
         super().__init__(vocab_size)
         self.model_dir = Path(model_dir)
+        self.recipe = recipe  # kernels.recipes name (None / 'engine': the model's own ops)
+        self._patch: Any = None
         self.micro_batch_size = micro_batch_size
         self.dtype = dtype
         self.device = device
@@ -54,6 +57,7 @@ class HfLearner(Runner):
             self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation
         ).to(self.device)
         self.model.eval()
+        self._apply_recipe()
         self.info.settings.update(
             {
                 "dtype": self.dtype,
@@ -66,7 +70,24 @@ class HfLearner(Runner):
             }
         )
 
+    def _apply_recipe(self) -> None:
+        """Patch the model's ops with the recipe (kernels.patch_hf); calibrate static NVFP4 scales."""
+        from mismatch_probe.kernels.patch_hf import calibrate, patch, token_logprobs_fn
+        from mismatch_probe.kernels.recipes import parse
+
+        r = parse(self.recipe or "engine")
+        self._logprobs = token_logprobs_fn(r)
+        if r.is_engine:
+            self.info.settings["recipe"] = r.describe()
+            return
+        self._patch = patch(self.model, r)
+        n_cal = calibrate(self.model, self._patch, self.vocab_size)
+        self.info.settings["recipe"] = self._patch.describe() | {"calibrated_linears": n_cal}
+
     def _unload_impl(self) -> None:
+        if self._patch is not None:
+            self._patch.undo()
+            self._patch = None
         self.model = None
 
     def _score_impl(self, seqs: list[list[int]], seq_ids: list[int]) -> list[np.ndarray]:
@@ -94,7 +115,7 @@ class HfLearner(Runner):
                     mask[i, : len(s)] = 1
                 ids, mask = ids.to(self.device), mask.to(self.device)
                 logits = self.model(input_ids=ids, attention_mask=mask).logits
-                lp = token_logprobs(logits, ids).double().cpu().numpy()
+                lp = self._logprobs(logits, ids).double().cpu().numpy()
                 out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
                 if self.progress is not None:
                     self.progress(len(chunk))

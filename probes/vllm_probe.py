@@ -37,9 +37,11 @@ class VllmSampler(SamplerRunner):
         enforce_eager: bool = True,
         memory_fraction: float | None = None,
         llm_kwargs: dict[str, Any] | None = None,
+        recipe: str | None = None,
     ) -> None:
         super().__init__(vocab_size)
         self.model_dir = Path(model_dir)
+        self.recipe = recipe  # kernels.recipes name, installed by kernels.vllm_plugin (None: vLLM's own ops)
         self.max_model_len = max_model_len
         self.seed = seed
         self.dtype = dtype
@@ -77,7 +79,13 @@ class VllmSampler(SamplerRunner):
             "caching the prefill view would depend on which requests ran before",
         }
         kwargs.update(self.llm_kwargs)
+        from mismatch_probe.kernels import vllm_plugin
+        from mismatch_probe.kernels.recipes import parse
+
+        recipe = parse(self.recipe or "engine")
+        vllm_plugin.activate(recipe)  # before the engine starts: the plugin keeps the weights at load
         self.llm = vllm.LLM(**kwargs)
+        self.info.settings["recipe"] = self._finish_recipe(recipe)
         self.info.settings.update(
             {k: v for k, v in kwargs.items() if k != "model"}
             | {"vllm_version": vllm.__version__, "device": "cpu" if on_cpu else "cuda"}
@@ -85,7 +93,32 @@ class VllmSampler(SamplerRunner):
         if self.enforce_eager:
             self.info.notes.append("vLLM ran with enforce_eager=True (no CUDA graphs / torch.compile)")
 
+    def _finish_recipe(self, recipe: Any) -> dict[str, Any]:
+        """Tag layers for op/layer subsets and run the static-NVFP4 calibration pass."""
+        from mismatch_probe.kernels import nvfp4_linear, vllm_plugin
+
+        desc = recipe.describe()
+        if recipe.is_engine:
+            return desc
+        self.llm.apply_model(vllm_plugin.tag_modules)
+        if recipe.linear == "nvfp4-static":
+            vllm = import_vllm()
+            from vllm.inputs import TokensPrompt
+
+            nvfp4_linear.CALIBRATION["on"] = True
+            try:
+                cal = nvfp4_linear.calibration_token_ids(self.vocab_size)
+                sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, seed=self.seed)
+                self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in cal], sp, use_tqdm=False)
+            finally:
+                nvfp4_linear.CALIBRATION["on"] = False
+        desc["plugin_overrides"] = vllm_plugin.installed()
+        return desc
+
     def _unload_impl(self) -> None:
+        from mismatch_probe.kernels import vllm_plugin
+
+        vllm_plugin.deactivate()
         self.llm = None
         gc.collect()
         try:

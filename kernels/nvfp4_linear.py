@@ -1,0 +1,125 @@
+"""The NVFP4 (W4A4) linear of the recipes: weights quantized once, activations on the fly.
+
+The three activation-scaling schemes of shared/NVFP4.md "Scaling schemes":
+
+* ``nvfp4-dynamic-tensor``: one amax over the whole current input (every row of the micro-batch,
+  padding included: what TE does for activations), weights in 16x16 tiles (TE's default).
+* ``nvfp4-static``: a calibrated input amax fixed after a calibration pass (vLLM serving
+  checkpoints' ``input_global_scale``), weights in 1x16 blocks with one weight amax over the
+  fused shards (vLLM takes the max over q/k/v and gate/up).
+* ``nvfp4-per-token``: one amax per token row (batch-invariant by construction), 1x16 blocks,
+  one weight amax per logical weight (q, k, v, gate, up, down each): the aligned scheme.
+
+Numerics are the kernels package's spec: :func:`nvfp4_quantize_ref` and :func:`w4a4_gemm_ref`
+(exact block products, blocks accumulated in K order in fp32, alpha in the epilogue). That GEMM is
+batch invariant, so only the activation scale decides whether a row's bits depend on its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .nvfp4_ref import NVFP4Tensor, nvfp4_dequantize_ref, nvfp4_quantize_ref, w4a4_gemm_ref
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    per_token: bool
+    static: bool
+    weight_tile16: bool
+    fused_weight_amax: bool
+
+
+SCHEMES = {
+    "nvfp4-dynamic-tensor": Scheme("nvfp4-dynamic-tensor", False, False, True, False),
+    "nvfp4-static": Scheme("nvfp4-static", False, True, False, True),
+    "nvfp4-per-token": Scheme("nvfp4-per-token", True, False, False, False),
+}
+
+CALIBRATION = {"on": False}  # process-global: static schemes record input amax instead of quantizing
+
+
+def calibration_token_ids(vocab_size: int, n_seqs: int = 4, length: int = 48, seed: int = 1234) -> list[list[int]]:
+    """The fixed calibration set both engines use for ``nvfp4-static`` (seeded random tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(8, vocab_size, (n_seqs, length), generator=g).tolist()
+
+
+def qdq(x: torch.Tensor, mode: str, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize ``x [rows, K]`` (pure torch): ``mode`` 'per-token' | 'per-tensor' |
+    'static' (``amax`` given, fp32 [1]). For analysis and tests: what the GEMM sees, in x's dtype."""
+    if mode not in ("per-token", "per-tensor", "static"):
+        raise ValueError(f"mode must be per-token, per-tensor or static, got {mode!r}")
+    if mode == "static" and amax is None:
+        raise ValueError("static quantization needs the calibrated amax")
+    q = nvfp4_quantize_ref(x, per_token=mode == "per-token", amax=amax if mode == "static" else None)
+    return nvfp4_dequantize_ref(q, torch.float32).to(x.dtype)
+
+
+def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:
+    return (w.data_ptr(), w._version, tuple(w.shape), w.device.type)
+
+
+class NVFP4Linear:
+    """State of one linear under an NVFP4 scheme: quantized weight shards (cached), static amax.
+
+    ``partitions``: output sizes of the fused logical weights (vLLM ``qkv_proj`` / ``gate_up_proj``);
+    per logical weight a weight amax, unless the scheme fuses them (static, vLLM style).
+    """
+
+    def __init__(self, scheme: str, partitions: list[int] | None = None) -> None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown NVFP4 scheme {scheme!r}; one of {', '.join(SCHEMES)}")
+        self.scheme = SCHEMES[scheme]
+        self.partitions = list(partitions) if partitions else None
+        self.static_amax: torch.Tensor | None = None
+        self._wcache: dict[Any, tuple[tuple[Any, ...], list[NVFP4Tensor]]] = {}
+
+    def weight(self, w: torch.Tensor, key: Any = None) -> list[NVFP4Tensor]:
+        """Quantized shards of ``w [N, K]`` (computed once per weight version)."""
+        wk = _weight_key(w)
+        hit = self._wcache.get(key)
+        if hit is not None and hit[0] == wk:
+            return hit[1]
+        sizes = self.partitions if self.partitions and sum(self.partitions) == w.shape[0] else [w.shape[0]]
+        parts = list(torch.split(w.detach(), sizes, dim=0))
+        s = self.scheme
+        shared = None
+        if s.fused_weight_amax:
+            shared = w.detach().float().abs().amax().reshape(1)
+        shards = [nvfp4_quantize_ref(p, tile16=s.weight_tile16, amax=shared) for p in parts]
+        self._wcache[key] = (wk, shards)
+        return shards
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, key: Any = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        s = self.scheme
+        if s.static and CALIBRATION["on"]:
+            a = x2.detach().float().abs().amax().reshape(1)
+            self.static_amax = a if self.static_amax is None else torch.maximum(self.static_amax, a)
+            y = torch.nn.functional.linear(x2, w.to(x2.dtype))
+        else:
+            if s.static and self.static_amax is None:
+                raise RuntimeError("nvfp4-static: no calibrated input scale (run the calibration pass first)")
+            amax = self.static_amax.to(x2.device) if s.static else None
+            qa = nvfp4_quantize_ref(x2.detach(), per_token=s.per_token, amax=amax)
+            y = torch.cat([w4a4_gemm_ref(qa, qw, out_dtype=torch.float32) for qw in self.weight(w, key)], dim=-1)
+            y = y.to(x.dtype)
+        if bias is not None:
+            y = (y.float() + bias.float()).to(x.dtype)
+        return y.reshape(*shape[:-1], w.shape[0])
+
+    def describe(self) -> dict[str, Any]:
+        s = self.scheme
+        return {
+            "scheme": s.name,
+            "activation_amax": "per-token" if s.per_token else ("static" if s.static else "dynamic per-tensor"),
+            "weight_blocks": "16x16" if s.weight_tile16 else "1x16",
+            "weight_amax": "fused shards" if s.fused_weight_amax else "per logical weight",
+            "static_amax": None if self.static_amax is None else float(self.static_amax),
+        }
