@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mismatch_probe.probes.base import Runner
-from mismatch_probe.probes.fsdp_worker import SPLIT
 
 from mismatch_probe.errors import ProbeError, UsageError
+from mismatch_probe.probes.base import Runner
+from mismatch_probe.probes.fsdp_worker import SPLIT
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -75,10 +75,13 @@ class FsdpLearner(Runner):
         self.mp_reduce_dtype = mp_reduce_dtype
         self._fault = _fault  # test-only fault injection, passed to the ranks as a hidden flag
         # (seq_id, prompt_id, n_prompt_tokens) per sequence of the next score() call; default:
-        # seq_id = prompt_id = index, every scored token counted as a response token.
+        # seq_id from score()'s seq_ids (else the index), prompt_id = seq_id, every scored token
+        # counted as a response token. Its seq_ids win over score()'s.
         self.seq_meta: list[tuple[int, int, int]] | None = None
-        # Where the per-rank dataset goes after a successful score(); None: it is discarded.
+        # Where the per-rank datasets go after a successful score() (tokens; ops where
+        # ``self.capture`` is set); None: they are discarded with the temp folder.
         self.dataset_dest: Path | None = None
+        self.ops_dataset_dest: Path | None = None
         self.last_wall_s: float | None = None
 
     # -- Runner ---------------------------------------------------------------------------
@@ -137,8 +140,9 @@ class FsdpLearner(Runner):
     def _unload_impl(self) -> None:
         pass
 
-    def _score_impl(self, seqs: list[list[int]]) -> list[np.ndarray]:
-        meta = self.seq_meta or [(i, i, 1) for i in range(len(seqs))]
+    def _score_impl(self, seqs: list[list[int]], seq_ids: list[int] | None = None) -> list[np.ndarray]:
+        ids = list(range(len(seqs))) if seq_ids is None else list(seq_ids)
+        meta = self.seq_meta or [(sid, sid, 1) for sid in ids]
         if len(meta) != len(seqs):
             raise ValueError(f"seq_meta has {len(meta)} entries for {len(seqs)} sequences")
         if len({m[0] for m in meta}) != len(meta):
@@ -150,12 +154,13 @@ class FsdpLearner(Runner):
             self._run_ranks(job)
             self.last_wall_s = time.monotonic() - t0
             out = merge_rank_dataset(job / "dataset", seqs, meta, self.nproc)
-            if self.dataset_dest is not None:
-                dest = Path(self.dataset_dest)
-                if dest.exists():
-                    shutil.rmtree(dest)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(job / "dataset"), dest)
+            if self.capture is not None:
+                self.ops = merge_rank_ops(job / "ops", self.nproc)
+                self.info.settings["unobservable_ops"] = list(_unobservable())
+            # all ranks finished and the merge checked out: only now into the (staged) run
+            _move(job / "dataset", self.dataset_dest)
+            if self.capture is not None:
+                _move(job / "ops", self.ops_dataset_dest)
             return out
         finally:
             shutil.rmtree(job, ignore_errors=True)
@@ -174,6 +179,7 @@ class FsdpLearner(Runner):
             "timeout_s": self.timeout_s,
             "threads_per_rank": self.threads_per_rank,
             "seq_meta": [list(m) for m in meta],
+            "capture": self.capture.to_json() if self.capture is not None else None,
         }
         (job / "job.json").write_text(json.dumps(spec))
         (job / "seqs.json").write_text(json.dumps(seqs))
@@ -300,11 +306,9 @@ def merge_rank_dataset(
     df = table.select(["seq_id", "pos", "logprob", "rank"]).to_pandas()
     dup = df.duplicated(["seq_id", "pos"], keep=False)
     if dup.any():
-        first = df[dup].iloc[0]
-        raise FsdpRankError(
-            f"FSDP merge: (seq_id {first.seq_id}, pos {first.pos}) was scored by more than one rank "
-            f"({sorted(df[dup & (df.seq_id == first.seq_id) & (df.pos == first.pos)]['rank'].tolist())})"
-        )
+        sid, pos = int(df[dup]["seq_id"].iloc[0]), int(df[dup]["pos"].iloc[0])
+        ranks = sorted(int(r) for r in df[dup & (df.seq_id == sid) & (df.pos == pos)]["rank"])
+        raise FsdpRankError(f"FSDP merge: (seq_id {sid}, pos {pos}) was scored by more than one rank ({ranks})")
     index = {m[0]: i for i, m in enumerate(meta)}
     out = [np.full(len(s) - 1, np.nan) for s in seqs]
     counts = np.zeros(len(seqs), np.int64)
@@ -321,6 +325,45 @@ def merge_rank_dataset(
     if short:
         raise FsdpRankError(f"FSDP merge: {len(short)} sequences incomplete (first seq_id {short[0]})")
     return out
+
+
+def merge_rank_ops(root: Path, world: int) -> Any:
+    """Read the per-rank ops dataset (``root/rank=R/part.parquet``) into one ``ops`` table;
+    every captured (op, seq_id, pos) must appear exactly once."""
+    import pyarrow.dataset as ds
+
+    from mismatch_probe.schema import conform, read_table
+
+    for r in range(world):
+        read_table(root / f"rank={r}" / "part.parquet", "ops")  # schema version check
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    keys = table.select(["op", "seq_id", "pos", "rank"]).to_pandas()
+    dup = keys.duplicated(["op", "seq_id", "pos"], keep=False)
+    if dup.any():
+        row = keys[dup].iloc[0]
+        ranks = sorted(int(r) for r in keys[dup & (keys.op == row.op) & (keys.seq_id == row.seq_id)
+                                           & (keys.pos == row.pos)]["rank"])
+        raise FsdpRankError(
+            f"FSDP merge: op {row.op} (seq_id {int(row.seq_id)}, pos {int(row.pos)}) captured by more "
+            f"than one rank ({ranks})"
+        )
+    return conform(table, "ops")
+
+
+def _unobservable() -> tuple[str, ...]:
+    from mismatch_probe.probes.hf_capture import HfCapture
+
+    return tuple(HfCapture.unobservable)
+
+
+def _move(src: Path, dest: Path | None) -> None:
+    if dest is None:
+        return
+    dest = Path(dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(src), dest)
 
 
 def _ranks(rs: list[int]) -> str:

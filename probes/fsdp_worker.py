@@ -20,6 +20,7 @@ dies, hangs or raises before its micro-batch K); it is not an option users see.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -111,6 +112,21 @@ def _wrap_fsdp(model: Any, mesh: Any, spec: dict[str, Any]) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
 
 
+def _capture(model: Any, plan: dict[str, Any] | None) -> tuple[Any, Any]:
+    """Op capture on this rank (the FSDP-wrapped model has HF's module tree): recorder, hooks."""
+    if plan is None:
+        return None, None
+    from mismatch_probe.probes.capture import CapturePlan, CaptureRule, OpRecorder
+    from mismatch_probe.probes.hf_capture import HfCapture
+
+    rules = [
+        CaptureRule(r["pattern"], r["mode"], tuple(r["pos_range"]) if r.get("pos_range") else None)
+        for r in plan.get("rules", [])
+    ]
+    rec = OpRecorder(CapturePlan(plan["default"], rules))
+    return rec, HfCapture(model, rec)
+
+
 def run_rank(job: Path, fault: Fault | None) -> None:
     import datetime as dt
 
@@ -119,9 +135,9 @@ def run_rank(job: Path, fault: Fault | None) -> None:
     import torch
     import torch.distributed as dist
     import transformers
-    from mismatch_probe.probes.hf_probe import token_logprobs
     from torch.distributed.device_mesh import init_device_mesh
 
+    from mismatch_probe.probes.hf_probe import token_logprobs
     from mismatch_probe.schema import write_table
 
     spec = json.loads((job / "job.json").read_text())
@@ -150,10 +166,11 @@ def run_rank(job: Path, fault: Fault | None) -> None:
         model.eval()
         _wrap_fsdp(model, mesh, spec)  # moves this rank's shards to `device`
 
+        rec, cap = _capture(model, spec.get("capture"))
         steps = rank_steps(len(seqs), int(spec["micro_batch_size"]), rank, world)
         cols: dict[str, list[np.ndarray]] = {k: [] for k in ("seq_id", "prompt_id", "pos", "token_id", "is_response", "logprob")}
         seqs_done = 0
-        with torch.no_grad():
+        with torch.no_grad(), cap if cap is not None else contextlib.nullcontext():
             for done, mb in enumerate(steps):
                 if fault is not None:
                     fault.maybe_fire(rank, done)
@@ -161,6 +178,9 @@ def run_rank(job: Path, fault: Fault | None) -> None:
                         n_steps=len(steps), seqs_done=seqs_done)
                 chunk = [seqs[i] for i in mb] if mb is not None else [[0, 0]]
                 width = max(len(s) for s in chunk)
+                if cap is not None:  # seq_id -1: the dummy step's rows are not recorded
+                    sids = [meta[k][0] for k in mb] if mb is not None else [-1]
+                    cap.set_batch(sids, [len(s) for s in chunk], width)
                 ids = torch.zeros(len(chunk), width, dtype=torch.long)
                 mask = torch.zeros(len(chunk), width, dtype=torch.long)
                 for i, s in enumerate(chunk):
@@ -187,6 +207,8 @@ def run_rank(job: Path, fault: Fault | None) -> None:
         table = pa.table(data)
         table = table.append_column("source", pa.array(["learner"] * table.num_rows, pa.string()))
         write_table(job / "dataset" / f"rank={rank}" / "part.parquet", table, "tokens")
+        if rec is not None:
+            write_table(job / "ops" / f"rank={rank}" / "part.parquet", rec.table(), "ops")
         _status(job, rank, phase="done", steps_done=len(steps), n_steps=len(steps), seqs_done=seqs_done)
         (job / "status" / f"rank{rank}.done").touch()
     finally:
