@@ -40,6 +40,7 @@ class RunData:
     gaps: pd.DataFrame
     op_errors: pd.DataFrame | None = None
     bisect: dict[str, Any] | None = None
+    weight_parity: dict[str, Any] | None = None  # compare/weight_parity.json: are both sides' weights equal
     ops_capture: dict[str, dict[str, Any]] = field(default_factory=dict)  # side -> rows, columns
     decode: Callable[[list[int]], str] | None = None
     absent: dict[str, str] = field(default_factory=dict)  # section title -> reason
@@ -149,6 +150,10 @@ def load_run(run: Path) -> RunData:
         why = "compare/op_errors.parquet not found: the run has no op capture (compare without op capture)"
         data.absent["Where drift starts"] = why
         data.absent["Op table"] = why
+
+    wp = root / "compare" / "weight_parity.json"
+    if wp.exists():
+        data.weight_parity = read_run_json(wp, "weight parity")
 
     bis = root / "bisect.json"
     if bis.exists():

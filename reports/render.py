@@ -44,7 +44,7 @@ def render_html(data: RunData, gate: list[CheckResult] | None = None) -> str:
         f"</div></header>",
         f'<nav><a href="#summary">Summary</a>{nav}</nav>',
         "<main>",
-        f'<section id="summary"><h2>Summary</h2>{head}{sections.absent_box(data)}</section>',
+        f'<section id="summary"><h2>Summary</h2>{head}{sections.weight_parity(data)}{sections.absent_box(data)}</section>',
     ]
     for sid, t, build in SECTIONS:
         parts.append(f'<section id="{sid}"><h2>{esc(t)}</h2>{build(data)}</section>')

@@ -107,6 +107,23 @@ def headline(data: RunData, gate: list[CheckResult] | None) -> tuple[str, str]:
     return key, "\n".join(out)
 
 
+def weight_parity(data: RunData) -> str:
+    """One line: did both engines hold bitwise-equal weights (compare/weight_parity.json)."""
+    wp = data.weight_parity
+    if not wp:
+        return ""
+    ok = bool(wp.get("ok"))
+    text = f"{wp.get('n_equal', '?')} of {wp.get('n_params', '?')} parameters bitwise equal in learner and sampler"
+    diffs = [str(d.get("name", d)) if isinstance(d, dict) else str(d) for d in (wp.get("differences") or [])][:10]
+    for key in ("learner_only", "sampler_only"):
+        if wp.get(key):
+            text += f"; {key.replace('_', ' ')}: {', '.join(map(str, wp[key][:10]))}"
+    if diffs:
+        text += f"; differ: {', '.join(diffs)}"
+    cls = "eq" if ok else "ne"
+    return f'<p id="weight-parity" class="{cls}"><b>Weights:</b> {esc(text)}</p>'
+
+
 def absent_box(data: RunData) -> str:
     items = "".join(f"<li><b>{esc(k)}</b>: {esc(v)}</li>" for k, v in data.absent.items())
     notes = "".join(f"<li>{esc(n)}</li>" for n in data.notes)

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mismatch_probe.gate import PAIRS
 from mismatch_probe.metrics import logprob_gap
-from mismatch_probe.schema import SCHEMA_VERSION, VERSION_KEY, atomic_write_json, write_table
+from mismatch_probe.schema import SCHEMA_VERSION, atomic_write_json, write_table
 
 LAYER_OPS = (
     "input_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.core", "attn.o",
@@ -109,6 +108,7 @@ def _op_errors(rng: np.random.Generator, n_layers: int, n_rows: int, diverge_at:
             {
                 "op": op,
                 "layer": layer,
+                "kind": op.split(".", 1)[1] if layer >= 0 else op,
                 "exec_order": i,
                 "dtype": "bfloat16" if op != "logits" else "float32",
                 "n_rows": n_rows,
@@ -121,8 +121,7 @@ def _op_errors(rng: np.random.Generator, n_layers: int, n_rows: int, diverge_at:
                 "max_ulp": 0 if err == 0 else int(rng.integers(1, 64)),
             }
         )
-    meta = {VERSION_KEY: str(SCHEMA_VERSION).encode(), b"mismatch_probe.kind": b"op_errors"}
-    return pa.Table.from_pylist(rows).replace_schema_metadata(meta)
+    return pa.Table.from_pylist(rows)
 
 
 def _ops_full(rng: np.random.Generator, names: list[tuple[str, int]], n_seq: int, seq_len: int, width: int) -> pa.Table:
@@ -211,10 +210,13 @@ def make_run(
         write_table(root / side / "tokens.parquet", t, "tokens")
     write_table(root / "compare" / "token_gaps.parquet", gaps, "token_gaps")
     atomic_write_json(root / "compare" / "summary.json", _summary(gaps))
+    parity = {"n_params": 9 * n_layers + 3, "n_equal": 9 * n_layers + 3, "differences": [], "learner_only": [],
+              "sampler_only": [], "ok": True}  # fmt: skip
+    atomic_write_json(root / "compare" / "weight_parity.json", parity)
     names = op_names(n_layers)
     diverge_at = len(LAYER_OPS) + 6  # layer 1, attn.core
     if ops:
-        pq.write_table(_op_errors(rng, n_layers, n_seq * seq_len, diverge_at), root / "compare" / "op_errors.parquet")
+        write_table(root / "compare" / "op_errors.parquet", _op_errors(rng, n_layers, n_seq * seq_len, diverge_at), "op_errors")
     if full_ops:
         for side in ("learner", "sampler"):
             write_table(root / side / "ops.parquet", _ops_full(rng, names, n_seq, seq_len, hidden), "ops")

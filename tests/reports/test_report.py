@@ -43,7 +43,7 @@ def test_full_run_has_every_section(full_run: Path, tmp_path: Path) -> None:
     assert absent == {}
     assert charts(html) == set(CHARTS_ALWAYS + CHARTS_OPS)
     assert "data-absent" not in html
-    for tid in ("op-table", "local-errors", "ablation-table", "first-divergent", "recipe", "auto"):
+    for tid in ("op-table", "local-errors", "ablation-table", "first-divergent", "recipe", "auto", "weight-parity"):
         assert f'id="{tid}"' in html, tid
     # the first divergent op (from bisect.json) is marked in the op table and named in the text
     bis = json.loads((full_run / "bisect.json").read_text())
