@@ -1,0 +1,151 @@
+"""``bisect``: where do the learner and the sampler part ways, and which op introduces what?
+
+1. first divergent op: in execution order, the first op whose outputs are not bitwise equal, and
+   the first whose relative L2 error exceeds its dtype's default tolerance;
+2. local error by input substitution: each engine's implementation of an op is run on the *other*
+   engine's captured input and compared with the other engine's output, which separates the error
+   an op introduces (local) from the error it inherits (its inputs already differ);
+3. ablation over alignment patches (where the alignment recipes are available).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mismatch_probe.errors import SchemaError
+from mismatch_probe.op_compare import error_stats
+from mismatch_probe.opnames import DEFAULT_RTOL, exec_order, split_op
+
+
+def first_divergent(errs: pd.DataFrame) -> dict[str, Any]:
+    """First op (execution order) not bitwise equal, and first over its dtype's tolerance."""
+    errs = errs.sort_values("exec_order", kind="stable")
+
+    def pick(mask: pd.Series) -> dict[str, Any] | None:
+        hit = errs[mask]
+        if hit.empty:
+            return None
+        r = hit.iloc[0]
+        return {
+            "op": r.op,
+            "layer": int(r.layer),
+            "exec_order": int(r.exec_order),
+            "bitwise_equal_frac": float(r.bitwise_equal_frac),
+            "rel_l2": None if pd.isna(r.rel_l2) else float(r.rel_l2),
+            "dtype": r["dtype"],
+        }
+
+    tol = errs.dtype.map(lambda d: DEFAULT_RTOL.get(str(d), 1e-2))
+    over = errs.rel_l2.notna() & (errs.rel_l2 > tol)
+    return {"bitwise": pick(errs.bitwise_equal_frac < 1.0), "tolerance": pick(over), "tolerances": DEFAULT_RTOL}
+
+
+def _tensors(df: pd.DataFrame, op: str, keys: list[tuple[int, int]]) -> Any:
+    """Captured values of ``op`` at ``keys`` as one torch tensor [len(keys), numel]."""
+    import torch
+
+    sub = df[df.op == op].set_index(["seq_id", "pos"]).loc[keys]
+    dtype = getattr(torch, sub.dtype.iloc[0])
+    buf = bytearray(b"".join(sub["values"].tolist()))
+    return torch.frombuffer(buf, dtype=dtype).reshape(len(keys), -1).clone()
+
+
+def _f64(t: Any) -> np.ndarray:
+    return t.detach().double().cpu().numpy()
+
+
+def local_errors(run_dir: Path, manifest: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFrame,
+                 max_rows: int = 256, progress: Any = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Input substitution for every replayable op both sides captured in ``full`` mode."""
+    from mismatch_probe.probes.replay import op_inputs
+
+    cfg = manifest["config"]
+    n_layers = int(cfg.get("num_layers", 0))
+    full_l = learner[learner["values"].notna()]
+    full_s = sampler[sampler["values"].notna()]
+    keys_l = full_l.groupby("op")[["seq_id", "pos"]].apply(lambda g: set(zip(g.seq_id, g.pos)))
+    keys_s = full_s.groupby("op")[["seq_id", "pos"]].apply(lambda g: set(zip(g.seq_id, g.pos)))
+    jobs: list[tuple[str, list[str], list[tuple[int, int]]]] = []
+    skipped: list[str] = []
+    moe = any(".moe." in o for o in keys_l.index)
+    for op in sorted(set(keys_l.index) & set(keys_s.index), key=lambda o: exec_order(o, n_layers)):
+        ins = op_inputs(op, n_layers, moe)
+        if ins is None or any(i not in keys_l.index or i not in keys_s.index for i in ins):
+            skipped.append(op)
+            continue
+        common = set.intersection(keys_l[op], keys_s[op], *(keys_l[i] for i in ins), *(keys_s[i] for i in ins))
+        jobs.append((op, ins, sorted(common)[:max_rows]))
+    if not jobs:
+        return [], skipped
+
+    data = {}
+    for op, ins, keys in jobs:
+        data[op] = {
+            "L_in": [_tensors(full_l, i, keys) for i in ins],
+            "S_in": [_tensors(full_s, i, keys) for i in ins],
+            "L_out": _tensors(full_l, op, keys),
+            "S_out": _tensors(full_s, op, keys),
+        }
+    s_impl = _run_vllm(cfg, {op: d["L_in"] for op, d in data.items()})
+    l_impl = _run_hf(cfg, {op: d["S_in"] for op, d in data.items()})
+    rows = []
+    for op, _ins, keys in jobs:
+        d = data[op]
+        lo, so = d["L_out"], d["S_out"]
+        si, li = s_impl[op], l_impl[op]
+        layer, kind = split_op(op)
+        loc = error_stats(_f64(si), _f64(lo))["rel_l2"] if si.shape == lo.shape else math.nan
+        rev = error_stats(_f64(li), _f64(so))["rel_l2"] if li.shape == so.shape else math.nan
+        inh = max(error_stats(_f64(a), _f64(b))["rel_l2"] for a, b in zip(d["S_in"], d["L_in"], strict=True))
+        rows.append(
+            {
+                "op": op,
+                "layer": layer,
+                "kind": kind,
+                "exec_order": exec_order(op, n_layers),
+                "n_rows": len(keys),
+                "local_error": loc,
+                "local_bitwise_frac": float((si.reshape(lo.shape) == lo).all(1).float().mean()) if si.numel() == lo.numel() else 0.0,
+                "reverse_local_error": rev,
+                "inherited_error": inh,
+                "total_error": error_stats(_f64(so), _f64(lo))["rel_l2"],
+            }
+        )
+        if progress is not None:
+            progress()
+    rows.sort(key=lambda r: (-(r["local_error"] if not math.isnan(r["local_error"]) else -1), r["exec_order"]))
+    return rows, skipped
+
+
+def _run_vllm(cfg: dict[str, Any], inputs: dict[str, list[Any]]) -> dict[str, Any]:
+    from mismatch_probe.models import inspect_model_dir
+    from mismatch_probe.probes.replay import vllm_replay
+    from mismatch_probe.probes.vllm_probe import VllmSampler
+
+    mi = inspect_model_dir(Path(cfg["sampler_model_dir"]))
+    with VllmSampler(mi.path, mi.vocab_size, max_model_len=64, dtype=cfg.get("dtype", "bfloat16")) as s:
+        return s.llm.apply_model(lambda model: {op: vllm_replay(model, op, xs) for op, xs in inputs.items()})[0]
+
+
+def _run_hf(cfg: dict[str, Any], inputs: dict[str, list[Any]]) -> dict[str, Any]:
+    from mismatch_probe.models import inspect_model_dir
+    from mismatch_probe.probes.hf_probe import HfLearner
+    from mismatch_probe.probes.replay import hf_replay
+
+    mi = inspect_model_dir(Path(cfg["model_dir"]))
+    with HfLearner(mi.path, mi.vocab_size, dtype=cfg.get("dtype", "bfloat16")) as h:
+        return {op: hf_replay(h.model, op, xs) for op, xs in inputs.items()}
+
+
+def load_op_errors(run_dir: Path) -> pd.DataFrame:
+    from mismatch_probe.schema import read_table
+
+    p = Path(run_dir) / "compare/op_errors.parquet"
+    if not p.exists():
+        raise SchemaError(f"{run_dir} has no op capture (compare/op_errors.parquet); run compare with --capture full")
+    return read_table(p, "op_errors").to_pandas()
