@@ -55,6 +55,13 @@ def _tensors(df: pd.DataFrame, op: str, keys: list[tuple[int, int]]) -> Any:
     return torch.frombuffer(buf, dtype=dtype).reshape(len(keys), -1).clone()
 
 
+def _equal_rows(a: Any, b: Any) -> float:
+    """Share of rows of ``a`` bitwise equal to ``b``'s."""
+    if a.numel() != b.numel():
+        return 0.0
+    return float((a.reshape(b.shape) == b).all(1).float().mean())
+
+
 def _f64(t: Any) -> np.ndarray:
     return t.detach().double().cpu().numpy()
 
@@ -110,7 +117,7 @@ def local_errors(run_dir: Path, manifest: dict[str, Any], learner: pd.DataFrame,
                 "exec_order": exec_order(op, n_layers),
                 "n_rows": len(keys),
                 "local_error": loc,
-                "local_bitwise_frac": float((si.reshape(lo.shape) == lo).all(1).float().mean()) if si.numel() == lo.numel() else 0.0,
+                "local_bitwise_frac": _equal_rows(si, lo),
                 "reverse_local_error": rev,
                 "inherited_error": inh,
                 "total_error": error_stats(_f64(so), _f64(lo))["rel_l2"],

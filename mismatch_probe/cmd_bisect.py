@@ -49,8 +49,10 @@ def bisect(
     t.add_column("op")
     t.add_column("detail")
     b, tol = fd["bitwise"], fd["tolerance"]
-    t.add_row("first not bitwise equal", b["op"] if b else "none", f"equal rows {b['bitwise_equal_frac']:.1%}" if b else "all ops equal")
-    t.add_row("first over tolerance", tol["op"] if tol else "none", f"rel L2 {_f(tol['rel_l2'])} ({tol['dtype']})" if tol else "-")
+    b_detail = f"equal rows {b['bitwise_equal_frac']:.1%}" if b else "all ops equal"
+    tol_detail = f"rel L2 {_f(tol['rel_l2'])} ({tol['dtype']})" if tol else "-"
+    t.add_row("first not bitwise equal", b["op"] if b else "none", b_detail)
+    t.add_row("first over tolerance", tol["op"] if tol else "none", tol_detail)
     console.print(t)
     if replay and result["local_errors"]:
         lt = Table(title="local error by input substitution (sampler op on learner input vs learner output)")
