@@ -82,7 +82,8 @@ class FsdpLearner(Runner):
         # ``self.capture`` is set); None: they are discarded with the temp folder.
         self.dataset_dest: Path | None = None
         self.ops_dataset_dest: Path | None = None
-        self.last_wall_s: float | None = None
+        self.last_wall_s: float | None = None  # launch to all ranks done, of the last score()
+        self.rank_timings: dict[int, dict[str, Any]] = {}  # per rank: setup_s (init+load+shard), forward_s
 
     # -- Runner ---------------------------------------------------------------------------
     def _load_impl(self) -> None:
@@ -169,7 +170,7 @@ class FsdpLearner(Runner):
     def _write_job(self, job: Path, seqs: list[list[int]], meta: list[tuple[int, int, int]]) -> None:
         (job / "status").mkdir()
         spec = {
-            "model_dir": str(self.model_dir),
+            "model_dir": str(self.model_dir.resolve()),
             "dtype": self.dtype,
             "device_type": self.device,
             "micro_batch_size": self.micro_batch_size,
@@ -190,7 +191,8 @@ class FsdpLearner(Runner):
         if self._fault:
             cmd += ["--_fault", self._fault]
         log = open(job / "launcher.log", "wb")  # noqa: SIM115 (closed in finally)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # cwd: the job folder, so that no folder named mismatch_probe in the caller's cwd shadows the package
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=job)
         deadline = time.monotonic() + self.timeout_s
         reported = 0
         try:
@@ -215,6 +217,8 @@ class FsdpLearner(Runner):
         missing = [r for r in range(self.nproc) if not (job / "status" / f"rank{r}.done").exists()]
         if missing:
             raise FsdpRankError(f"FSDP rank(s) {_ranks(missing)} of {self.nproc} exited without finishing")
+        st = self._statuses(job)
+        self.rank_timings = {r: {k: st[r].get(k) for k in ("setup_s", "forward_s")} for r in st}
 
     def _statuses(self, job: Path) -> dict[int, dict[str, Any]]:
         out: dict[int, dict[str, Any]] = {}

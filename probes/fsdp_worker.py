@@ -140,6 +140,7 @@ def run_rank(job: Path, fault: Fault | None) -> None:
     from mismatch_probe.probes.hf_probe import token_logprobs
     from mismatch_probe.schema import write_table
 
+    t_start = time.monotonic()
     spec = json.loads((job / "job.json").read_text())
     seqs: list[list[int]] = json.loads((job / "seqs.json").read_text())
     meta: list[list[int]] = spec["seq_meta"]  # (seq_id, prompt_id, n_prompt_tokens) per sequence
@@ -168,6 +169,7 @@ def run_rank(job: Path, fault: Fault | None) -> None:
 
         rec, cap = _capture(model, spec.get("capture"))
         steps = rank_steps(len(seqs), int(spec["micro_batch_size"]), rank, world)
+        t_ready = time.monotonic()
         cols: dict[str, list[np.ndarray]] = {k: [] for k in ("seq_id", "prompt_id", "pos", "token_id", "is_response", "logprob")}
         seqs_done = 0
         with torch.no_grad(), cap if cap is not None else contextlib.nullcontext():
@@ -202,6 +204,9 @@ def run_rank(job: Path, fault: Fault | None) -> None:
                     seqs_done += len(mb)
                 _status(job, rank, phase="scoring", steps_done=done + 1, steps_started=done + 1, n_steps=len(steps),
                         seqs_done=seqs_done)
+        if cuda:
+            torch.cuda.synchronize()
+        t_fwd = time.monotonic() - t_ready
         empty = {"is_response": np.zeros(0, bool), "logprob": np.zeros(0)}
         data = {k: np.concatenate(v) if v else empty.get(k, np.zeros(0, np.int64)) for k, v in cols.items()}
         table = pa.table(data)
@@ -209,7 +214,8 @@ def run_rank(job: Path, fault: Fault | None) -> None:
         write_table(job / "dataset" / f"rank={rank}" / "part.parquet", table, "tokens")
         if rec is not None:
             write_table(job / "ops" / f"rank={rank}" / "part.parquet", rec.table(), "ops")
-        _status(job, rank, phase="done", steps_done=len(steps), n_steps=len(steps), seqs_done=seqs_done)
+        _status(job, rank, phase="done", steps_done=len(steps), n_steps=len(steps), seqs_done=seqs_done,
+                setup_s=round(t_ready - t_start, 3), forward_s=round(t_fwd, 3))
         (job / "status" / f"rank{rank}.done").touch()
     finally:
         dist.destroy_process_group()
