@@ -95,7 +95,11 @@ def main() -> None:
             ref_ops = hf.ops.to_pandas()
 
     with FsdpLearner(m.path, m.vocab_size, nproc=a.nproc, timeout_s=240, **kw) as f:
-        got = f.score(seqs, sids)
+        try:
+            got = f.score(seqs, sids)
+        except Exception:
+            print(f.last_log)
+            raise
         res["fsdp_wall_s"] = f.last_wall_s
         res["fsdp_rank_timings"] = f.rank_timings
         res["fsdp_settings"] = {k: f.info.settings[k] for k in ("world_size", "backend", "mp_param_dtype",

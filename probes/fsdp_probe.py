@@ -83,6 +83,7 @@ class FsdpLearner(Runner):
         self.dataset_dest: Path | None = None
         self.ops_dataset_dest: Path | None = None
         self.last_wall_s: float | None = None  # launch to all ranks done, of the last score()
+        self.last_log = ""  # tail of the launcher's and ranks' output of the last score()
         self.rank_timings: dict[int, dict[str, Any]] = {}  # per rank: setup_s (init+load+shard), forward_s
 
     # -- Runner ---------------------------------------------------------------------------
@@ -211,6 +212,7 @@ class FsdpLearner(Runner):
             raise
         finally:
             log.close()
+            self.last_log = _tail(job / "launcher.log", 200, "\n")  # launcher + ranks' output, for debugging
         self._report_progress(job, reported)
         if rc != 0:
             raise FsdpRankError(self._failure_message(job, rc))
@@ -382,9 +384,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _tail(path: Path, n: int = 3) -> str:
+def _tail(path: Path, n: int = 3, sep: str = " | ") -> str:
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return "(no log)"
-    return " | ".join(lines[-n:]) or "(empty log)"
+    return sep.join(lines[-n:]) or "(empty log)"
