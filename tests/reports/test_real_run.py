@@ -129,3 +129,18 @@ def test_real_run_gate_from_toml(run_dir: Path, tmp_path: Path) -> None:
     _check_junit(xml, 2, 0)
     p, _, _ = _gate(run_dir, tmp_path, "--config", str(cfg), "--max-k3", "-1")  # flags win over the file
     assert p.returncode == 1
+
+
+def test_real_run_first_divergent_op(run_dir: Path, tmp_path: Path) -> None:
+    ope = run_dir / "compare" / "op_errors.parquet"
+    if not ope.exists():
+        pytest.skip("this real run has no op capture (compare/op_errors.parquet)")
+    import pyarrow.parquet as pq
+
+    diverges = min(pq.read_table(ope, columns=["bitwise_equal_frac"]).column(0).to_pylist()) < 1.0
+    p, md, xml = _gate(run_dir, tmp_path, "--no-first-divergent")
+    assert p.returncode == (1 if diverges else 0), p.stdout + p.stderr
+    _check_junit(xml, 1, int(diverges))
+    assert "first_divergent_op (bitwise)" in md.read_text()
+    p, _, _ = _gate(run_dir, tmp_path, "--allow-first-divergent")
+    assert p.returncode == 0
