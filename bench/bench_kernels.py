@@ -39,6 +39,7 @@ def _safe(rows: list[dict[str, Any]], name: str, fn, **meta) -> float | None:  #
 
 def bench_quantize(rows: list[dict[str, Any]], quick: bool) -> None:
     import torch
+
     from mismatch_probe.kernels import nvfp4_quantize, nvfp4_quantize_ref
 
     m = k = 8192
@@ -46,12 +47,20 @@ def bench_quantize(rows: list[dict[str, Any]], quick: bool) -> None:
     y = torch.empty_like(x)
     copy_ms = _safe(rows, "copy bf16 8192x8192 (read+write)", lambda: y.copy_(x), bytes=2 * x.numel() * 2)
     qbytes = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + m * 4
-    for name, fn in (
-        ("quantize per-token 1x16: Triton", lambda: nvfp4_quantize(x, per_token=True)),
-        ("quantize per-tensor 1x16: Triton (+torch amax pass)", lambda: nvfp4_quantize(x)),
-        ("quantize per-token 1x16: reference eager torch", lambda: nvfp4_quantize_ref(x, per_token=True)),
-    ):
-        _safe(rows, name, fn, bytes=qbytes, copy_ms=copy_ms)
+    from mismatch_probe.kernels import triton_nvfp4 as tq
+
+    amax1 = torch.tensor([float(x.float().abs().max())], device="cuda")
+    for impl in ("v2", "v1"):
+        tq.QUANT_IMPL = impl
+        _safe(rows, f"quantize per-token 1x16: Triton {impl}", lambda: nvfp4_quantize(x, per_token=True), bytes=qbytes,
+              copy_ms=copy_ms)
+        _safe(rows, f"quantize per-tensor 1x16, amax given: Triton {impl}", lambda: nvfp4_quantize(x, amax=amax1),
+              bytes=qbytes, copy_ms=copy_ms)
+    tq.QUANT_IMPL = "v2"
+    _safe(rows, "quantize per-tensor 1x16 incl. torch amax pass: Triton v2", lambda: nvfp4_quantize(x), bytes=qbytes,
+          copy_ms=copy_ms)
+    _safe(rows, "quantize per-token 1x16: reference eager torch", lambda: nvfp4_quantize_ref(x, per_token=True),
+          bytes=qbytes, copy_ms=copy_ms)
     if not quick:
         try:
             comp = torch.compile(lambda t: nvfp4_quantize_ref(t, per_token=True))
@@ -63,6 +72,7 @@ def bench_quantize(rows: list[dict[str, Any]], quick: bool) -> None:
 
 def bench_linear(rows: list[dict[str, Any]], quick: bool) -> None:
     import torch
+
     from mismatch_probe.kernels import (
         aligned_linear,
         nvfp4_dequantize_ref,
@@ -83,8 +93,8 @@ def bench_linear(rows: list[dict[str, Any]], quick: bool) -> None:
         cub = _safe(rows, f"M={m}: cuBLAS bf16 x @ w.t()", lambda: x @ w.t(), m=m, flops=flops)
         _safe(rows, f"M={m}: W4A4 GEMM (auto path, A pre-quantized)", lambda: w4a4_matmul(xq, wq), m=m, flops=flops,
               cublas_ms=cub)
-        for alt in ("fp4", "fp4w", "bf16"):
-            if alt != choose_path(m) and not (m == 8192 and alt == "fp4"):
+        for alt in ("fma", "fp4", "fp4w", "fp4w-swap", "bf16"):
+            if alt != choose_path(m) and (m < 8192 or alt == "fp4w"):
                 _safe(rows, f"M={m}: W4A4 GEMM ({alt} path)", lambda: w4a4_matmul(xq, wq, path=alt), m=m,
                       flops=flops, cublas_ms=cub)
         _safe(rows, f"M={m}: aligned_linear incl. per-token quantize", lambda: aligned_linear(x, wq), m=m, flops=flops,
@@ -99,22 +109,27 @@ def bench_linear(rows: list[dict[str, Any]], quick: bool) -> None:
 def bench_sweep(rows: list[dict[str, Any]], quick: bool) -> None:
     """Tile-config sweep of the W4A4 GEMM; every config's output must equal the default's bits."""
     import torch
+
     from mismatch_probe.kernels import nvfp4_quantize, w4a4_matmul
 
     n = k = 8192
     wq = nvfp4_quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     sweeps = {
-        16: [(p, {"BM": 16, "BN": bn, "num_warps": nw, "num_stages": ns})
-             for p in ("fp4w", "fp4") for bn in (16, 32, 64) for nw in (2, 4) for ns in (3, 5)],
-        8192: [("bf16", {"BM": bm, "BN": bn, "num_warps": nw, "num_stages": ns})
-               for bm, bn, nw in ((128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4), (64, 256, 8))
-               for ns in (3, 4)] + [("fp4w", {"BM": 128, "BN": 128, "num_warps": 8, "num_stages": 3})],
+        1: [("fma", {"BM": 1, "BN": bn, "num_warps": nw, "num_stages": ns}) for bn in (16, 32, 64)
+            for nw in (2, 4) for ns in (3, 4)],
+        16: [("fma", {"BM": 16, "BN": bn, "num_warps": nw, "num_stages": 3}) for bn in (16, 32, 64) for nw in (2, 4, 8)]
+        + [("fp4w-swap", {"BM": 16, "BN": bn, "num_warps": 4, "num_stages": ns, "KSTEP": ks})
+           for bn in (64, 128) for ns in (3, 5) for ks in (4, 8)],
+        8192: [("bf16", {"BM": bm, "BN": bn, "num_warps": nw, "num_stages": ns, "KSTEP": ks})
+               for bm, bn, nw, ns, ks in ((128, 128, 8, 3, 8), (128, 128, 8, 4, 4), (128, 256, 8, 3, 2),
+                                          (256, 128, 8, 3, 2), (128, 128, 4, 3, 8), (128, 256, 8, 2, 4))],
     }
     for m, cfgs in sweeps.items():
         xq = nvfp4_quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), per_token=True)
         base = w4a4_matmul(xq, wq)
         for p, cfg in cfgs:
-            name = f"sweep M={m} {p} BM={cfg['BM']} BN={cfg['BN']} w={cfg['num_warps']} s={cfg['num_stages']}"
+            name = (f"sweep M={m} {p} BM={cfg['BM']} BN={cfg['BN']} w={cfg['num_warps']} s={cfg['num_stages']}"
+                    f" k={cfg.get('KSTEP', '-')}")
             try:
                 same = torch.equal(w4a4_matmul(xq, wq, path=p, config=cfg).view(torch.int16), base.view(torch.int16))
             except Exception as e:
@@ -126,6 +141,7 @@ def bench_sweep(rows: list[dict[str, Any]], quick: bool) -> None:
 
 def bench_moe(rows: list[dict[str, Any]], quick: bool) -> None:
     import torch
+
     from mismatch_probe.kernels import grouped_w4a4, moe_route, nvfp4_quantize, quantize_expert_weights
     from mismatch_probe.kernels.grouped_gemm import gather_rows
 
@@ -157,15 +173,22 @@ def bench_moe(rows: list[dict[str, Any]], quick: bool) -> None:
             _safe(rows, f"{tag}: per-expert bf16 loop", loop, flops=flops)
             _safe(rows, f"{tag}: grouped W4A4 (auto path)", lambda: grouped_w4a4(a, offsets, wq), flops=flops,
                   grouped_mm_ms=gm)
-            alt = "bf16" if t <= 64 else "fp4w"
-            _safe(rows, f"{tag}: grouped W4A4 ({alt} path)", lambda: grouped_w4a4(a, offsets, wq, path=alt),
-                  flops=flops, grouped_mm_ms=gm)
+            for alt in (("fp4w", "fp4w-swap") if t <= 64 else ("fp4w",)):
+                _safe(rows, f"{tag}: grouped W4A4 ({alt} path)", lambda: grouped_w4a4(a, offsets, wq, path=alt),
+                      flops=flops, grouped_mm_ms=gm)
 
 
 def run_gpu_checks() -> tuple[int, int, list[dict[str, Any]]]:
+    from mismatch_probe.kernels import triton_nvfp4 as tq
     from mismatch_probe.kernels.checks import run_checks
 
     res = run_checks()
+    tq.QUANT_IMPL = "v1"  # the previous quantize kernel, kept for 16x16 tiles and as a fallback
+    names = [r.name for r in res if r.name.startswith(("quant_", "rmsnorm")) and "tile16" not in r.name]
+    for r in run_checks(names):
+        r.name = r.name + " [quantize v1]"
+        res.append(r)
+    tq.QUANT_IMPL = "v2"
     out = [r.__dict__ for r in res]
     for r in res:
         print(f"[check] {r.status:4s} {r.seconds:7.2f}s {r.name}: {r.detail[:160]}", flush=True)
@@ -224,7 +247,7 @@ def print_table(result: dict[str, Any]) -> None:
             continue
         d = []
         if "bytes" in r:
-            d.append(f"{r['bytes'] / ms / 1e9:.0f} GB/s")
+            d.append(f"{r['bytes'] / ms / 1e6:.0f} GB/s")
             if r.get("copy_ms"):
                 d.append(f"{r['copy_ms'] / ms * 100:.0f}% of copy")
         if "flops" in r:

@@ -11,6 +11,7 @@ figures go to BENCHMARKS.md (## report). Not a test: timings are never asserted.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import subprocess
@@ -55,6 +56,8 @@ def main() -> None:
                        capture_output=True)  # fmt: skip
         cli.append(time.perf_counter() - t0)
     html_mb = out.stat().st_size / 1e6
+    startup = [_timed([*CLI, "--help"]) for _ in range(args.repeat)]
+    imports = [_timed([sys.executable, "-c", "import mismatch_probe.reports.render"]) for _ in range(args.repeat)]
 
     rows = [
         ("run", f"{args.n_seq} seqs x {args.seq_len} tokens, tiny Qwen3 shapes (4 layers, hidden 128)"),
@@ -62,7 +65,10 @@ def main() -> None:
         ("build synthetic run", f"{t_build:.1f} s"),
         ("report, in-process (median)", f"{statistics.median(inproc):.2f} s  (all: {', '.join(f'{t:.2f}' for t in inproc)})"),
         ("report, CLI cold start (median)", f"{statistics.median(cli):.2f} s  (all: {', '.join(f'{t:.2f}' for t in cli)})"),
+        ("of which: CLI start-up (--help)", f"{statistics.median(startup):.2f} s"),
+        ("of which: report imports (mpl, pandas, pyarrow)", f"{statistics.median(imports):.2f} s"),
         ("HTML size", f"{html_mb:.2f} MB"),
+        ("load average (1 min) at the end", f"{os.getloadavg()[0]:.1f}"),
         ("machine", f"{platform.node()} {platform.machine()} {platform.python_version()}, {_cpus()} CPUs"),
     ]
     w = max(len(k) for k, _ in rows)
@@ -72,9 +78,13 @@ def main() -> None:
         print(f"{k:<{w}} | {v}")
 
 
-def _cpus() -> int:
-    import os
+def _timed(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True)
+    return time.perf_counter() - t0
 
+
+def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 

@@ -16,30 +16,54 @@ from .nvfp4_ref import FLOAT_DTYPES, NVFP4Tensor, w4a4_gemm_ref
 from .triton_nvfp4 import check_qtensor, nvfp4_dequantize, nvfp4_quantize
 from .triton_w4a4 import w4a4_kernel
 
-DECODE_MAX_M = 64  # at or below: the decode path (packed FP4 operands read directly)
-PATHS = ("auto", "fp4", "fp4w", "bf16")
+DECODE_MAX_M = 64  # at or below: packed FP4 weights read directly in the mainloop
+FMA_MAX_M = 16  # at or below: CUDA-core path (no tensor cores)
+PATHS = ("auto", "fp4", "fp4w", "fp4w-swap", "fma", "bf16")
+# path -> (A packed FP4?, B packed FP4?, kernel MODE: 0 dot, 1 swap-AB dot, 2 CUDA-core FMA)
+_PATH_OPERANDS = {
+    "fp4": (True, True, 0),
+    "fp4w": (False, True, 0),
+    "fp4w-swap": (False, True, 1),
+    "fma": (True, True, 2),
+    "bf16": (False, False, 0),
+}
 
 
 def choose_path(m: int, path: str = "auto") -> str:
-    """Operand forms: 'fp4' both packed FP4 + scales decoded in the mainloop; 'fp4w' weights packed
-    (decoded in the mainloop), activations pre-dequantized to exact bf16 ``E2M1*sf`` (the decode
-    path: small A decoded once instead of once per N tile); 'bf16' both pre-dequantized (large M:
-    keeps the mainloop on the tensor cores). All give identical bits; only speed differs.
-    'auto': 'fp4w' for M <= 64, else 'bf16'."""
+    """Operand forms / engines, all giving identical bits (only speed differs):
+
+    * 'fma': both operands packed FP4 + scales, decoded in the mainloop, CUDA-core FMAs (M <= 16);
+    * 'fp4': both packed, tensor cores; 'fp4w': weights packed, activations pre-dequantized to
+      exact bf16 ``E2M1*sf`` (decoded once instead of once per N tile); 'fp4w-swap': the same
+      with the weights on the MMA's M side (swap-AB, for small M);
+    * 'bf16': both pre-dequantized (large M: keeps the mainloop on the tensor cores).
+
+    'auto': 'fma' for M <= 16, 'fp4w' for M <= 64, else 'bf16'."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if path != "auto":
         return path
+    if m <= FMA_MAX_M:
+        return "fma"
     return "fp4w" if m <= DECODE_MAX_M else "bf16"
 
 
 def gemm_config(m: int, path: str) -> dict[str, int]:
-    """Tile configuration by shape (never changes the bits: every tile computes the same sums)."""
+    """Tile configuration by shape (never changes the bits: every tile computes the same sums).
+
+    Tensor-core tiles keep BM >= 64 (wgmma): on the H200 with Triton 3.6 the mma.sync (BM = 16)
+    variants of this kernel returned wrong values (2026-11-29 run), so they are not used."""
+    small = 1 << max(0, (max(1, min(m, 16)) - 1).bit_length())
     if INTERPRET:
+        if path == "fma":
+            return {"BM": small, "BN": 16, "num_warps": 4, "num_stages": 1}
         return {"BM": 16, "BN": 16, "num_warps": 4, "num_stages": 1}
+    if path == "fma":
+        return {"BM": small, "BN": 32, "num_warps": 4, "num_stages": 3}
+    if path == "fp4w-swap":
+        return {"BM": 16 if m <= 16 else (32 if m <= 32 else 64), "BN": 64, "num_warps": 4, "num_stages": 4}
     if path in ("fp4", "fp4w"):
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        return {"BM": bm, "BN": 32 if m <= 16 else 64, "num_warps": 4, "num_stages": 4}
+        return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 4}
     return {"BM": 128, "BN": 128, "num_warps": 8, "num_stages": 3}
 
 
@@ -82,7 +106,7 @@ def w4a4_matmul(
     out = torch.empty(m, n, dtype=out_dtype, device=a.codes.device)
     if m == 0:
         return out
-    a_fp4, b_fp4 = p == "fp4", p in ("fp4", "fp4w")
+    a_fp4, b_fp4, mode = _PATH_OPERANDS[p]
     a_op, a_sf = _operand(a, a_fp4)
     b_op, b_sf = _operand(w, b_fp4)
     bm, bn = cfg["BM"], cfg["BN"]
@@ -94,7 +118,7 @@ def w4a4_matmul(
         a.amax, a.amax, a.amax,  # tile tables: unused when not grouped
         m, n, k, 0, 0, 0,
         a_fp4, b_fp4, a.per_token, w.per_token,
-        False, bm, bn, _kstep(k // 16), INTERPRET, not INTERPRET, obf,
+        False, bm, bn, cfg.get("KSTEP", _kstep(k // 16)), INTERPRET, not INTERPRET, obf, mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

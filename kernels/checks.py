@@ -49,7 +49,13 @@ def assert_equal_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     ba, bb = _bits(a.contiguous()), _bits(b.contiguous())
     if not torch.equal(ba, bb):
         n = int((ba != bb).sum())
-        raise AssertionError(f"{what}: {n} of {a.numel()} elements differ bitwise")
+        extra = ""
+        if a.is_floating_point():
+            af, bf = a.float(), b.float()
+            d = (af - bf).abs()
+            d = torch.where(torch.isnan(d), torch.zeros_like(d), d)
+            extra = f"; max |diff| {d.max().item():.3g}, rel L2 {(d.norm() / bf.norm().clamp_min(1e-30)).item():.3g}"
+        raise AssertionError(f"{what}: {n} of {a.numel()} elements differ bitwise{extra}")
 
 
 def assert_same_q(a: R.NVFP4Tensor, b: R.NVFP4Tensor) -> str:
@@ -197,11 +203,14 @@ def _invariance_check(dev: torch.device, big: bool) -> str:
     w = R.NVFP4Tensor(w.codes.to(dev), w.scales.to(dev), w.amax.to(dev))
     x = torch.randn(max(ms), k, generator=_gen(14)).to(torch.bfloat16).to(dev)
     full = aligned_linear(x, w)
+    qx = R.nvfp4_quantize_ref(x, per_token=True)
     for m in ms:
-        assert_equal_bits(aligned_linear(x[:m], w), full[:m], f"rows of M={m} vs M={max(ms)}")
-    ref = R.w4a4_gemm_ref(R.nvfp4_quantize_ref(x[:16], per_token=True), w)
-    assert_equal_bits(full[:16], ref, "first 16 rows vs reference")
-    return f"M in {ms}: identical rows"
+        got = aligned_linear(x[:m], w)
+        assert_equal_bits(got, full[:m], f"rows of M={m} vs M={max(ms)}")
+        rows = min(m, 64)
+        sub = R.NVFP4Tensor(qx.codes[:rows], qx.scales[:rows], qx.amax[:rows], True)
+        assert_equal_bits(got[:rows], R.w4a4_gemm_ref(sub, w), f"M={m}: first rows vs reference")
+    return f"M in {ms} (auto paths): identical rows, equal to the reference"
 
 
 def _grouped_setup(dev: torch.device, big: bool, t: int):
@@ -291,15 +300,19 @@ CHECKS: list[Check] = [
     Check("dequant_fp16", "dequantize to fp16", _dequant_check(True, torch.float16)),
     Check("dequant_gemm_operand", "E2M1*sf operand in bf16 (no global scale)", _dequant_check(True, torch.bfloat16, False)),
     Check("rmsnorm_quant_amax_reuse", "fused RMSNorm + per-token quantize == quantize_ref(y)", _rmsnorm_check),
-    Check("gemm_decode_fp4_m1", "aligned_linear M=1, packed FP4 operands", _gemm_check(1, "fp4")),
-    Check("gemm_decode_fp4_m16", "aligned_linear M=16, packed FP4 operands", _gemm_check(16, "fp4")),
+    Check("gemm_decode_fma_m1", "aligned_linear M=1, packed FP4 operands, CUDA-core FMA", _gemm_check(1, "fma")),
+    Check("gemm_decode_fma_m16", "aligned_linear M=16, CUDA-core FMA path", _gemm_check(16, "fma")),
+    Check("gemm_decode_fp4_m16", "aligned_linear M=16, packed FP4 operands, tensor cores", _gemm_check(16, "fp4")),
     Check("gemm_decode_fp4w_m16", "aligned_linear M=16, FP4 weights + bf16 activations", _gemm_check(16, "fp4w")),
+    Check("gemm_decode_fp4w_swap_m16", "aligned_linear M=16, swap-AB (weights on MMA M side)",
+          _gemm_check(16, "fp4w-swap")),
     Check("gemm_bf16_operands_m33", "aligned_linear M=33, pre-dequantized bf16 operands", _gemm_check(33, "bf16")),
     Check("gemm_tile16_weights", "aligned_linear with 16x16-tile weights", _gemm_check(5, "auto", True)),
-    Check("gemm_k16", "aligned_linear K=16", _gemm_check(3, "fp4", k=16)),
+    Check("gemm_k16", "aligned_linear K=16", _gemm_check(3, "auto", k=16)),
     Check("gemm_batch_invariance", "rows identical for every M", _invariance_check),
     Check("grouped_moe_fp4", "MoE route+grouped GEMM+combine, FP4 operands", _grouped_check("fp4")),
     Check("grouped_moe_bf16_operands", "MoE grouped GEMM, bf16 operands", _grouped_check("bf16")),
+    Check("grouped_moe_fma", "MoE grouped GEMM, CUDA-core FMA path", _grouped_check("fma")),
     Check("grouped_batch_invariance", "MoE rows identical for any token count", _grouped_invariance),
     Check("swizzle_layout", "swizzled scale layout == blocked-permute form; round trip", _swizzle_check),
     Check("gemm_large_m4096", "aligned_linear M=4096 K=2048 (bf16 tensor cores)", _gemm_check(4096, "auto", k=2048, n=256),

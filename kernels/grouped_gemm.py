@@ -21,7 +21,7 @@ import torch
 import triton
 
 from ._triton_common import INTERPRET, kernel_device_ok, launch, require_contiguous
-from .aligned_linear import _kstep, choose_path, gemm_config
+from .aligned_linear import _PATH_OPERANDS, _kstep, choose_path, gemm_config
 from .nvfp4_ref import NVFP4Tensor, nvfp4_quantize_ref, w4a4_gemm_ref
 from .triton_nvfp4 import check_qtensor, nvfp4_dequantize, nvfp4_quantize
 from .triton_w4a4 import w4a4_kernel
@@ -124,7 +124,7 @@ def grouped_w4a4(
     cfg = {**gemm_config(avg, p), **(config or {})}
     bm, bn = cfg["BM"], cfg["BN"]
     te, tr0, tr1 = tile_schedule(offsets.to(a.codes.device), bm, m)
-    a_fp4, b_fp4 = p == "fp4", p in ("fp4", "fp4w")
+    a_fp4, b_fp4, mode = _PATH_OPERANDS[p]
     a_op = a.codes if a_fp4 else nvfp4_dequantize(a, torch.bfloat16, apply_global=False)
     if b_fp4:
         b_op = w.codes
@@ -138,7 +138,7 @@ def grouped_w4a4(
         te, tr0, tr1,
         m, n, k, b_op[0].numel(), n * (k // 16), 1,
         a_fp4, b_fp4, True, False,
-        True, bm, bn, _kstep(k // 16), INTERPRET, not INTERPRET, obf,
+        True, bm, bn, _kstep(k // 16), INTERPRET, not INTERPRET, obf, mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

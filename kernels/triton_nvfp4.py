@@ -104,6 +104,58 @@ def _quantize_kernel(
         tl.store(scales_ptr + r[:, None] * (K // 16) + c * (BK // 16) + c16[None, :], sbyte.to(tl.uint8), mask=m16)
 
 
+@kjit
+def _quant_blocks(x, s_dec, mult):
+    """x fp32 [BB, 16] (one row's blocks), s_dec/mult [1] -> (packed [BB, 8], scale bytes [BB]) int32."""
+    vmax = rmax(_finite_abs(x), 1)
+    bad = rmax(((tl.abs(x) < float("inf")) == 0).to(tl.int32), 1)
+    sbyte, sf = e4m3_round(tl.minimum(vmax * mult, 448.0))
+    den = sf * s_dec
+    enc = tl.minimum(tl.div_rn(tl.full(den.shape, 1.0, tl.float32), den), 3.4028234663852886e38)
+    y = tl.minimum(tl.maximum(x * enc[:, None], -6.0), 6.0)
+    codes = tl.where(bad[:, None] != 0, 0, e2m1_encode(y))
+    lo, hi = tl.split(tl.reshape(codes, (x.shape[0], 8, 2)))
+    return lo | (hi << 4), tl.where(bad != 0, 127, sbyte)
+
+
+@kjit
+def _quantize_rows_kernel(
+    x_ptr, amax_ptr, codes_ptr, scales_ptr, K,
+    BB: tl.constexpr, NUM_C: tl.constexpr, COMPUTE_AMAX: tl.constexpr, AMAX_PER_ROW: tl.constexpr,
+):
+    """One program per row; the row is seen as [K/16, 16] blocks (block-major tile: the block max,
+    the scale and the broadcast back stay inside a thread's registers)."""
+    row = tl.program_id(0).to(tl.int64)
+    nb = K // 16
+    b = tl.arange(0, BB)
+    j16 = tl.arange(0, 16)
+    j8 = tl.arange(0, 8)
+    xrow = x_ptr + row * K
+    if COMPUTE_AMAX:
+        am = tl.full([BB], 0.0, tl.float32)
+        for c in range(NUM_C):
+            bb = c * BB + b
+            xv = tl.load(xrow + bb[:, None] * 16 + j16[None, :], mask=(bb < nb)[:, None], other=0.0).to(tl.float32)
+            am = tl.maximum(am, rmax(_finite_abs(xv), 1))
+        amax = rmax(am[None, :], 1)
+        tl.store(amax_ptr + row + tl.arange(0, 1), amax)
+    elif AMAX_PER_ROW:
+        amax = tl.load(amax_ptr + row + tl.arange(0, 1))
+    else:
+        amax = tl.load(amax_ptr + tl.arange(0, 1))
+    s_dec, mult = _row_scales(amax)
+    for c in range(NUM_C):
+        bb = c * BB + b
+        bm = bb < nb
+        xv = tl.load(xrow + bb[:, None] * 16 + j16[None, :], mask=bm[:, None], other=0.0).to(tl.float32)
+        packed, sbyte = _quant_blocks(xv, s_dec, mult)
+        tl.store(codes_ptr + row * (K // 2) + bb[:, None] * 8 + j8[None, :], packed.to(tl.uint8), mask=bm[:, None])
+        tl.store(scales_ptr + row * nb + bb, sbyte.to(tl.uint8), mask=bm)
+
+
+QUANT_IMPL = "v2"  # "v1": the [rows, K]-tile kernel (also used for 16x16 tiles); "v2": block-major rows
+
+
 def _pick_tiles(rows: int, k: int, tile16: bool) -> tuple[int, int, int]:
     kp = triton.next_power_of_2(k)
     if tile16:
@@ -145,6 +197,13 @@ def nvfp4_quantize(
         amax_t = check_amax(amax, rows, per_token, x.device)
     codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=x.device)
+    if not tile16 and QUANT_IMPL == "v2":
+        nb = k // 16
+        bb = max(1, min(triton.next_power_of_2(nb), 128 if INTERPRET else 512))
+        nw = 8 if bb >= 256 else 4
+        launch(_quantize_rows_kernel, (rows,), x, amax_t, codes, scales, k, bb, triton.cdiv(nb, bb), compute, per_token,
+               num_warps=nw)
+        return NVFP4Tensor(codes, scales, amax_t, per_token, tile16)
     r, bk, nk = _pick_tiles(rows, k, tile16)
     grid = (triton.cdiv(rows, r),)
     kw = {"num_warps": 8 if bk * r >= 4096 else 4}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from ._triton_common import bf16_bits_rne, e4m3_decode, kjit, unpack_decode_tile
+from ._triton_common import bf16_bits_rne, e4m3_decode, kjit, rsum, unpack_decode_tile
 
 
 @kjit
@@ -63,7 +63,7 @@ def w4a4_kernel(
     M, N, K, b_estride, bsf_estride, b_amax_estride,
     A_FP4: tl.constexpr, B_FP4: tl.constexpr, A_AMAX_ROW: tl.constexpr, B_AMAX_ROW: tl.constexpr,
     GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KSTEP: tl.constexpr,
-    F32: tl.constexpr, USE_ASM: tl.constexpr, OUT_BF16: tl.constexpr,
+    F32: tl.constexpr, USE_ASM: tl.constexpr, OUT_BF16: tl.constexpr, MODE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -83,17 +83,6 @@ def w4a4_kernel(
         eb = e.to(tl.int64)
         bp = b_ptr + eb * b_estride
         bsp = bsf_ptr + eb * bsf_estride
-        acc = tl.full([BM, BN], 0.0, tl.float32)
-        for k0 in range(0, K // 16, KSTEP):
-            for j in tl.static_range(KSTEP):
-                kb = k0 + j
-                av = _load_operand(a_ptr, asf_ptr, rm, mmask, K, kb, A_FP4, BM, F32)
-                bv = _load_operand(bp, bsp, rn, nmask, K, kb, B_FP4, BN, F32)
-                if F32:
-                    p = tl.dot(av, tl.trans(bv), input_precision="ieee")
-                else:
-                    p = tl.dot(av, tl.trans(bv))
-                acc = _add_rn(acc, p, USE_ASM)
         if A_AMAX_ROW:
             aa = tl.load(a_amax_ptr + rm, mask=mmask, other=0.0)
         else:
@@ -102,11 +91,49 @@ def w4a4_kernel(
             ba = tl.load(b_amax_ptr + eb * b_amax_estride + rn, mask=nmask, other=0.0)
         else:
             ba = tl.load(b_amax_ptr + eb * b_amax_estride + rn * 0)
-        alpha = (aa[:, None] * ba[None, :]) * 1.3840171675383317e-07  # RN(1/7225344)
-        out = acc * alpha
-        optr = out_ptr + rm[:, None] * N + rn[None, :]
-        omask = mmask[:, None] & nmask[None, :]
-        if OUT_BF16:
-            tl.store(optr, bf16_bits_rne(out).to(tl.int16), mask=omask)
+        if MODE == 1:
+            # swap-AB: out^T = W . A^T, weight rows on the MMA's M side (wgmma needs M >= 64)
+            acct = tl.full([BN, BM], 0.0, tl.float32)
+            for k0 in range(0, K // 16, KSTEP):
+                for j in tl.static_range(KSTEP):
+                    kb = k0 + j
+                    av = _load_operand(a_ptr, asf_ptr, rm, mmask, K, kb, A_FP4, BM, F32)
+                    bv = _load_operand(bp, bsp, rn, nmask, K, kb, B_FP4, BN, F32)
+                    if F32:
+                        p = tl.dot(bv, tl.trans(av), input_precision="ieee")
+                    else:
+                        p = tl.dot(bv, tl.trans(av))
+                    acct = _add_rn(acct, p, USE_ASM)
+            outt = acct * ((aa[None, :] * ba[:, None]) * 1.3840171675383317e-07)
+            optr = out_ptr + rm[None, :] * N + rn[:, None]
+            omask = mmask[None, :] & nmask[:, None]
+            if OUT_BF16:
+                tl.store(optr, bf16_bits_rne(outt).to(tl.int16), mask=omask)
+            else:
+                tl.store(optr, outt, mask=omask)
         else:
-            tl.store(optr, out, mask=omask)
+            acc = tl.full([BM, BN], 0.0, tl.float32)
+            for k0 in range(0, K // 16, KSTEP):
+                for j in tl.static_range(KSTEP):
+                    kb = k0 + j
+                    if MODE == 2:
+                        # CUDA cores: the 16 products and any partial sum are exact in fp32, so the
+                        # reduction order inside the block does not matter
+                        av = _load_operand(a_ptr, asf_ptr, rm, mmask, K, kb, A_FP4, BM, True)
+                        bv = _load_operand(bp, bsp, rn, nmask, K, kb, B_FP4, BN, True)
+                        p = rsum(av[:, None, :] * bv[None, :, :], 2)
+                    else:
+                        av = _load_operand(a_ptr, asf_ptr, rm, mmask, K, kb, A_FP4, BM, F32)
+                        bv = _load_operand(bp, bsp, rn, nmask, K, kb, B_FP4, BN, F32)
+                        if F32:
+                            p = tl.dot(av, tl.trans(bv), input_precision="ieee")
+                        else:
+                            p = tl.dot(av, tl.trans(bv))
+                    acc = _add_rn(acc, p, USE_ASM)
+            out = acc * ((aa[:, None] * ba[None, :]) * 1.3840171675383317e-07)  # alpha: RN(1/7225344)
+            optr = out_ptr + rm[:, None] * N + rn[None, :]
+            omask = mmask[:, None] & nmask[None, :]
+            if OUT_BF16:
+                tl.store(optr, bf16_bits_rne(out).to(tl.int16), mask=omask)
+            else:
+                tl.store(optr, out, mask=omask)
