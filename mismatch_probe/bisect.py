@@ -79,9 +79,9 @@ def local_errors(run_dir: Path, manifest: dict[str, Any], learner: pd.DataFrame,
     keys_s = full_s.groupby("op")[["seq_id", "pos"]].apply(lambda g: set(zip(g.seq_id, g.pos)))
     jobs: list[tuple[str, list[str], list[tuple[int, int]]]] = []
     skipped: list[str] = []
-    moe = any(".moe." in o for o in keys_l.index)
-    for op in sorted(set(keys_l.index) & set(keys_s.index), key=lambda o: exec_order(o, n_layers)):
-        ins = op_inputs(op, n_layers, moe)
+    available = set(keys_l.index) & set(keys_s.index)
+    for op in sorted(available, key=lambda o: exec_order(o, n_layers)):
+        ins = op_inputs(op, n_layers, available)
         if ins is None or any(i not in keys_l.index or i not in keys_s.index for i in ins):
             skipped.append(op)
             continue
@@ -90,6 +90,8 @@ def local_errors(run_dir: Path, manifest: dict[str, Any], learner: pd.DataFrame,
     if not jobs:
         return [], skipped
 
+    import torch
+
     data = {}
     for op, ins, keys in jobs:
         data[op] = {
@@ -97,9 +99,10 @@ def local_errors(run_dir: Path, manifest: dict[str, Any], learner: pd.DataFrame,
             "S_in": [_tensors(full_s, i, keys) for i in ins],
             "L_out": _tensors(full_l, op, keys),
             "S_out": _tensors(full_s, op, keys),
+            "pos": torch.tensor([p for _, p in keys], dtype=torch.long),
         }
-    s_impl = _run_vllm(cfg, {op: d["L_in"] for op, d in data.items()})
-    l_impl = _run_hf(cfg, {op: d["S_in"] for op, d in data.items()})
+    s_impl = _run_vllm(cfg, {op: (d["L_in"], d["pos"]) for op, d in data.items()})
+    l_impl = _run_hf(cfg, {op: (d["S_in"], d["pos"]) for op, d in data.items()})
     rows = []
     for op, _ins, keys in jobs:
         d = data[op]
@@ -136,7 +139,7 @@ def _run_vllm(cfg: dict[str, Any], inputs: dict[str, list[Any]]) -> dict[str, An
 
     mi = inspect_model_dir(Path(cfg["sampler_model_dir"]))
     with VllmSampler(mi.path, mi.vocab_size, max_model_len=64, dtype=cfg.get("dtype", "bfloat16")) as s:
-        return s.llm.apply_model(lambda model: {op: vllm_replay(model, op, xs) for op, xs in inputs.items()})[0]
+        return s.llm.apply_model(lambda model: {op: vllm_replay(model, op, xs, p) for op, (xs, p) in inputs.items()})[0]
 
 
 def _run_hf(cfg: dict[str, Any], inputs: dict[str, list[Any]]) -> dict[str, Any]:
@@ -146,7 +149,7 @@ def _run_hf(cfg: dict[str, Any], inputs: dict[str, list[Any]]) -> dict[str, Any]
 
     mi = inspect_model_dir(Path(cfg["model_dir"]))
     with HfLearner(mi.path, mi.vocab_size, dtype=cfg.get("dtype", "bfloat16")) as h:
-        return {op: hf_replay(h.model, op, xs) for op, xs in inputs.items()}
+        return {op: hf_replay(h.model, op, xs, p) for op, (xs, p) in inputs.items()}
 
 
 def load_op_errors(run_dir: Path) -> pd.DataFrame:

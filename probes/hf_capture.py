@@ -7,6 +7,7 @@ right-padding is dropped and every row lands on its (seq_id, pos).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -14,8 +15,9 @@ import numpy as np
 from mismatch_probe.probes.capture import OpRecorder
 from mismatch_probe.probes.hooks import HookSet, first
 
-# canonical ops HF modules do not expose (rotary is a function call inside attention)
-UNOBSERVABLE = ("attn.rope_q", "attn.rope_k")
+# Every canonical op is observable in HF: rotary is a function call inside attention, observed by
+# wrapping the modeling module's ``apply_rotary_pos_emb`` for the duration of the capture.
+UNOBSERVABLE: tuple[str, ...] = ()
 
 
 class HfCapture:
@@ -29,6 +31,8 @@ class HfCapture:
         self.hooks = HookSet()
         self._seq = np.zeros(0, np.int64)
         self._pos = np.zeros(0, np.int64)
+        self._layer = -1
+        self._rope_patch: tuple[Any, Any] | None = None
 
     def set_batch(self, seq_ids: list[int], lengths: list[int], width: int) -> None:
         """The next forward holds ``len(seq_ids)`` rows padded to ``width`` tokens."""
@@ -48,10 +52,29 @@ class HfCapture:
     def _on_input(self, module: Any, op: str) -> None:
         self.hooks.pre(module, lambda args, kw: self._rec(op, args[0] if args else next(iter(kw.values()))))
 
+    def _wrap_rope(self, attn: Any) -> None:
+        """Observe rotary: wrap ``apply_rotary_pos_emb`` of the attention's modeling module."""
+        mod = sys.modules[type(attn).__module__]
+        orig = getattr(mod, "apply_rotary_pos_emb", None)
+        if orig is None:
+            return
+
+        def observed(q: Any, k: Any, *args: Any, **kwargs: Any) -> Any:
+            qe, ke = orig(q, k, *args, **kwargs)
+            if self._layer >= 0:  # [batch, heads, time, dim] -> [batch, time, heads * dim]
+                self._rec(f"{self._layer}.attn.rope_q", qe.transpose(1, 2))
+                self._rec(f"{self._layer}.attn.rope_k", ke.transpose(1, 2))
+            return qe, ke
+
+        mod.apply_rotary_pos_emb = observed
+        self._rope_patch = (mod, orig)
+
     def __enter__(self) -> HfCapture:
         m = self.model.model
         self._on(m.embed_tokens, "embed")
+        self._wrap_rope(m.layers[0].self_attn)
         for i, layer in enumerate(m.layers):
+            self.hooks.pre(layer, lambda _a, _k, i=i: setattr(self, "_layer", i))
             a = layer.self_attn
             self._on(layer.input_layernorm, f"{i}.input_norm")
             self._on(a.q_proj, f"{i}.attn.q")
@@ -82,3 +105,7 @@ class HfCapture:
 
     def __exit__(self, *exc: object) -> None:
         self.hooks.remove()
+        if self._rope_patch is not None:
+            mod, orig = self._rope_patch
+            mod.apply_rotary_pos_emb = orig
+            self._rope_patch = None

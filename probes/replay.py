@@ -2,7 +2,7 @@
 
 ``OP_INPUTS`` says which captured op feeds each replayable op; ``hf_replay`` / ``vllm_replay``
 run the engine's own module for that op. Attention (needs the whole sequence, and in vLLM its
-paged KV cache and forward context), rotary, the residual adds and the embedding are not replayed.
+paged KV cache and forward context), the residual adds and the embedding are not replayed.
 Norms that follow a residual add are replayed with their add (vLLM fuses the two).
 """
 
@@ -13,12 +13,13 @@ from typing import Any
 from mismatch_probe.opnames import split_op
 
 REPLAYABLE = (
-    "input_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.o", "post_attn_norm",
+    "input_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.rope_q", "attn.rope_k",
+    "attn.o", "post_attn_norm",
     "mlp.gate", "mlp.up", "mlp.act", "mlp.down", "moe.router_logits", "moe.out", "final_norm", "logits",
 )
 
 
-def op_inputs(op: str, num_layers: int, moe: bool = False) -> list[str] | None:
+def op_inputs(op: str, num_layers: int, available: set[str]) -> list[str] | None:
     """Canonical ops whose captured outputs are the inputs of ``op`` (None: not replayable).
 
     Norms after a residual add take ``[branch output, residual]``: vLLM fuses the add into the
@@ -26,14 +27,17 @@ def op_inputs(op: str, num_layers: int, moe: bool = False) -> list[str] | None:
     layer, kind = split_op(op)
     if kind not in REPLAYABLE:
         return None
-    mlp_out = "moe.out" if moe else "mlp.down"
+    mlp_out = "moe.out" if any(".moe." in o for o in available) else "mlp.down"
     if kind == "final_norm":
         return [f"{num_layers - 1}.{mlp_out}", f"{num_layers - 1}.resid_mid"]
     if kind == "logits":
         return ["final_norm"]
     L = layer
     prev_out = f"{L - 1}.out" if L > 0 else "embed"
+    qk = [f"{L}.attn.q_norm", f"{L}.attn.k_norm"] if f"{L}.attn.q_norm" in available else [f"{L}.attn.q", f"{L}.attn.k"]
     return {
+        "attn.rope_q": qk,
+        "attn.rope_k": qk,
         "input_norm": [f"{L - 1}.{mlp_out}", f"{L - 1}.resid_mid"] if L > 0 else ["embed"],
         "attn.q": [f"{L}.input_norm"],
         "attn.k": [f"{L}.input_norm"],
@@ -55,8 +59,18 @@ def _heads(x: Any, head_dim: int) -> Any:
     return x.reshape(x.shape[0], -1, head_dim)
 
 
-def hf_replay(model: Any, op: str, xs: list[Any]) -> Any:
-    """The HF model's implementation of ``op`` on inputs ``xs`` ([tokens, ...] each)."""
+def _hf_rope(model: Any, attn: Any, xs: list[Any], pos: Any, which: int) -> Any:
+    import sys
+
+    rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q, k = (_heads(x, attn.head_dim).transpose(0, 1).unsqueeze(0) for x in xs)  # [1, heads, tokens, dim]
+    cos, sin = model.model.rotary_emb(q, pos.unsqueeze(0))
+    out = rope(q, k, cos, sin)[which]
+    return out.squeeze(0).transpose(0, 1)
+
+
+def hf_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
+    """The HF model's implementation of ``op`` on inputs ``xs`` ([tokens, ...] each) at positions ``pos``."""
     import torch
 
     layer, kind = split_op(op)
@@ -79,6 +93,8 @@ def hf_replay(model: Any, op: str, xs: list[Any]) -> Any:
             "attn.v": lambda: a.v_proj(x),
             "attn.q_norm": lambda: a.q_norm(_heads(x, a.head_dim)),
             "attn.k_norm": lambda: a.k_norm(_heads(x, a.head_dim)),
+            "attn.rope_q": lambda: _hf_rope(model, a, xs, pos, 0),
+            "attn.rope_k": lambda: _hf_rope(model, a, xs, pos, 1),
             "attn.o": lambda: a.o_proj(x),
             "post_attn_norm": lambda: ly.post_attention_layernorm(resid(xs)),
             "mlp.gate": lambda: mlp.gate_proj(x),
@@ -91,7 +107,7 @@ def hf_replay(model: Any, op: str, xs: list[Any]) -> Any:
         return out.reshape(out.shape[0], -1)
 
 
-def vllm_replay(model: Any, op: str, xs: list[Any]) -> Any:
+def vllm_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
     """vLLM's implementation of ``op`` (run inside ``LLM.apply_model``)."""
     import torch
 
@@ -122,6 +138,8 @@ def vllm_replay(model: Any, op: str, xs: list[Any]) -> Any:
             "attn.v": lambda: qkv(2),
             "attn.q_norm": lambda: a.q_norm(_heads(x, a.head_dim)),
             "attn.k_norm": lambda: a.k_norm(_heads(x, a.head_dim)),
+            "attn.rope_q": lambda: a.rotary_emb(pos, xs[0].clone(), xs[1].clone())[0],
+            "attn.rope_k": lambda: a.rotary_emb(pos, xs[0].clone(), xs[1].clone())[1],
             "attn.o": lambda: t(a.o_proj(x)),
             "post_attn_norm": lambda: norm(ly.post_attention_layernorm, xs),
             "mlp.gate": lambda: t(mlp.gate_up_proj(x)).chunk(2, -1)[0],
