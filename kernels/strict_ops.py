@@ -65,8 +65,23 @@ def tree_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return tree_sum(a.float() * b.float(), -1)
 
 
+def _cuda_kernels(x: torch.Tensor) -> object | None:
+    """The Triton strict kernels for CUDA tensors (None on CPU or where Triton is missing)."""
+    if not x.is_cuda:
+        return None
+    try:
+        from . import strict_triton
+    except ImportError:
+        return None
+    return strict_triton
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` with fp32 tree reductions, rounded once to x's dtype."""
+    """``x @ weight.T (+ bias)`` with fp32 tree reductions, rounded once to x's dtype (CUDA: the
+    fixed-configuration Triton GEMM of :mod:`.strict_triton`)."""
+    cu = _cuda_kernels(x)
+    if cu is not None:
+        return cu.linear(x, weight, bias)  # type: ignore[attr-defined]
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     wf = weight.float()
@@ -84,6 +99,9 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``w * bf16(x * 1/sqrt(tree_sum(x^2)/H + eps))``: HF's order of roundings, fixed reduction."""
+    cu = _cuda_kernels(x)
+    if cu is not None:
+        return cu.rmsnorm(x, weight, eps)  # type: ignore[attr-defined]
     xf = x.float()
     var = tree_sum(xf * xf, -1) / float(x.shape[-1])
     inv = 1.0 / torch.sqrt(var + eps)
