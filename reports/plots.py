@@ -205,7 +205,10 @@ def histogram_chart(resp: pd.DataFrame) -> str:
         label = f"{PAIR_LABELS[pair]} ({n_zero} exactly 0" + (f", {n_inf} inf" if n_inf else "") + ")"
         ax.hist(p, bins=bins, histtype="step", lw=1.4, color=PAIR_COLORS[pair], label=label)
     ax.set_xscale("log")
-    ax.set_yscale("log")
+    if pos.size:
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no nonzero gaps", transform=ax.transAxes, ha="center", color="#5b6475")
     ax.set_xlabel("|learner - sampler| logprob (log scale)")
     ax.set_ylabel("tokens")
     ax.set_title("Distribution of |dlogp| over response tokens")

@@ -40,6 +40,8 @@ def verdict(summary: dict[str, Any]) -> tuple[str, str]:
     """(verdict key, sentence) from the learner-vs-decode metrics, by the fixed rule above."""
     m = summary["pairs"].get("learner_vs_decode", {})
     mx, k3, clip = (float(m.get(k, math.nan)) for k in ("max_abs_dlogp", "k3", "clip_frac"))
+    if not float(m.get("n_tokens", 1) or 0):
+        return "nodata", "no response tokens to compare"
     if float(m.get("n_nonfinite", 0) or 0) > 0 or math.isinf(mx):
         return "nonfinite", "non-finite logprobs: some tokens are -inf or NaN on one side"
     if mx == 0:

@@ -214,7 +214,7 @@ def make_run(
               "sampler_only": [], "ok": True}  # fmt: skip
     atomic_write_json(root / "compare" / "weight_parity.json", parity)
     names = op_names(n_layers)
-    diverge_at = len(LAYER_OPS) + 6  # layer 1, attn.core
+    diverge_at = min(len(LAYER_OPS) + 6, len(names) - 1)  # layer 1, attn.core
     if ops:
         write_table(root / "compare" / "op_errors.parquet", _op_errors(rng, n_layers, n_seq * seq_len, diverge_at), "op_errors")
     if full_ops:

@@ -60,7 +60,7 @@ def test_headline_metrics_and_verdict(full_run: Path, tmp_path: Path) -> None:
     for metric in ("mean_abs_dlogp", "max_abs_dlogp", "k3", "clip_frac"):
         card = re.search(rf'data-metric="{metric}"><div class="k">[^<]+</div><div class="v">([^<]+)<', html)
         assert card and card.group(1) == fmt_num(summ[metric]), metric
-    assert re.search(r'<body data-verdict="(identical|small|moderate|large|nonfinite)"', html)
+    assert re.search(r'<body data-verdict="(identical|small|moderate|large|nonfinite|nodata)"', html)
 
 
 def test_self_contained_no_external_resources(full_run: Path, tmp_path: Path) -> None:
@@ -202,3 +202,19 @@ def test_report_with_gate_config(full_run: Path, tmp_path: Path, cli) -> None:
     html = (tmp_path / "r.html").read_text()
     assert 'data-verdict="fail"' in html and 'id="gate-table"' in html
     assert "gate fail: 1 of 2 checks failed" in html
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize(
+    ("kwargs", "verdict"),
+    [
+        ({"scale": 0.0, "ops": True}, "identical"),  # what strict alignment aims for: every gap exactly 0
+        ({"seq_len": 16, "prompt_len": 16}, "nodata"),  # no response tokens at all
+        ({"n_seq": 1, "seq_len": 17, "n_layers": 1, "ops": True, "bisect": True}, None),  # one token
+    ],
+)
+def test_degenerate_runs_render_without_warnings(kwargs: dict, verdict: str | None, tmp_path: Path) -> None:
+    html = build_report(make_run(tmp_path / "run", **kwargs))[0].read_text()
+    assert charts(html) >= set(CHARTS_ALWAYS)
+    if verdict:
+        assert f'data-verdict="{verdict}"' in html
