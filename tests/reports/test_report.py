@@ -37,10 +37,15 @@ def test_token_only_run_renders_and_names_absent_sections(token_run: Path, tmp_p
     assert 'id="worst-tokens"' in html and 'id="decomposition-table"' in html and 'id="versions"' in html
 
 
-def test_full_run_has_every_section(full_run: Path, tmp_path: Path) -> None:
-    out, absent = build_report(full_run, tmp_path / "r.html")
-    html = out.read_text()
+@pytest.fixture(scope="module")
+def full_html(full_run: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    out, absent = build_report(full_run, tmp_path_factory.mktemp("html") / "r.html")
     assert absent == {}
+    return out.read_text()
+
+
+def test_full_run_has_every_section(full_run: Path, full_html: str) -> None:
+    html = full_html
     assert charts(html) == set(CHARTS_ALWAYS + CHARTS_OPS)
     assert "data-absent" not in html
     for tid in ("op-table", "local-errors", "ablation-table", "first-divergent", "recipe", "auto", "weight-parity"):
@@ -52,8 +57,8 @@ def test_full_run_has_every_section(full_run: Path, tmp_path: Path) -> None:
     assert f"first divergent (bitwise): {op}" in html
 
 
-def test_headline_metrics_and_verdict(full_run: Path, tmp_path: Path) -> None:
-    html = build_report(full_run, tmp_path / "r.html")[0].read_text()
+def test_headline_metrics_and_verdict(full_run: Path, full_html: str) -> None:
+    html = full_html
     summ = json.loads((full_run / "compare" / "summary.json").read_text())["pairs"]["learner_vs_decode"]
     from mismatch_probe.gate import fmt_num
 
@@ -63,16 +68,16 @@ def test_headline_metrics_and_verdict(full_run: Path, tmp_path: Path) -> None:
     assert re.search(r'<body data-verdict="(identical|small|moderate|large|nonfinite|nodata)"', html)
 
 
-def test_self_contained_no_external_resources(full_run: Path, tmp_path: Path) -> None:
-    html = build_report(full_run, tmp_path / "r.html")[0].read_text()
+def test_self_contained_no_external_resources(full_html: str) -> None:
+    html = full_html
     assert "<link" not in html and "@import" not in html
     assert not re.search(r'\b(src|href)="(?!#|data:)', html), "only in-page anchors and data: URIs"
     assert "url(http" not in html
     assert "Content-Security-Policy" in html
 
 
-def test_worst_tokens_show_decoded_text(full_run: Path, tmp_path: Path) -> None:
-    html = build_report(full_run, tmp_path / "r.html")[0].read_text()
+def test_worst_tokens_show_decoded_text(full_html: str) -> None:
+    html = full_html
     table = html[html.index('id="worst-tokens"') :]
     table = table[: table.index("</table>")]
     assert table.count("<tr>") == 26  # header + 25 worst tokens
@@ -122,8 +127,8 @@ def test_html_is_escaped(tmp_path: Path) -> None:
     assert "<script>alert" not in html and "&lt;script&gt;alert" in html
 
 
-def test_svg_ids_are_unique_across_charts(full_run: Path, tmp_path: Path) -> None:
-    html = build_report(full_run, tmp_path / "r.html")[0].read_text()
+def test_svg_ids_are_unique_across_charts(full_html: str) -> None:
+    html = full_html
     ids = re.findall(r'\bid="([^"]+)"', html)
     assert len(ids) == len(set(ids))
 
