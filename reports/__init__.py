@@ -18,4 +18,6 @@ def build_report(run: Path, out: Path | None = None, *, gate_config: Path | None
         cfg = g.build_config(toml=g.load_toml(gate_config))
         results = g.evaluate(cfg, data.summary, run)
     out = Path(out) if out is not None else run / "report.html"
+    if out.is_dir():
+        out = out / "report.html"
     return write_report(data, out, results), dict(data.absent)

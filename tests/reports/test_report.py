@@ -138,6 +138,8 @@ def test_cli_report_writes_default_path(cli, tmp_path: Path) -> None:
     r = cli("report", run)
     assert r.code == 0, r.err
     assert (run / "report.html").is_file()
+    r = cli("report", run, "--out", tmp_path)  # a directory: report.html inside it
+    assert r.code == 0 and (tmp_path / "report.html").is_file()
     text = r.out + r.err  # Rich may resolve the stream once
     assert "absent: Where drift starts" in text and "wrote" in text
 
