@@ -20,8 +20,10 @@ name                      alignment   linear
 
 Op classes (the ``ops=`` subset of a patch; ``bisect``'s ablation picks subsets of these):
 ``embedding, norm, linear, rope, attention, act, moe, logits, logsoftmax``. Under an ``engine``
-alignment with an NVFP4 linear, only ``linear`` (and, on MoE models, ``moe`` whose expert GEMMs
-are NVFP4) is replaced. The LM head (``logits``) and the MoE router stay bf16 in every recipe,
+alignment with an NVFP4 linear, ``linear``, the ops that produce the quantizer's input (``norm``,
+``act``: fused norm/act + quantize kernels in an NVFP4 stack) and, on MoE models, ``moe`` (expert
+GEMMs in NVFP4) are replaced; attention, rope, logits and log-softmax stay the engine's.
+The LM head (``logits``) and the MoE router stay bf16 in every recipe,
 as NVFP4 checkpoints and TE recipes keep them.
 """
 
@@ -33,6 +35,10 @@ from typing import Any
 OP_KINDS = ("embedding", "norm", "linear", "rope", "attention", "act", "moe", "logits", "logsoftmax")
 LINEARS = ("bf16", "nvfp4-dynamic-tensor", "nvfp4-static", "nvfp4-per-token")
 ALIGNS = ("engine", "strict")
+# What an NVFP4 recipe replaces under the engine alignment: the quantized GEMMs and the ops that
+# produce their inputs (RMSNorm before q/k/v and gate/up, SiLU-and-mul before down: fused
+# norm+quantize / act+quantize kernels in a real NVFP4 stack, the same kernel in both engines).
+NVFP4_OPS = ("linear", "norm", "act", "moe")
 RECIPES = ("engine", "strict", "nvfp4-dynamic-tensor", "nvfp4-static", "nvfp4-per-token")
 
 OP_DOC = {
@@ -84,7 +90,7 @@ class Recipe:
         if self.strict:
             return frozenset(OP_KINDS)
         if self.nvfp4:
-            return frozenset({"linear", "moe"})
+            return frozenset(NVFP4_OPS)
         return frozenset()
 
     def impl(self, op: str) -> str:
@@ -95,6 +101,8 @@ class Recipe:
             return self.linear
         if op == "moe" and self.nvfp4:
             return f"fixed-order, experts {self.linear}"
+        if op in NVFP4_OPS and self.nvfp4:
+            return "strict (quantizer producer)"
         return "strict" if self.strict else "engine"
 
     def describe(self) -> dict[str, Any]:
