@@ -149,6 +149,13 @@ class FsdpLearner(Runner):
             raise ValueError(f"seq_meta has {len(meta)} entries for {len(seqs)} sequences")
         if len({m[0] for m in meta}) != len(meta):
             raise ValueError("seq_meta: seq_id values are not unique")
+        n_mb = -(-len(seqs) // self.micro_batch_size)
+        if n_mb < self.nproc:
+            self.info.notes.append(
+                f"FSDP: {len(seqs)} sequences make {n_mb} micro-batches of up to {self.micro_batch_size}: "
+                f"{self.nproc - n_mb} of {self.nproc} ranks only ran dummy forwards (lower --micro-batch-size "
+                "to spread the work; the micro-batches are cut as the HF learner cuts them)"
+            )
         job = Path(tempfile.mkdtemp(prefix="mismatch-probe-fsdp-"))
         try:
             self._write_job(job, seqs, meta)

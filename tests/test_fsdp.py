@@ -146,6 +146,9 @@ def test_compare_learner_fsdp_end_to_end(tmp_path: Path) -> None:
     parts = ds.dataset(out / "learner" / "tokens_by_rank", format="parquet", partitioning="hive").to_table()
     assert sorted(set(parts.column("rank").to_pylist())) == [0, 1]
     assert not parts.to_pandas().duplicated(["seq_id", "pos"]).any()
+    ops = ds.dataset(out / "learner" / "ops_by_rank", format="parquet", partitioning="hive").to_table().to_pandas()
+    assert sorted(ops["rank"].unique().tolist()) == [0, 1]
+    assert len(ops) > 0 and not ops.duplicated(["op", "seq_id", "pos"]).any()
 
 
 @pytest.mark.vllm
@@ -156,7 +159,7 @@ def test_killed_rank_stops_compare_names_rank_and_leaves_no_complete_run(tmp_pat
     proc = cli(
         "compare", "--learner", "fsdp", "--nproc", "2", "--model", "tiny-llama", "--n", "1",
         "--max-tokens", "6", "--micro-batch-size", "2", "--fsdp-timeout", str(timeout),
-        "--out", str(out), "--_fsdp-fault", "rank:1:after_batches:1:kill",
+        "--capture", "off", "--out", str(out), "--_fsdp-fault", "rank:1:after_batches:1:kill",
         timeout=timeout + 120,
     )
     elapsed = time.monotonic() - t0
