@@ -95,9 +95,10 @@ def read_summary(run: Path) -> dict[str, Any]:
 
 
 def first_divergent_from_run(run: Path, kind: str = "bitwise") -> tuple[bool, dict[str, Any] | None, str]:
-    """(known, first divergent op or None, source) from bisect.json, else from op_errors.parquet.
+    """(known, first divergent op or None, source or why unknown) from bisect.json, else op_errors.parquet.
 
-    ``known`` is False when the run holds neither file (op capture was not run).
+    ``known`` is False when the run holds neither file (op capture was not run), or, for the
+    tolerance kind, no bisect.json (tolerances by dtype are bisect's).
     """
     run = Path(run)
     bis = run / "bisect.json"
@@ -106,23 +107,18 @@ def first_divergent_from_run(run: Path, kind: str = "bitwise") -> tuple[bool, di
         fd = (obj.get("first_divergent") or {}).get(kind)
         return True, fd, "bisect.json"
     ope = run / "compare" / "op_errors.parquet"
-    if ope.exists() and kind == "bitwise":
-        from mismatch_probe.schema import read_schema_version
+    if not ope.exists():
+        return False, None, "no op capture in this run (no bisect.json or compare/op_errors.parquet)"
+    if kind != "bitwise":
+        return False, None, f"the {kind} first divergent op comes from bisect.json: run `mismatch-probe bisect RUN`"
+    from mismatch_probe.schema import read_table
 
-        if read_schema_version(ope) > SCHEMA_VERSION:
-            raise SchemaError(f"{ope} has a schema version newer than this mismatch-probe reads; upgrade")
-        import pyarrow.parquet as pq
-
-        try:
-            t = pq.read_table(ope, columns=["op", "layer", "exec_order", "bitwise_equal_frac"]).to_pylist()
-        except Exception as e:
-            raise SchemaError(f"corrupt Parquet file {ope}: {e}") from None
-        div = sorted((r for r in t if (r["bitwise_equal_frac"] or 0.0) < 1.0), key=lambda r: r["exec_order"])
-        if not div:
-            return True, None, "op_errors.parquet"
-        r = div[0]
-        return True, {"op": r["op"], "layer": r["layer"], "exec_order": r["exec_order"]}, "op_errors.parquet"
-    return False, None, ""
+    rows = read_table(ope, "op_errors").select(["op", "layer", "exec_order", "bitwise_equal_frac"]).to_pylist()
+    div = sorted((r for r in rows if (r["bitwise_equal_frac"] or 0.0) < 1.0), key=lambda r: r["exec_order"])
+    if not div:
+        return True, None, "op_errors.parquet"
+    r = div[0]
+    return True, {"op": r["op"], "layer": r["layer"], "exec_order": r["exec_order"]}, "op_errors.parquet"
 
 
 # --------------------------------------------------------------------------- checks
@@ -320,19 +316,9 @@ def evaluate(cfg: GateConfig, summary: dict[str, Any], run: Path | None = None) 
     if cfg.allow_first_divergent is not None:
         thr = "allowed" if cfg.allow_first_divergent else "none"
         name = f"{FIRST_DIVERGENT} ({cfg.first_divergent_kind})"
-        known, fd, src = first_divergent_from_run(run, cfg.first_divergent_kind) if run else (False, None, "")
+        known, fd, src = first_divergent_from_run(run, cfg.first_divergent_kind) if run else (False, None, "no run")
         if not known:
-            out.append(
-                CheckResult(
-                    None,
-                    name,
-                    "learner_vs_sampler",
-                    None,
-                    thr,
-                    miss,
-                    "no op capture in this run (no bisect.json or compare/op_errors.parquet)",
-                )
-            )
+            out.append(CheckResult(None, name, "learner_vs_sampler", None, thr, miss, src))
         else:
             val = "none" if fd is None else f"{fd.get('op')} (layer {fd.get('layer')}, #{fd.get('exec_order')})"
             ok = cfg.allow_first_divergent or fd is None

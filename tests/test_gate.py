@@ -261,3 +261,13 @@ def test_cli_report_and_gate_need_no_engine(token_run: Path, tmp_path: Path) -> 
 
 def test_schema_error_is_exit_2() -> None:
     assert SchemaError.exit_code == 2 and UsageError.exit_code == 2
+
+
+def test_tolerance_first_divergent_needs_bisect(run: Path, tmp_path: Path) -> None:
+    s = summary(k3=0.0)
+    tol = json.loads((run / "bisect.json").read_text())["first_divergent"]["tolerance"]
+    res = g.evaluate(g.build_config(allow_first_divergent=False, first_divergent_kind="tolerance"), s, run)
+    assert res[0].verdict == "fail" and tol["op"] in str(res[0].value)
+    only_ops = make_run(tmp_path / "ops", ops=True)
+    res = g.evaluate(g.build_config(allow_first_divergent=False, first_divergent_kind="tolerance"), s, only_ops)
+    assert res[0].verdict == "skip" and "bisect" in res[0].detail
