@@ -188,3 +188,40 @@ def test_nvfp4_static_needs_calibration_and_qdq_modes() -> None:
     for mode in ("per-token", "per-tensor"):
         err = (qdq(x, mode).float() - x.float()).abs().max()
         assert 0 < float(err) < 1.0
+
+
+FSDP_SCRIPT = r"""
+import os, socket, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+import test_align as t
+t.torch.inference_mode = torch.no_grad  # FSDP2's unshard needs version counters (no inference tensors)
+seqs = t._seqs()
+plain, sharded = t._load("tiny-qwen3"), t._load("tiny-qwen3")
+for layer in sharded.model.layers:
+    fully_shard(layer)
+fully_shard(sharded)
+base = t._score(sharded, seqs, None)
+with t.patch(plain, "strict"), t.patch(sharded, "strict") as h:
+    assert len(h.patched) > 10
+    a, b = t._score(plain, seqs, "strict"), t._score(sharded, seqs, "strict")
+assert all(torch.equal(x, y) for x, y in zip(a, b))
+assert all(torch.equal(x, y) for x, y in zip(base, t._score(sharded, seqs, None)))
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_patch_under_fsdp2_bitwise_equals_plain_model_and_undoes() -> None:
+    """FSDP2 (fully_shard, gloo, one rank in a fresh process): the patched sharded model gives the
+    patched plain model's logprobs bit for bit, and undo restores the sharded model's own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT], capture_output=True, text=True, timeout=600, cwd=here,
+                          env={**__import__("os").environ, "PYTHONPATH": str(here)})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
