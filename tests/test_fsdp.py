@@ -187,3 +187,18 @@ def test_hung_rank_is_stopped_within_timeout_and_named(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < timeout + 20
     assert "rank 0: forward 1" in str(e.value)
     assert not (tmp_path / "tokens_by_rank").exists()
+
+
+def test_bad_fsdp_settings_are_usage_errors(tmp_path: Path) -> None:
+    from mismatch_probe.errors import UsageError
+    from mismatch_probe.pipeline import CompareConfig
+
+    CompareConfig(out=tmp_path, learner="fsdp", nproc=2).validate()
+    for kw, msg in [
+        ({"nproc": 0}, "--nproc must be >= 1"),
+        ({"fsdp_timeout_s": 0}, "--fsdp-timeout must be > 0"),
+        ({"fsdp_param_dtype": "fp8"}, "--fsdp-param-dtype must be"),
+        ({"fsdp_reduce_dtype": "int8"}, "--fsdp-reduce-dtype must be"),
+    ]:
+        with pytest.raises(UsageError, match=msg):
+            CompareConfig(out=tmp_path, learner="fsdp", **kw).validate()
