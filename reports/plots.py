@@ -150,8 +150,11 @@ def drift_chart(ops: pd.DataFrame, first: dict[str, dict[str, Any] | None], loca
     bottom = axes[-1, 0]
     layers = ops["layer"].to_numpy(int)
     starts = [i for i in range(len(layers)) if i == 0 or layers[i] != layers[i - 1]]
-    step = max(1, len(starts) // 24)
-    ticks = starts[::step]
+    ticks: list[int] = []
+    gap = max(2, len(layers) // 40)  # keep labels apart (e.g. "embed" right before "L0")
+    for i in starts[:: max(1, len(starts) // 24)]:
+        if not ticks or i - ticks[-1] >= gap:
+            ticks.append(i)
     bottom.set_xticks(ticks)
     bottom.set_xticklabels([ops["op"].iloc[i] if layers[i] < 0 else f"L{layers[i]}" for i in ticks], fontsize=7)
     bottom.set_xlabel("ops in execution order (ticks: start of each layer)")

@@ -166,7 +166,8 @@ def drift(data: RunData) -> str:
     lines = "".join(f"<li>first divergent op, {k}: <b>{esc(_fd_text(v))}</b></li>" for k, v in fd.items())
     cap = "Per-op error of sampler vs learner on the same tokens, in execution order; zeros drawn at the floor."
     if not local:
-        cap += " Local vs inherited error absent: bisect.json has no local_errors."
+        why = "bisect.json has no local_errors" if data.bisect is not None else "no bisect.json (run `mismatch-probe bisect`)"
+        cap += f" Local vs inherited error absent: {why}."
     return f'<ul id="first-divergent">{lines}</ul><p class="muted">source: {esc(src)}</p>' + figure(
         "drift", plots.drift_chart(data.op_errors, fd, local), cap
     )
