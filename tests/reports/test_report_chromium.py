@@ -1,6 +1,6 @@
 """The report in real headless Chromium (Debian's chromium): loads with no console errors, the DOM
 holds the headline metrics and every chart, a screenshot is produced. Synthetic runs here; the
-real-run version of the same checks is in test_real_run.py."""
+real-run version of the same checks is in test_report_real_run.py."""
 
 from __future__ import annotations
 
