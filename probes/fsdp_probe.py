@@ -279,7 +279,7 @@ class FsdpLearner(Runner):
             for r in unfinished
         )
         return (
-            f"FSDP rank {_ranks(stuck)} of {self.nproc} hung: the learner did not finish within "
+            f"FSDP rank{'s' if len(stuck) > 1 else ''} {_ranks(stuck)} of {self.nproc} hung: the learner did not finish within "
             f"--fsdp-timeout {self.timeout_s:g} s and was stopped ({where})"
         )
 

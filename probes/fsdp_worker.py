@@ -170,6 +170,7 @@ def run_rank(job: Path, fault: Fault | None) -> None:
         rec, cap = _capture(model, spec.get("capture"))
         steps = rank_steps(len(seqs), int(spec["micro_batch_size"]), rank, world)
         t_ready = time.monotonic()
+        _status(job, rank, phase="sharded", steps_done=0, steps_started=0, n_steps=len(steps), seqs_done=0)
         cols: dict[str, list[np.ndarray]] = {k: [] for k in ("seq_id", "prompt_id", "pos", "token_id", "is_response", "logprob")}
         seqs_done = 0
         with torch.no_grad(), cap if cap is not None else contextlib.nullcontext():
