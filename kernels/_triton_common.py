@@ -124,6 +124,17 @@ def unpack_decode_tile(p):
 
 
 @kjit
+def load_as_f32(ptrs, mask, XBITS: tl.constexpr):
+    """Load and widen to fp32. XBITS: the pointer holds bf16 *bit patterns* (int16), widened by a
+    16-bit shift: exact for every value, subnormals included (the interpreter's bf16 -> fp32 cast
+    flushes bf16 subnormals; the GPU's does not)."""
+    if XBITS:
+        return (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@kjit
 def bf16_bits_rne(x):
     """fp32 -> bf16 bit pattern (int32 holding 16 bits), round to nearest even; NaN stays NaN."""
     u = x.to(tl.uint32, bitcast=True)

@@ -134,6 +134,14 @@ def _nonfinite() -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
+def _bf16_subnormal() -> torch.Tensor:
+    x = torch.zeros(2, 32)
+    x[0, 0] = 3.6734e-40  # amax itself a bf16 subnormal: S_enc overflows to FLT_MAX
+    x[1, :16] = torch.linspace(-1e-38, 1e-38, 16)
+    x[1, 16] = 1.0
+    return x.to(torch.bfloat16)
+
+
 def _equal_blocks() -> torch.Tensor:
     vals = torch.tensor([0.1, -3.0, 7.5, 1e-3], dtype=torch.float32)
     return vals.repeat_interleave(16).reshape(1, 64).repeat(5, 1).to(torch.float16)
@@ -197,8 +205,8 @@ def _gemm_check(m: int, path: str, tile16: bool = False, k: int = 256, n: int = 
 def _invariance_check(dev: torch.device, big: bool) -> str:
     from .aligned_linear import aligned_linear
 
-    ms = (1, 3, 16, 128, 1000, 4096) if big else (1, 3, 16, 40)
-    k, n = (2048, 512) if big else (128, 32)
+    ms = (1, 3, 16, 128, 1000, 4096) if big else (1, 3, 16, 20)
+    k, n = (2048, 512) if big else (64, 32)
     w = _weights(n, k, 13)
     w = R.NVFP4Tensor(w.codes.to(dev), w.scales.to(dev), w.amax.to(dev))
     x = torch.randn(max(ms), k, generator=_gen(14)).to(torch.bfloat16).to(dev)
@@ -287,6 +295,8 @@ CHECKS: list[Check] = [
     Check("quant_subnormal_e4m3_scales", "block scales in the E4M3 subnormal range", _q_check(_subnormal_scales)),
     Check("quant_scale_rounds_to_zero", "non-zero blocks whose scale rounds to 0 (TE: codes saturate)",
           _q_check(_zero_scale)),
+    Check("quant_bf16_subnormal_inputs", "bf16 subnormal inputs (amax subnormal -> S_enc capped at FLT_MAX)",
+          _q_check(_bf16_subnormal, per_token=True)),
     Check("quant_negative_zero", "-0.0 -> code 0; tiny negatives -> code 8", _q_check(_neg_zero, per_token=True)),
     Check("quant_nan_inf_flagged", "NaN/Inf policy: flagged blocks (scale 0x7F, codes 0)", _q_check(_nonfinite)),
     Check("quant_nan_inf_flagged_per_token", "NaN/Inf policy, per-token amax excludes them",

@@ -21,6 +21,7 @@ from ._triton_common import (
     kernel_device_ok,
     kjit,
     launch,
+    load_as_f32,
     require_contiguous,
     rmax,
     rsum,
@@ -74,7 +75,7 @@ def _quant_tile(x, s_dec, mult, ROWS: tl.constexpr, BK: tl.constexpr, TILE16: tl
 def _quantize_kernel(
     x_ptr, amax_ptr, codes_ptr, scales_ptr, rows, K,
     ROWS: tl.constexpr, BK: tl.constexpr, NUM_K: tl.constexpr, TILE16: tl.constexpr,
-    COMPUTE_AMAX: tl.constexpr, AMAX_PER_ROW: tl.constexpr,
+    COMPUTE_AMAX: tl.constexpr, AMAX_PER_ROW: tl.constexpr, XBITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -84,7 +85,7 @@ def _quantize_kernel(
         amax = tl.full([ROWS], 0.0, tl.float32)
         for c in range(NUM_K):
             m = rmask[:, None] & ((c * BK + cols) < K)[None, :]
-            xv = tl.load(x_ptr + r[:, None] * K + c * BK + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            xv = load_as_f32(x_ptr + r[:, None] * K + c * BK + cols[None, :], m, XBITS)
             amax = tl.maximum(amax, rmax(_finite_abs(xv), axis=1))
         tl.store(amax_ptr + r, amax, mask=rmask)
     elif AMAX_PER_ROW:
@@ -96,7 +97,7 @@ def _quantize_kernel(
     c16 = tl.arange(0, BK // 16)
     for c in range(NUM_K):
         m = rmask[:, None] & ((c * BK + cols) < K)[None, :]
-        xv = tl.load(x_ptr + r[:, None] * K + c * BK + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        xv = load_as_f32(x_ptr + r[:, None] * K + c * BK + cols[None, :], m, XBITS)
         packed, sbyte = _quant_tile(xv, s_dec, mult, ROWS, BK, TILE16)
         m2 = rmask[:, None] & ((c * (BK // 2) + c2) < K // 2)[None, :]
         tl.store(codes_ptr + r[:, None] * (K // 2) + c * (BK // 2) + c2[None, :], packed.to(tl.uint8), mask=m2)
@@ -122,6 +123,7 @@ def _quant_blocks(x, s_dec, mult):
 def _quantize_rows_kernel(
     x_ptr, amax_ptr, codes_ptr, scales_ptr, K,
     BB: tl.constexpr, NUM_C: tl.constexpr, COMPUTE_AMAX: tl.constexpr, AMAX_PER_ROW: tl.constexpr,
+    XBITS: tl.constexpr,
 ):
     """One program per row; the row is seen as [K/16, 16] blocks (block-major tile: the block max,
     the scale and the broadcast back stay inside a thread's registers)."""
@@ -135,7 +137,7 @@ def _quantize_rows_kernel(
         am = tl.full([BB], 0.0, tl.float32)
         for c in range(NUM_C):
             bb = c * BB + b
-            xv = tl.load(xrow + bb[:, None] * 16 + j16[None, :], mask=(bb < nb)[:, None], other=0.0).to(tl.float32)
+            xv = load_as_f32(xrow + bb[:, None] * 16 + j16[None, :], (bb < nb)[:, None], XBITS)
             am = tl.maximum(am, rmax(_finite_abs(xv), 1))
         amax = rmax(am[None, :], 1)
         tl.store(amax_ptr + row + tl.arange(0, 1), amax)
@@ -147,7 +149,7 @@ def _quantize_rows_kernel(
     for c in range(NUM_C):
         bb = c * BB + b
         bm = bb < nb
-        xv = tl.load(xrow + bb[:, None] * 16 + j16[None, :], mask=bm[:, None], other=0.0).to(tl.float32)
+        xv = load_as_f32(xrow + bb[:, None] * 16 + j16[None, :], bm[:, None], XBITS)
         packed, sbyte = _quant_blocks(xv, s_dec, mult)
         tl.store(codes_ptr + row * (K // 2) + bb[:, None] * 8 + j8[None, :], packed.to(tl.uint8), mask=bm[:, None])
         tl.store(scales_ptr + row * nb + bb, sbyte.to(tl.uint8), mask=bm)
@@ -197,17 +199,20 @@ def nvfp4_quantize(
         amax_t = check_amax(amax, rows, per_token, x.device)
     codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=x.device)
+    xbits = x.dtype == torch.bfloat16
+    xk = x.view(torch.int16) if xbits else x
     if not tile16 and QUANT_IMPL == "v2":
         nb = k // 16
         bb = max(1, min(triton.next_power_of_2(nb), 128 if INTERPRET else 512))
         nw = 8 if bb >= 256 else 4
-        launch(_quantize_rows_kernel, (rows,), x, amax_t, codes, scales, k, bb, triton.cdiv(nb, bb), compute, per_token,
-               num_warps=nw)
+        launch(_quantize_rows_kernel, (rows,), xk, amax_t, codes, scales, k, bb, triton.cdiv(nb, bb), compute, per_token,
+               xbits, num_warps=nw)
         return NVFP4Tensor(codes, scales, amax_t, per_token, tile16)
     r, bk, nk = _pick_tiles(rows, k, tile16)
     grid = (triton.cdiv(rows, r),)
     kw = {"num_warps": 8 if bk * r >= 4096 else 4}
-    launch(_quantize_kernel, grid, x, amax_t, codes, scales, rows, k, r, bk, nk, tile16, compute, per_token, **kw)
+    launch(_quantize_kernel, grid, xk, amax_t, codes, scales, rows, k, r, bk, nk, tile16, compute, per_token, xbits,
+           **kw)
     return NVFP4Tensor(codes, scales, amax_t, per_token, tile16)
 
 
@@ -289,13 +294,13 @@ def check_qtensor(q: NVFP4Tensor, name: str) -> None:
 @kjit
 def _rmsnorm_quant_kernel(
     x_ptr, w_ptr, y_ptr, amax_ptr, codes_ptr, scales_ptr, rows, K, eps,
-    BK: tl.constexpr, Y_BF16: tl.constexpr,
+    BK: tl.constexpr, Y_BF16: tl.constexpr, W_BF16: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BK)
     m = cols < K
-    x = tl.load(x_ptr + row * K + cols, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    x = load_as_f32(x_ptr + row * K + cols, m, Y_BF16)
+    w = load_as_f32(w_ptr + cols, m, W_BF16)
     ms = rsum(x * x, axis=0) / K
     rstd = 1.0 / tl.sqrt(ms + eps)
     y = (x * rstd) * w
@@ -335,6 +340,8 @@ def rmsnorm_nvfp4_quantize(
     if k > 16384:
         raise ValueError(f"fused RMSNorm+quantize holds a row in registers: K = {k} must be <= 16384")
     bf = x.dtype == torch.bfloat16
+    wbf = weight.dtype == torch.bfloat16
+    wk = weight.contiguous().view(torch.int16) if wbf else weight.contiguous()
     y = torch.empty_like(x)
     amax = torch.empty(rows, dtype=torch.float32, device=x.device)
     codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=x.device)
@@ -342,6 +349,7 @@ def rmsnorm_nvfp4_quantize(
     bk = max(16, triton.next_power_of_2(k))
     kw = {"num_warps": 8 if bk >= 4096 else 4}
     launch(_rmsnorm_quant_kernel, (rows,),
-        x, weight.contiguous(), y.view(torch.int16) if bf else y, amax, codes, scales, rows, k, float(eps), bk, bf, **kw
+        x.view(torch.int16) if bf else x, wk, y.view(torch.int16) if bf else y, amax, codes, scales, rows, k,
+        float(eps), bk, bf, wbf, **kw
     )
     return y, NVFP4Tensor(codes, scales, amax, True, False)

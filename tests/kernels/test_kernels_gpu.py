@@ -1,0 +1,31 @@
+"""GPU-only: every named check on CUDA (bf16 tensor cores), batch invariance at large M."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU-only machine)")
+
+
+@needs_cuda
+def test_all_checks_on_gpu():
+    from mismatch_probe.kernels.checks import run_checks
+
+    res = run_checks(device="cuda")
+    bad = [f"{r.name}: {r.detail}" for r in res if r.status == "fail"]
+    assert not bad, bad
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["auto", "fma", "fp4", "fp4w", "fp4w-swap", "bf16"])
+def test_batch_invariance_every_path(path):
+    from mismatch_probe.kernels import aligned_linear, nvfp4_quantize
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = nvfp4_quantize(torch.randn(512, 2048, device="cuda", generator=g))
+    x = torch.randn(4096, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    full = aligned_linear(x, w, path=path)
+    for m in (1, 3, 16, 128, 1000, 4096):
+        assert torch.equal(aligned_linear(x[:m], w, path=path), full[:m]), m
