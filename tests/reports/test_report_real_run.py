@@ -72,11 +72,11 @@ def test_real_run_report_in_chromium(run_dir: Path, tmp_path: Path) -> None:
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 20_000
 
 
-def _gate(run: Path, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+def _gate(cli, run: Path, tmp_path: Path, *args: str):  # cli: the conftest fixture
+    """``mismatch-probe gate`` in-process (exit code as the shell sees it) with Markdown and JUnit outputs."""
     md, xml = tmp_path / "gate.md", tmp_path / "gate.xml"
-    cmd = [*CLI, "gate", str(run), "--markdown", str(md), "--junit", str(xml)]
-    p = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
-    return p, md, xml
+    r = cli("gate", run, "--markdown", md, "--junit", xml, *args)
+    return r, md, xml
 
 
 def _check_junit(xml: Path, n_checks: int, n_fail: int) -> None:
@@ -98,13 +98,13 @@ def _check_junit(xml: Path, n_checks: int, n_fail: int) -> None:
             assert f.get("message")
 
 
-def test_real_run_gate_passes_and_fails(run_dir: Path, tmp_path: Path) -> None:
+def test_real_run_gate_passes_and_fails(run_dir: Path, tmp_path: Path, cli) -> None:
     m = _summary(run_dir)
     mean, mx = m["mean_abs_dlogp"], m["max_abs_dlogp"]
     loose = ["--max-mean-abs-dlogp", repr(mean * 2 + 1e-9), "--max-max-abs-dlogp", repr(mx * 2 + 1e-9),
              "--max-k3", "1", "--max-clip-frac", "0.5", "--check", "pearson_prob>=0.5"]  # fmt: skip
-    p, md, xml = _gate(run_dir, tmp_path, *loose)
-    assert p.returncode == 0, p.stdout + p.stderr
+    p, md, xml = _gate(cli, run_dir, tmp_path, *loose)
+    assert p.code == 0, p.out + p.err
     _check_junit(xml, 5, 0)
     text = md.read_text()
     for name in ("mean_abs_dlogp", "max_abs_dlogp", "k3", "clip_frac", "pearson_prob"):
@@ -112,35 +112,35 @@ def test_real_run_gate_passes_and_fails(run_dir: Path, tmp_path: Path) -> None:
     assert "PASS" in text
 
     tight = repr(mean / 2) if mean > 0 else "-1"
-    p, md, xml = _gate(run_dir, tmp_path, "--max-mean-abs-dlogp", tight, "--max-k3", "1")
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert "FAIL" in p.stdout
+    p, md, xml = _gate(cli, run_dir, tmp_path, "--max-mean-abs-dlogp", tight, "--max-k3", "1")
+    assert p.code == 1, p.out + p.err
+    assert "FAIL" in p.out
     _check_junit(xml, 2, 1)
     text = md.read_text()
     assert re.search(r"^\| mean_abs_dlogp \| .* fail \| threshold exceeded \|$", text, re.M)
     assert re.search(r"^\| k3 \| .* pass \|", text, re.M)
 
 
-def test_real_run_gate_from_toml(run_dir: Path, tmp_path: Path) -> None:
+def test_real_run_gate_from_toml(run_dir: Path, tmp_path: Path, cli) -> None:
     cfg = tmp_path / "gate.toml"
     cfg.write_text('[gate]\nmax_k3 = 1.0\nchecks = ["prefill_vs_decode.max_abs_dlogp <= 10"]\n')
-    p, md, xml = _gate(run_dir, tmp_path, "--config", str(cfg))
-    assert p.returncode == 0, p.stdout + p.stderr
+    p, md, xml = _gate(cli, run_dir, tmp_path, "--config", str(cfg))
+    assert p.code == 0, p.out + p.err
     _check_junit(xml, 2, 0)
-    p, _, _ = _gate(run_dir, tmp_path, "--config", str(cfg), "--max-k3", "-1")  # flags win over the file
-    assert p.returncode == 1
+    p, _, _ = _gate(cli, run_dir, tmp_path, "--config", str(cfg), "--max-k3", "-1")  # flags win over the file
+    assert p.code == 1
 
 
-def test_real_run_first_divergent_op(run_dir: Path, tmp_path: Path) -> None:
+def test_real_run_first_divergent_op(run_dir: Path, tmp_path: Path, cli) -> None:
     ope = run_dir / "compare" / "op_errors.parquet"
     if not ope.exists():
         pytest.skip("this real run has no op capture (compare/op_errors.parquet)")
     import pyarrow.parquet as pq
 
     diverges = min(pq.read_table(ope, columns=["bitwise_equal_frac"]).column(0).to_pylist()) < 1.0
-    p, md, xml = _gate(run_dir, tmp_path, "--no-first-divergent")
-    assert p.returncode == (1 if diverges else 0), p.stdout + p.stderr
+    p, md, xml = _gate(cli, run_dir, tmp_path, "--no-first-divergent")
+    assert p.code == (1 if diverges else 0), p.out + p.err
     _check_junit(xml, 1, int(diverges))
     assert "first_divergent_op (bitwise)" in md.read_text()
-    p, _, _ = _gate(run_dir, tmp_path, "--allow-first-divergent")
-    assert p.returncode == 0
+    p, _, _ = _gate(cli, run_dir, tmp_path, "--allow-first-divergent")
+    assert p.code == 0
