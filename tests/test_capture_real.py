@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import REPO, cli, load_json
+
 from mismatch_probe.models import resolve_model
 from mismatch_probe.schema import validate_file
 
@@ -95,23 +95,23 @@ def _compare_and_bisect(tmp_path: Path, model: str, sampler_model: str) -> tuple
 
 
 @pytest.mark.parametrize(
-    ("model", "side", "params", "first", "top"),
+    ("model", "sampler_plant", "learner_plant", "first", "top"),
     [
-        # sampler serves a checkpoint whose layer-0 input norm was scaled (and a deeper MLP weight)
-        ("tiny-qwen3", "sampler", {"model.layers.0.input_layernorm.weight": 1.01, "model.layers.2.mlp.down_proj.weight": 1.05},
+        # the sampler serves a checkpoint whose layer-0 input norm was scaled, and a deeper MLP weight
+        ("tiny-qwen3", {"model.layers.0.input_layernorm.weight": 1.01, "model.layers.2.mlp.down_proj.weight": 1.05}, {},
          "0.input_norm", {"0.input_norm", "2.mlp.down"}),
-        # the learner's checkpoint has a perturbed k projection
-        ("tiny-qwen3", "learner", {"model.layers.0.self_attn.k_proj.weight": 1.05}, "0.attn.k", {"0.attn.k"}),
-        ("tiny-llama", "sampler", {"model.layers.0.self_attn.v_proj.weight": 1.05}, "0.attn.v", {"0.attn.v"}),
+        # both sides planted: the learner's k projection, the sampler's v projection
+        ("tiny-llama", {"model.layers.0.self_attn.v_proj.weight": 1.05}, {"model.layers.0.self_attn.k_proj.weight": 1.05},
+         "0.attn.k", {"0.attn.k", "0.attn.v"}),
     ],
 )
-def test_bisect_finds_planted_perturbation(tmp_path, model, side, params, first, top):
+def test_bisect_finds_planted_perturbations(tmp_path, model, sampler_plant, learner_plant, first, top):
     clean = resolve_model(model).path
-    planted = _plant(clean, tmp_path / "planted", params)
-    learner, sampler = (str(clean), str(planted)) if side == "sampler" else (str(planted), str(clean))
-    bis, parity = _compare_and_bisect(tmp_path, learner, sampler)
+    sampler = _plant(clean, tmp_path / "sampler-planted", sampler_plant)
+    learner = _plant(clean, tmp_path / "learner-planted", learner_plant)
+    bis, parity = _compare_and_bisect(tmp_path, str(learner), str(sampler))
     assert bis["first_divergent"]["bitwise"]["op"] == first
     ranked = [r["op"] for r in bis["local_errors"]]
     assert set(ranked[: len(top)]) == top, ranked[:5]
     # the pre-flight weight parity names exactly the planted parameters
-    assert sorted(d["param"] for d in parity["differences"]) == sorted(params)
+    assert sorted(d["param"] for d in parity["differences"]) == sorted(sampler_plant | learner_plant)
