@@ -110,6 +110,9 @@ def w4a4_matmul(
     a_op, a_sf = _operand(a, a_fp4)
     b_op, b_sf = _operand(w, b_fp4)
     bm, bn = cfg["BM"], cfg["BN"]
+    kstep = cfg.get("KSTEP", _kstep(k // 16))
+    if (k // 16) % kstep:
+        raise ValueError(f"config KSTEP={kstep} must divide the number of K blocks {k // 16}")
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     obf = out_dtype == torch.bfloat16
     launch(
@@ -118,7 +121,7 @@ def w4a4_matmul(
         a.amax, a.amax, a.amax,  # tile tables: unused when not grouped
         m, n, k, 0, 0, 0,
         a_fp4, b_fp4, a.per_token, w.per_token,
-        False, bm, bn, cfg.get("KSTEP", _kstep(k // 16)), INTERPRET, not INTERPRET, obf, mode,
+        False, bm, bn, kstep, INTERPRET, not INTERPRET, obf, mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -27,7 +27,7 @@ from ._triton_common import (
     rsum,
     unpack_decode_tile,
 )
-from .nvfp4_ref import NVFP4Tensor, check_amax, nonfinite_amax, validate_input
+from .nvfp4_ref import NVFP4Tensor, check_amax, validate_input
 
 _RCP6 = 0.1666666716337204  # fp32 0x3E2AAAAB exactly
 _RCP2688 = 0.00037202381645329297
@@ -123,15 +123,15 @@ def _quant_blocks(x, s_dec, mult):
 def _quantize_rows_kernel(
     x_ptr, amax_ptr, codes_ptr, scales_ptr, K,
     BB: tl.constexpr, NUM_C: tl.constexpr, COMPUTE_AMAX: tl.constexpr, AMAX_PER_ROW: tl.constexpr,
-    XBITS: tl.constexpr,
+    XBITS: tl.constexpr, AMAX_ONLY: tl.constexpr,
 ):
     """One program per row; the row is seen as [K/16, 16] blocks (block-major tile: the block max,
-    the scale and the broadcast back stay inside a thread's registers)."""
+    the scale and the broadcast back stay inside a thread's registers). AMAX_ONLY: just store
+    the row's finite amax (first pass of per-tensor scaling)."""
     row = tl.program_id(0).to(tl.int64)
     nb = K // 16
     b = tl.arange(0, BB)
     j16 = tl.arange(0, 16)
-    j8 = tl.arange(0, 8)
     xrow = x_ptr + row * K
     if COMPUTE_AMAX:
         am = tl.full([BB], 0.0, tl.float32)
@@ -145,6 +145,16 @@ def _quantize_rows_kernel(
         amax = tl.load(amax_ptr + row + tl.arange(0, 1))
     else:
         amax = tl.load(amax_ptr + tl.arange(0, 1))
+    if not AMAX_ONLY:
+        _quantize_row_blocks(xrow, amax, codes_ptr, scales_ptr, row, K, nb, BB, NUM_C, XBITS)
+
+
+@kjit
+def _quantize_row_blocks(xrow, amax, codes_ptr, scales_ptr, row, K, nb, BB: tl.constexpr, NUM_C: tl.constexpr,
+                         XBITS: tl.constexpr):
+    b = tl.arange(0, BB)
+    j16 = tl.arange(0, 16)
+    j8 = tl.arange(0, 8)
     s_dec, mult = _row_scales(amax)
     for c in range(NUM_C):
         bb = c * BB + b
@@ -156,6 +166,7 @@ def _quantize_rows_kernel(
 
 
 QUANT_IMPL = "v2"  # "v1": the [rows, K]-tile kernel (also used for 16x16 tiles); "v2": block-major rows
+QUANT_NUM_WARPS: int | None = None  # tuning override (bench)
 
 
 def _pick_tiles(rows: int, k: int, tile16: bool) -> tuple[int, int, int]:
@@ -193,20 +204,26 @@ def nvfp4_quantize(
         raise ValueError("x holds NaN/Inf values (nonfinite='error')")
     rows, k = x.shape
     compute = per_token and amax is None
-    if amax is None:
-        amax_t = torch.empty(rows, dtype=torch.float32, device=x.device) if per_token else nonfinite_amax(x, False)
-    else:
-        amax_t = check_amax(amax, rows, per_token, x.device)
     codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=x.device)
     xbits = x.dtype == torch.bfloat16
     xk = x.view(torch.int16) if xbits else x
+    nb = k // 16
+    bb = max(1, min(triton.next_power_of_2(nb), 128 if INTERPRET else 512))
+    nw = QUANT_NUM_WARPS or (8 if bb >= 256 else 4)
+    v2_args = (k, bb, triton.cdiv(nb, bb))
+    if amax is not None:
+        amax_t = check_amax(amax, rows, per_token, x.device)
+    elif per_token:
+        amax_t = torch.empty(rows, dtype=torch.float32, device=x.device)
+    else:  # per-tensor: a Triton row-amax pass, then the max of the row maxima (exact)
+        row_amax = torch.empty(rows, dtype=torch.float32, device=x.device)
+        launch(_quantize_rows_kernel, (rows,), xk, row_amax, codes, scales, *v2_args, True, True, xbits, True,
+               num_warps=nw)
+        amax_t = row_amax.amax().reshape(1)
     if not tile16 and QUANT_IMPL == "v2":
-        nb = k // 16
-        bb = max(1, min(triton.next_power_of_2(nb), 128 if INTERPRET else 512))
-        nw = 8 if bb >= 256 else 4
-        launch(_quantize_rows_kernel, (rows,), xk, amax_t, codes, scales, k, bb, triton.cdiv(nb, bb), compute, per_token,
-               xbits, num_warps=nw)
+        launch(_quantize_rows_kernel, (rows,), xk, amax_t, codes, scales, *v2_args, compute, per_token, xbits, False,
+               num_warps=nw)
         return NVFP4Tensor(codes, scales, amax_t, per_token, tile16)
     r, bk, nk = _pick_tiles(rows, k, tile16)
     grid = (triton.cdiv(rows, r),)
