@@ -92,6 +92,13 @@ def _finish(fig: plt.Figure, axes: list[plt.Axes], **adjust: float) -> str:
     return to_svg(fig)
 
 
+def _num(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def _floor(values: np.ndarray) -> float:
     pos = values[np.isfinite(values) & (values > 0)]
     return float(pos.min() / 10) if pos.size else 1e-12
@@ -138,11 +145,14 @@ def drift_chart(ops: pd.DataFrame, first: dict[str, dict[str, Any] | None], loca
     if local:
         ax2 = axes[1, 0]
         loc = {d.get("op"): d for d in local}
-        le = np.array([float(loc.get(op, {}).get("local_error", np.nan)) for op in ops["op"]])
-        ie = np.array([float(loc.get(op, {}).get("inherited_error", np.nan)) for op in ops["op"]])
+        le = np.array([_num(loc.get(op, {}).get("local_error")) for op in ops["op"]])
+        ie = np.array([_num(loc.get(op, {}).get("inherited_error")) for op in ops["op"]])
         fl = _floor(np.concatenate([le, ie]))
-        ax2.bar(x - 0.2, np.where(le > 0, le, fl), width=0.4, color="#d62728", label="local (introduced here)")
-        ax2.bar(x + 0.2, np.where(ie > 0, ie, fl), width=0.4, color="#7f7f7f", label="inherited (from inputs)")
+        # zeros at the floor; NaN (op not replayed) not drawn
+        ax2.bar(x - 0.2, np.where(le > 0, le, np.where(le == 0, fl, np.nan)), width=0.4, color="#d62728",
+                label="local (introduced here)")  # fmt: skip
+        ax2.bar(x + 0.2, np.where(ie > 0, ie, np.where(ie == 0, fl, np.nan)), width=0.4, color="#7f7f7f",
+                label="inherited (from inputs)")  # fmt: skip
         ax2.set_yscale("log")
         ax2.set_ylabel("error")
         ax2.set_title("Local vs inherited error (input substitution)")
@@ -265,10 +275,10 @@ def decomposition_chart(summary: dict[str, Any], resp: pd.DataFrame) -> str:
 
 def ablation_chart(ablation: list[dict[str, Any]], top: int = 20) -> str:
     """Horizontal bars: share of the final gap each alignment group accounts for."""
-    rows = sorted(ablation, key=lambda r: -float(r.get("share") or 0))[:top]
+    rows = sorted(ablation, key=lambda r: -np.nan_to_num(_num(r.get("share")), nan=-np.inf))[:top]
     fig, ax = plt.subplots(figsize=(10, 0.3 * len(rows) + 1.2))
     labels = [f"{r.get('group')} ({r.get('kind')})" for r in rows][::-1]
-    shares = [float(r.get("share") or 0) for r in rows][::-1]
+    shares = [_num(r.get("share")) for r in rows][::-1]
     ax.barh(np.arange(len(rows)), shares, color="#9467bd")
     ax.set_yticks(np.arange(len(rows)))
     ax.set_yticklabels(labels, fontsize=7)

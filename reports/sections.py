@@ -319,55 +319,67 @@ def op_table(data: RunData) -> str:
     )
 
 
+def _f(x: Any) -> float:
+    """A JSON number as float; None, strings and bad values become NaN."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _desc(x: Any) -> float:
+    """Sort key: largest first, NaN last."""
+    v = _f(x)
+    return math.inf if math.isnan(v) else -v
+
+
+LOCAL_COLUMNS = (  # bisect.json local_errors key -> header; optional keys shown where present
+    ("local_error", "local error"),
+    ("reverse_local_error", "reverse local"),
+    ("inherited_error", "inherited error"),
+    ("total_error", "total error"),
+    ("local_bitwise_frac", "local bitwise-equal"),
+)
+
+
 def bisect(data: RunData) -> str:
     if data.bisect is None:
         return missing("Bisect ranking", data.absent["Bisect ranking"])
     out = []
-    local = sorted(data.bisect.get("local_errors") or [], key=lambda d: -float(d.get("local_error") or 0))
+    local = sorted(data.bisect.get("local_errors") or [], key=lambda d: _desc(d.get("local_error")))
     if local:
-        total = sum(float(d.get("local_error") or 0) for d in local) or math.nan
+        cols = [(k, h) for k, h in LOCAL_COLUMNS if any(k in d for d in local)]
+        total = float(np.nansum([_f(d.get("local_error")) for d in local])) or math.nan
         rows = [
-            [
-                td_num(i + 1),
-                td(d.get("op")),
-                td_num(d.get("layer")),
-                td_num(d.get("local_error")),
-                td_num(d.get("inherited_error")),
-                td_num(float(d.get("local_error") or 0) / total),
-            ]
+            [td_num(i + 1), td(d.get("op")), td_num(d.get("layer"))]
+            + [td_num(d.get(k)) for k, _ in cols]
+            + [td_num(_f(d.get("local_error")) / total)]
             for i, d in enumerate(local[:40])
         ]
+        headers = ["rank", "op", "layer"] + [h for _, h in cols] + ["share of local"]
         out.append(
             "<h3>Ops ranked by local error (error introduced by the op itself)</h3>"
-            + table(
-                ["rank", "op", "layer", "local error", "inherited error", "share of local"],
-                rows,
-                numeric=[0, 2, 3, 4, 5],
-                cls="sortable",
-                tid="local-errors",
-            )
+            + table(headers, rows, numeric=range(len(headers)), cls="sortable", tid="local-errors")
         )
     else:
-        out.append(missing("Local error ranking", "bisect.json has no local_errors"))
+        out.append(missing("Local error ranking", "bisect.json has no local_errors (bisect ran without --replay?)"))
+    skipped = data.bisect.get("not_replayed") or []
+    if skipped:
+        out.append(f'<p class="muted">Not replayed: {esc(", ".join(map(str, skipped[:30])))}</p>')
     abl = data.bisect.get("ablation") or []
     if abl:
         rows = [
             [td(d.get("group")), td(d.get("kind")), td_num(d.get("share")), td_num(d.get("gap_after"))]
-            for d in sorted(abl, key=lambda d: -float(d.get("share") or 0))
+            for d in sorted(abl, key=lambda d: _desc(d.get("share")))
         ]
         out.append(
             "<h3>Ablation: share of the gap each aligned group removes</h3>"
             + figure("ablation", plots.ablation_chart(abl), "Top groups by share.")
-            + table(
-                ["group", "kind", "share", "gap after"],
-                rows,
-                numeric=[2, 3],
-                cls="sortable",
-                tid="ablation-table",
-            )
+            + table(["group", "kind", "share", "gap after"], rows, numeric=[2, 3], cls="sortable", tid="ablation-table")
         )
     else:
-        out.append(missing("Ablation ranking", "bisect.json has no ablation results"))
+        note = data.bisect.get("ablation_note") or "bisect.json has no ablation results"
+        out.append(missing("Ablation ranking", str(note)))
     return "\n".join(out)
 
 

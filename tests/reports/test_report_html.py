@@ -225,3 +225,20 @@ def test_degenerate_runs_render_without_warnings(kwargs: dict, verdict: str | No
     assert charts(html) >= set(CHARTS_ALWAYS)
     if verdict:
         assert f'data-verdict="{verdict}"' in html
+
+
+def test_bisect_as_written_by_bisect_command(tmp_path: Path) -> None:
+    """bisect.json with NaN/None local errors, extra columns, ops not replayed and no ablation yet."""
+    run = make_run(tmp_path / "run", ops=True, bisect=True)
+    b = json.loads((run / "bisect.json").read_text())
+    b["local_errors"][5]["local_error"] = float("nan")
+    b["local_errors"][6]["local_error"] = None
+    for d in b["local_errors"]:
+        d.update(reverse_local_error=1e-3, total_error=2e-3, local_bitwise_frac=0.5)
+    b.update(ablation=[], ablation_note="ablation needs the alignment recipes; not run", not_replayed=["embed", "0.out"])
+    (run / "bisect.json").write_text(json.dumps(b))  # NaN as the json module writes it
+    html = build_report(run)[0].read_text()
+    assert "reverse local" in html and "total error" in html and "local bitwise-equal" in html
+    assert 'data-absent="Ablation ranking">Section absent: ablation needs the alignment recipes' in html
+    assert "Not replayed: embed, 0.out" in html
+    assert charts(html) == set(CHARTS_ALWAYS) | {"drift"}
