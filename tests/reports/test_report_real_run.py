@@ -58,7 +58,8 @@ def test_real_run_report_in_chromium(run_dir: Path, tmp_path: Path) -> None:
     expected = {"scatter", "histogram", "decomposition"}
     if (run_dir / "compare" / "op_errors.parquet").exists():
         expected.add("drift")
-    if "ablation" in (json.loads((run_dir / "bisect.json").read_text()) if (run_dir / "bisect.json").exists() else {}):
+    bisect = run_dir / "bisect.json"
+    if bisect.exists() and json.loads(bisect.read_text()).get("ablation"):
         expected.add("ablation")
     assert set(re.findall(r'<figure class="chart" data-chart="([a-z]+)"[^>]*><svg', dom)) == expected
     for section in absent:  # a run without op capture says which sections are absent and why
