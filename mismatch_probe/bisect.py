@@ -66,12 +66,15 @@ def _f64(t: Any) -> np.ndarray:
     return t.detach().double().cpu().numpy()
 
 
-def local_errors(run_dir: Path, manifest: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFrame,
-                 max_rows: int = 256, progress: Any = None) -> tuple[list[dict[str, Any]], list[str]]:
-    """Input substitution for every replayable op both sides captured in ``full`` mode."""
-    from mismatch_probe.probes.replay import op_inputs
+def local_errors(cfg: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFrame, engines: Any,
+                 max_rows: int = 256) -> tuple[list[dict[str, Any]], list[str]]:
+    """Input substitution for every replayable op both sides captured in ``full`` mode.
 
-    cfg = manifest["config"]
+    ``engines`` is a loaded :class:`Engines` (the sampler's and the learner's modules)."""
+    import torch
+
+    from mismatch_probe.probes.replay import hf_replay, op_inputs, vllm_replay
+
     n_layers = int(cfg.get("num_layers", 0))
     full_l = learner[learner["values"].notna()]
     full_s = sampler[sampler["values"].notna()]
@@ -82,36 +85,19 @@ def local_errors(run_dir: Path, manifest: dict[str, Any], learner: pd.DataFrame,
     available = set(keys_l.index) & set(keys_s.index)
     for op in sorted(available, key=lambda o: exec_order(o, n_layers)):
         ins = op_inputs(op, n_layers, available)
-        if ins is None or any(i not in keys_l.index or i not in keys_s.index for i in ins):
+        if ins is None or any(i not in available for i in ins):
             skipped.append(op)
             continue
         common = set.intersection(keys_l[op], keys_s[op], *(keys_l[i] for i in ins), *(keys_s[i] for i in ins))
         jobs.append((op, ins, sorted(common)[:max_rows]))
-    if not jobs:
-        return [], skipped
-
-    import torch
-
-    data = {}
-    for op, ins, keys in jobs:
-        data[op] = {
-            "L_in": [_tensors(full_l, i, keys) for i in ins],
-            "S_in": [_tensors(full_s, i, keys) for i in ins],
-            "L_out": _tensors(full_l, op, keys),
-            "S_out": _tensors(full_s, op, keys),
-            "pos": torch.tensor([p for _, p in keys], dtype=torch.long),
-        }
-    s_impl = _run_vllm(cfg, {op: (d["L_in"], d["pos"]) for op, d in data.items()})
-    l_impl = _run_hf(cfg, {op: (d["S_in"], d["pos"]) for op, d in data.items()})
     rows = []
-    for op, _ins, keys in jobs:
-        d = data[op]
-        lo, so = d["L_out"], d["S_out"]
-        si, li = s_impl[op], l_impl[op]
+    for op, ins, keys in jobs:
+        pos = torch.tensor([p for _, p in keys], dtype=torch.long)
+        l_in, s_in = [_tensors(full_l, i, keys) for i in ins], [_tensors(full_s, i, keys) for i in ins]
+        lo, so = _tensors(full_l, op, keys), _tensors(full_s, op, keys)
+        si = engines.sampler.llm.apply_model(lambda model, op=op, xs=l_in, p=pos: vllm_replay(model, op, xs, p))[0]
+        li = hf_replay(engines.learner.model, op, s_in, pos)
         layer, kind = split_op(op)
-        loc = error_stats(_f64(si), _f64(lo))["rel_l2"] if si.shape == lo.shape else math.nan
-        rev = error_stats(_f64(li), _f64(so))["rel_l2"] if li.shape == so.shape else math.nan
-        inh = max(error_stats(_f64(a), _f64(b))["rel_l2"] for a, b in zip(d["S_in"], d["L_in"], strict=True))
         rows.append(
             {
                 "op": op,
@@ -119,37 +105,50 @@ def local_errors(run_dir: Path, manifest: dict[str, Any], learner: pd.DataFrame,
                 "kind": kind,
                 "exec_order": exec_order(op, n_layers),
                 "n_rows": len(keys),
-                "local_error": loc,
+                "local_error": error_stats(_f64(si), _f64(lo))["rel_l2"] if si.numel() == lo.numel() else math.nan,
                 "local_bitwise_frac": _equal_rows(si, lo),
-                "reverse_local_error": rev,
-                "inherited_error": inh,
+                "reverse_local_error": error_stats(_f64(li), _f64(so))["rel_l2"] if li.numel() == so.numel() else math.nan,
+                "inherited_error": max(error_stats(_f64(x), _f64(y))["rel_l2"] for x, y in zip(s_in, l_in, strict=True)),
                 "total_error": error_stats(_f64(so), _f64(lo))["rel_l2"],
             }
         )
-        if progress is not None:
-            progress()
     rows.sort(key=lambda r: (-(r["local_error"] if not math.isnan(r["local_error"]) else -1), r["exec_order"]))
     return rows, skipped
 
 
-def _run_vllm(cfg: dict[str, Any], inputs: dict[str, list[Any]]) -> dict[str, Any]:
-    from mismatch_probe.models import inspect_model_dir
-    from mismatch_probe.probes.replay import vllm_replay
-    from mismatch_probe.probes.vllm_probe import VllmSampler
+class Engines:
+    """Both engines loaded once for bisect: vLLM (with the alignment plugin built in but idle, so
+    ablation can switch op classes on and off between passes) and the HF learner."""
 
-    mi = inspect_model_dir(Path(cfg["sampler_model_dir"]))
-    with VllmSampler(mi.path, mi.vocab_size, max_model_len=64, dtype=cfg.get("dtype", "bfloat16")) as s:
-        return s.llm.apply_model(lambda model: {op: vllm_replay(model, op, xs, p) for op, (xs, p) in inputs.items()})[0]
+    def __init__(self, cfg: dict[str, Any], align: bool) -> None:
+        from mismatch_probe.models import inspect_model_dir
+        from mismatch_probe.probes.hf_probe import HfLearner
+        from mismatch_probe.probes.vllm_probe import VllmSampler
 
+        self.align = align
+        ms, ml = inspect_model_dir(Path(cfg["sampler_model_dir"])), inspect_model_dir(Path(cfg["model_dir"]))
+        dtype = cfg.get("dtype", "bfloat16")
+        self.sampler = VllmSampler(ms.path, ms.vocab_size, max_model_len=min(ms.max_positions, 512), dtype=dtype,
+                                   recipe="strict" if align else None)
+        self.learner = HfLearner(ml.path, ml.vocab_size, dtype=dtype)
 
-def _run_hf(cfg: dict[str, Any], inputs: dict[str, list[Any]]) -> dict[str, Any]:
-    from mismatch_probe.models import inspect_model_dir
-    from mismatch_probe.probes.hf_probe import HfLearner
-    from mismatch_probe.probes.replay import hf_replay
+    def __enter__(self) -> Engines:
+        self.sampler.__enter__()
+        if self.align:
+            from mismatch_probe.kernels import vllm_plugin
 
-    mi = inspect_model_dir(Path(cfg["model_dir"]))
-    with HfLearner(mi.path, mi.vocab_size, dtype=cfg.get("dtype", "bfloat16")) as h:
-        return {op: hf_replay(h.model, op, xs, p) for op, (xs, p) in inputs.items()}
+            self.sampler.llm.apply_model(vllm_plugin.tag_modules)
+            vllm_plugin.activate("strict", ops=[])  # built with the plugin; idle until ablation asks
+        self.learner.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.learner.__exit__(*exc)
+        self.sampler.__exit__(*exc)
+        if self.align:
+            from mismatch_probe.kernels import vllm_plugin
+
+            vllm_plugin.deactivate()
 
 
 def load_op_errors(run_dir: Path) -> pd.DataFrame:

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from mismatch_probe.cli import app, console
+from mismatch_probe.errors import UsageError
 
 
 def _f(v: object) -> str:
@@ -20,27 +21,30 @@ def bisect(
     replay: bool = typer.Option(True, "--replay/--no-replay", help="Local error by input substitution (loads both engines)."),
     max_rows: int = typer.Option(256, "--max-rows", help="Tokens per op used for input substitution."),
     top: int = typer.Option(10, "--top", help="Rows of the local-error table to print."),
+    ablation: bool = typer.Option(True, "--ablation/--no-ablation", help="Rank op classes and layers by aligning them."),
+    min_share: float = typer.Option(0.05, "--min-share", help="Ablation: split a set only if it removes this share of the gap."),
 ) -> None:
     """Find the first op where the engines differ and rank ops by the error they introduce."""
-    from rich.progress import Progress
-
-    from mismatch_probe.bisect import first_divergent, load_op_errors, local_errors
+    from mismatch_probe.bisect import Engines, first_divergent, load_op_errors, local_errors
     from mismatch_probe.ops_stage import read_ops
     from mismatch_probe.rundir import load_manifest
     from mismatch_probe.schema import atomic_write_json
 
     manifest = load_manifest(run)
+    cfg = manifest["config"]
     errs = load_op_errors(run)
     result: dict = {"schema_version": 1, "run": str(run), "first_divergent": first_divergent(errs)}
-    if replay:
-        learner, sampler = read_ops(run, "learner"), read_ops(run, "sampler")
-        with Progress(console=console, transient=True) as p:
-            task = p.add_task("input substitution (both engines)", total=len(errs))
-            rows, skipped = local_errors(run, manifest, learner, sampler, max_rows, lambda: p.advance(task))
-        result["local_errors"] = rows
-        result["not_replayed"] = skipped
-    result["ablation"] = []
-    result["ablation_note"] = "ablation needs the alignment recipes (compare --align/--recipe); not run"
+    result["ablation"], result["ablation_note"] = [], "not run (--no-ablation)"
+    if replay or ablation:
+        if ablation and not (run / "sequences.parquet").exists():
+            raise UsageError(f"{run} has no sequences.parquet (written by compare); rerun compare or pass --no-ablation")
+        with console.status("loading both engines"), Engines(cfg, align=ablation) as engines:
+            if replay:
+                with console.status("input substitution: each engine's op on the other's captured input"):
+                    rows, skipped = local_errors(cfg, read_ops(run, "learner"), read_ops(run, "sampler"), engines, max_rows)
+                result["local_errors"], result["not_replayed"] = rows, skipped
+            if ablation:
+                result.update(_ablation(run, cfg, engines, min_share))
     atomic_write_json(run / "bisect.json", result)
 
     fd = result["first_divergent"]
@@ -62,4 +66,32 @@ def bisect(
             lt.add_row(str(i), r["op"], _f(r["local_error"]), _f(r["reverse_local_error"]), _f(r["inherited_error"]),
                        _f(r["total_error"]), f"{r['local_bitwise_frac']:.0%}")
         console.print(lt)
+    if result["ablation"]:
+        at = Table(title=f"ablation: share of the gap (mean |dlogp| {result['gap_engine']:.3e}) removed by aligning")
+        for c in ("group", "kind", "share", "gap after"):
+            at.add_column(c, justify="left" if c in ("group", "kind") else "right")
+        for r in result["ablation"]:
+            at.add_row(str(r["group"]), r["kind"], f"{r['share']:.1%}", _f(r["gap_after"]))
+        console.print(at)
+        console.print(f"{result['ablation_passes']} passes; all aligned: gap {result['gap_all_aligned']:.3e}")
     console.print(f"written {run / 'bisect.json'}")
+
+
+def _ablation(run: Path, cfg: dict, engines: object, min_share: float) -> dict:
+    from mismatch_probe.ablation import run_ablation
+    from mismatch_probe.kernels.recipes import OP_KINDS
+    from mismatch_probe.schema import read_table
+
+    seqs = read_table(run / "sequences.parquet", "sequences").to_pydict()
+    moe = cfg.get("model_type") == "qwen3_moe"
+    kinds = [k for k in OP_KINDS if moe or k != "moe"]
+    with console.status("ablation: aligning op classes, then layers"):
+        res = run_ablation(engines, seqs["token_ids"], seqs["n_prompt"], kinds, int(cfg.get("num_layers", 0)), min_share)
+    return {
+        "ablation": res["ranking"],
+        "ablation_note": res["metric"],
+        "ablation_passes": res["n_passes"],
+        "ablation_trace": res["passes"],
+        "gap_engine": res["gap_engine"],
+        "gap_all_aligned": res["gap_all_aligned"],
+    }

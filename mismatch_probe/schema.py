@@ -5,7 +5,7 @@ check it first and upgrade older versions step by step (``_UPGRADES``); a versio
 reader is an error. Schema history is append-only: never edit a released version, add one.
 
 History:
-  v1  tokens, token_gaps, ops, op_errors (this release).
+  v1  sequences, tokens, token_gaps, ops, op_errors (this release).
 """
 
 from __future__ import annotations
@@ -96,7 +96,16 @@ OP_ERRORS_V1 = pa.schema(
     ]
 )
 
-SCHEMAS: dict[str, pa.Schema] = {"tokens": TOKENS_V1, "token_gaps": TOKEN_GAPS_V1, "ops": OPS_V1, "op_errors": OP_ERRORS_V1}
+SEQUENCES_V1 = pa.schema(
+    [
+        ("seq_id", pa.int32()),
+        ("prompt_id", pa.int32()),
+        ("n_prompt", pa.int32()),
+        ("token_ids", pa.list_(pa.int32())),
+    ]
+)
+
+SCHEMAS: dict[str, pa.Schema] = {"sequences": SEQUENCES_V1, "tokens": TOKENS_V1, "token_gaps": TOKEN_GAPS_V1, "ops": OPS_V1, "op_errors": OP_ERRORS_V1}
 
 # version -> function upgrading a table of that version to version + 1
 _UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {}

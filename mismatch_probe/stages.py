@@ -70,6 +70,13 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
         sampler.__exit__(None, None, None)
     table = pa.concat_tables([decode_table(rollouts), tokens_table(rollouts, prefill, "prefill")])
     write_table(run.path("sampler/tokens.parquet"), table, "tokens")
+    seqs = {
+        "seq_id": [r.seq_id for r in rollouts],
+        "prompt_id": [r.prompt_id for r in rollouts],
+        "n_prompt": [len(r.prompt_ids) for r in rollouts],
+        "token_ids": [r.token_ids for r in rollouts],
+    }
+    write_table(run.path("sequences.parquet"), pa.table(seqs), "sequences")
     run.manifest["config"]["n_sequences"] = len(rollouts)
     return rollouts
 

@@ -62,9 +62,19 @@ def test_capture_files_and_op_errors(real_run_qwen3):
 
 
 def test_first_divergent_op_confirmed_by_calling_both_engines_directly(real_run_qwen3, engine_checks):
-    proc = cli("bisect", str(real_run_qwen3), "--no-replay", check=True)
-    fd = load_json(real_run_qwen3 / "bisect.json")["first_divergent"]["bitwise"]
+    proc = cli("bisect", str(real_run_qwen3), check=True)
+    bis = load_json(real_run_qwen3 / "bisect.json")
+    fd = bis["first_divergent"]["bitwise"]
     assert fd["op"] == "0.attn.rope_q", proc.stdout
+    # top contributors: local errors (rope and the fused add+norm introduce error on equal inputs)
+    top_kinds = {r["kind"] for r in bis["local_errors"][:12]}
+    assert top_kinds <= {"attn.rope_q", "attn.rope_k", "input_norm", "post_attn_norm", "final_norm"}, top_kinds
+    assert all(r["local_error"] == 0 for r in bis["local_errors"] if r["kind"] in ("attn.q", "attn.k", "mlp.down"))
+    # ablation: aligning everything closes the gap exactly; rope leads the op classes
+    assert bis["gap_engine"] > 0 and bis["gap_all_aligned"] == 0.0
+    kinds = [r for r in bis["ablation"] if r["kind"] == "op_kind"]
+    assert kinds and kinds[0]["group"] == "rope" and 0 < kinds[0]["share"] <= 1
+    assert bis["ablation_passes"] < 2 + 2 * 8  # halving, not one pass per class and layer
     errs = pd.read_parquet(real_run_qwen3 / "compare/op_errors.parquet")
     before = errs[errs.exec_order < fd["exec_order"]]
     assert (before.bitwise_equal_frac == 1.0).all()
