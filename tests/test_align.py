@@ -225,3 +225,21 @@ def test_patch_under_fsdp2_bitwise_equals_plain_model_and_undoes() -> None:
     proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT], capture_output=True, text=True, timeout=600, cwd=here,
                           env={**__import__("os").environ, "PYTHONPATH": str(here)})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--recipe", "fp8"], "unknown recipe 'fp8'"),
+        (["--sampler-recipe", "nvfp4"], "unknown recipe 'nvfp4'"),
+        (["--align", "loose"], "--align must be one of"),
+        (["--learner", "fsdp", "--align", "strict"], "--learner fsdp does not take a recipe yet"),
+    ],
+)
+def test_bad_recipe_flags_are_usage_errors(tmp_path: pytest.TempPathFactory, args: list[str], message: str) -> None:
+    from conftest import cli
+
+    proc = cli("compare", "--out", str(tmp_path / "run"), *args, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert message in proc.stderr + proc.stdout
+    assert not (tmp_path / "run").exists()
