@@ -5,6 +5,8 @@ Bitwise tests assert exact equality (``torch.equal``) and say so in their names.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -236,7 +238,7 @@ def test_patch_under_fsdp2_bitwise_equals_plain_model_and_undoes() -> None:
         (["--learner", "fsdp", "--align", "strict"], "--learner fsdp does not take a recipe yet"),
     ],
 )
-def test_bad_recipe_flags_are_usage_errors(tmp_path: pytest.TempPathFactory, args: list[str], message: str) -> None:
+def test_bad_recipe_flags_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
     from conftest import cli
 
     proc = cli("compare", "--out", str(tmp_path / "run"), *args, timeout=120)
