@@ -118,6 +118,21 @@ def _ops_capture(path: Path) -> dict[str, Any]:
     return {"rows": md.num_rows, "bytes": path.stat().st_size, "columns": md.schema.names}
 
 
+def _capture_info(root: Path, side: str, out: dict[str, dict[str, Any]]) -> None:
+    p = root / side / "ops.parquet"
+    if p.exists():
+        out[side] = _ops_capture(p)
+    by_rank = root / side / "ops_by_rank"
+    ranks = sorted(by_rank.rglob("*.parquet")) if by_rank.is_dir() else []
+    if ranks:  # multi-rank capture (FSDP): a dataset partitioned by rank
+        parts = [_ops_capture(f) for f in ranks]
+        out[f"{side} (by rank, {len(ranks)} files)"] = {
+            "rows": sum(x["rows"] for x in parts),
+            "bytes": sum(x["bytes"] for x in parts),
+            "columns": parts[0]["columns"],
+        }
+
+
 def load_run(run: Path) -> RunData:
     """Read a run directory for the report; SchemaError (exit 2) for missing/corrupt required inputs."""
     root = Path(run)
@@ -162,9 +177,10 @@ def load_run(run: Path) -> RunData:
         data.absent["Bisect ranking"] = "bisect.json not found: run `mismatch-probe bisect RUN` to rank ops"
 
     for side in ("learner", "sampler"):
-        p = root / side / "ops.parquet"
-        if p.exists():
-            data.ops_capture[side] = _ops_capture(p)
+        try:
+            _capture_info(root, side, data.ops_capture)
+        except SchemaError as e:  # informational only: the report never reads the captured values
+            data.notes.append(f"{side} op capture not summarized: {e}")
 
     data.decode, why = _tokenizer(manifest)
     if data.decode is None:

@@ -25,5 +25,15 @@
       th.addEventListener("click", function () { sortBy(table, i, th); });
     });
   });
+  Array.prototype.forEach.call(document.querySelectorAll("input[data-filter]"), function (input) {
+    var table = document.getElementById(input.getAttribute("data-filter"));
+    if (!table || !table.tBodies.length) { return; }
+    input.addEventListener("input", function () {
+      var q = input.value.trim().toLowerCase();
+      Array.prototype.forEach.call(table.tBodies[0].rows, function (row) {
+        row.style.display = !q || row.cells[0].textContent.toLowerCase().indexOf(q) >= 0 ? "" : "none";
+      });
+    });
+  });
   document.body.setAttribute("data-js-ok", "1");
 })();

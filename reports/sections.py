@@ -311,8 +311,10 @@ def op_table(data: RunData) -> str:
         )
     cap = "".join(f"<li>{esc(s)}: {v['rows']:,} rows, {v['bytes'] / 1e6:.1f} MB</li>" for s, v in data.ops_capture.items())
     cap_html = f'<p class="muted">Op capture files:</p><ul class="muted">{cap}</ul>' if cap else ""
+    filt = '<input type="search" id="op-filter" data-filter="op-table" placeholder="filter ops, e.g. attn.core or 3.mlp">'
     return (
         cap_html
+        + filt
         + '<div class="scroll">'
         + table(cols, rows, numeric=range(1, 12), cls="sortable", row_cls=rcls, tid="op-table")
         + "</div>"

@@ -242,3 +242,14 @@ def test_bisect_as_written_by_bisect_command(tmp_path: Path) -> None:
     assert 'data-absent="Ablation ranking">Section absent: ablation needs the alignment recipes' in html
     assert "Not replayed: embed, 0.out" in html
     assert charts(html) == set(CHARTS_ALWAYS) | {"drift"}
+
+
+def test_op_capture_files_are_summarized_not_read(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", n_seq=2, seq_len=20, ops=True, full_ops=True)
+    rank = run / "learner" / "ops_by_rank" / "rank=1"
+    rank.mkdir(parents=True)
+    (rank / "part-0.parquet").write_bytes(b"not parquet")  # a broken capture file does not block the report
+    html = build_report(run)[0].read_text()
+    assert re.search(r"<li>sampler: [\d,]+ rows, [\d.]+ MB</li>", html)
+    assert "learner op capture not summarized: corrupt Parquet" in html
+    assert 'id="op-filter"' in html
