@@ -123,3 +123,37 @@ class NVFP4Linear:
             "weight_amax": "fused shards" if s.fused_weight_amax else "per logical weight",
             "static_amax": None if self.static_amax is None else float(self.static_amax),
         }
+
+
+def explain_pair(x: torch.Tensor, w: torch.Tensor, a: NVFP4Linear, b: NVFP4Linear) -> dict[str, Any]:
+    """Why two NVFP4 linears (e.g. the learner's and the sampler's state of one layer) disagree on
+    the same input ``x [rows, K]`` and weight: activation scaling, weight quantization, or neither.
+    For ``bisect``: a first divergent quantized linear gets its reason from here."""
+    x2 = x.reshape(-1, x.shape[-1]).detach()
+
+    def act(s: NVFP4Linear) -> NVFP4Tensor:
+        amax = s.static_amax.to(x2.device) if s.scheme.static and s.static_amax is not None else None
+        return nvfp4_quantize_ref(x2, per_token=s.scheme.per_token, amax=amax)
+
+    qa, qb = act(a), act(b)
+    wa, wb = a.weight(w, key="explain"), b.weight(w, key="explain")
+    act_codes = float((qa.codes != qb.codes).float().mean())
+    act_scales = float((qa.scales != qb.scales).float().mean())
+    w_codes = float(torch.cat([(p.codes != q.codes).float().reshape(-1) for p, q in zip(wa, wb, strict=True)]).mean())
+    pairs = list(zip(wa, wb, strict=True))
+    w_amax_differ = any(not torch.equal(p.amax, q.amax) or not torch.equal(p.scales, q.scales) for p, q in pairs)
+    ya, yb = a(x2, w, key="explain"), b(x2, w, key="explain")
+    reasons = []
+    if act_codes or act_scales or not torch.equal(qa.row_amax(), qb.row_amax()):
+        reasons.append("activation scaling")
+    if w_codes or w_amax_differ:
+        reasons.append("weight quantization")
+    return {
+        "schemes": [a.scheme.name, b.scheme.name],
+        "activation_amax": [a.describe()["activation_amax"], b.describe()["activation_amax"]],
+        "activation_codes_differ_frac": act_codes,
+        "activation_scales_differ_frac": act_scales,
+        "weight_codes_differ_frac": w_codes,
+        "output_max_abs_diff": float((ya.float() - yb.float()).abs().max()),
+        "reason": " and ".join(reasons) if reasons else "none (same quantization)",
+    }

@@ -245,3 +245,16 @@ def test_bad_recipe_flags_are_usage_errors(tmp_path: Path, args: list[str], mess
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert message in proc.stderr + proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_explain_pair_names_activation_scaling() -> None:
+    from mismatch_probe.kernels.nvfp4_linear import explain_pair
+
+    torch.manual_seed(6)
+    x, w = torch.randn(8, 128).bfloat16(), torch.randn(32, 128).bfloat16()
+    x[0] *= 30
+    same = explain_pair(x, w, NVFP4Linear("nvfp4-per-token"), NVFP4Linear("nvfp4-per-token"))
+    assert same["reason"].startswith("none") and same["output_max_abs_diff"] == 0.0
+    diff = explain_pair(x, w, NVFP4Linear("nvfp4-dynamic-tensor"), NVFP4Linear("nvfp4-per-token"))
+    assert "activation scaling" in diff["reason"] and diff["activation_codes_differ_frac"] > 0
+    assert "weight quantization" in diff["reason"]  # 16x16 tiles vs 1x16 blocks
