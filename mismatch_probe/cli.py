@@ -26,7 +26,7 @@ err_console = Console(stderr=True)
 
 def _register() -> None:
     # Each module registers its commands on `app`; they import engines only when run.
-    from mismatch_probe import cmd_bisect, cmd_compare, cmd_engines  # noqa: F401
+    from mismatch_probe import cmd_bisect, cmd_capture, cmd_compare, cmd_engines  # noqa: F401
 
     for optional in ("mismatch_probe.cmd_report", "mismatch_probe.kernels.cli"):
         try:
