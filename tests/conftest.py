@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from mp_testlib import cli
 
 # Tiny models are built into a per-session cache (subprocesses inherit it); nothing downloads.
 if "MISMATCH_PROBE_CACHE" not in os.environ:
     os.environ["MISMATCH_PROBE_CACHE"] = tempfile.mkdtemp(prefix="mp-cache-")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def cli(*args: str, timeout: float = 600, check: bool = False) -> subprocess.CompletedProcess:
-    """Run ``mismatch-probe ARGS`` in a fresh interpreter; returns the completed process."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "mismatch_probe", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"mismatch-probe {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return proc
 
 
 def _compare(tmp_path_factory: pytest.TempPathFactory, model: str, *extra: str) -> Path:
@@ -49,7 +31,3 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def real_run_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A complete ``compare`` run on tiny-qwen3 with real vLLM and HF."""
     return _compare(tmp_path_factory, "tiny-qwen3")
-
-
-def load_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())

@@ -239,7 +239,7 @@ def test_patch_under_fsdp2_bitwise_equals_plain_model_and_undoes() -> None:
     ],
 )
 def test_bad_recipe_flags_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
-    from conftest import cli
+    from mp_testlib import cli
 
     proc = cli("compare", "--out", str(tmp_path / "run"), *args, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import REPO
+from mp_testlib import REPO
 
 pytestmark = pytest.mark.vllm
 

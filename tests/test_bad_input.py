@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import cli
+from mp_testlib import cli
 
 from mismatch_probe.models import resolve_model
 

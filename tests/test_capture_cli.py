@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import cli, load_json
+from mp_testlib import cli, load_json
 
 pytestmark = pytest.mark.vllm
 

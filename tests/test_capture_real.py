@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import REPO, cli, load_json
+from mp_testlib import REPO, cli, load_json
 
 from mismatch_probe.models import resolve_model
 from mismatch_probe.schema import validate_file

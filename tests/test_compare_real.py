@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import cli, load_json
+from mp_testlib import cli, load_json
 
 from mismatch_probe.schema import SCHEMA_VERSION, validate_file
 

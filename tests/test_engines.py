@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO, cli
+from mp_testlib import REPO, cli
 
 
 def test_engines_lists_the_stack():

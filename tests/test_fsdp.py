@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
-from conftest import cli, load_json
+from mp_testlib import cli, load_json
 
 from mismatch_probe.models import resolve_model
 from mismatch_probe.probes.capture import CapturePlan

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from conftest import cli
+from mp_testlib import cli
 
 
 def test_check_subset_passes_and_unknown_name_is_usage_error():

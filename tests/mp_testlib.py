@@ -1,0 +1,29 @@
+"""Helpers shared by the test modules (import as ``from mp_testlib import cli``; a module named
+``conftest`` would clash with the sub-folders' own conftest files)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, timeout: float = 600, check: bool = False) -> subprocess.CompletedProcess:
+    """Run ``mismatch-probe ARGS`` in a fresh interpreter; returns the completed process."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mismatch_probe", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"mismatch-probe {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
