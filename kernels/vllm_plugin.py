@@ -48,6 +48,10 @@ def active() -> Recipe | None:
     return _STATE["recipe"]
 
 
+def active_ops() -> frozenset[str]:
+    return _STATE["ops"]
+
+
 def activate(recipe: Recipe | str | None, ops: Iterable[str] | None = None, layers: Iterable[int] | None = None) -> None:
     """Make ``recipe`` (its ``ops`` subset, in ``layers``) what vLLM computes from now on. Call
     before the engine is built (the linear weights are kept at load time)."""
@@ -328,4 +332,7 @@ def installed() -> list[str]:
     return [f"{cls.__module__}.{cls.__qualname__}.{attr}" for cls, attr in _ORIG]
 
 
-__all__ = ["ENV", "OP_KINDS", "activate", "active", "deactivate", "install", "installed", "register", "tag_modules", "uninstall"]
+__all__ = [
+    "ENV", "OP_KINDS", "activate", "active", "active_ops", "deactivate", "install", "installed", "register", "tag_modules",
+    "uninstall",
+]

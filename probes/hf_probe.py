@@ -34,10 +34,14 @@ class HfLearner(Runner):
         attn_implementation: str = "sdpa",
         progress: Any = None,
         recipe: str | None = None,
+        recipe_ops: set[str] | None = None,
+        recipe_layers: set[int] | None = None,
     ) -> None:
         super().__init__(vocab_size)
         self.model_dir = Path(model_dir)
         self.recipe = recipe  # kernels.recipes name (None / 'engine': the model's own ops)
+        self.recipe_ops = recipe_ops  # subset of op classes / decoder layers patched (bisect's ablation)
+        self.recipe_layers = recipe_layers
         self._patch: Any = None
         self.micro_batch_size = micro_batch_size
         self.dtype = dtype
@@ -80,7 +84,7 @@ class HfLearner(Runner):
         if r.is_engine:
             self.info.settings["recipe"] = r.describe()
             return
-        self._patch = patch(self.model, r)
+        self._patch = patch(self.model, r, ops=self.recipe_ops, layers=self.recipe_layers)
         n_cal = calibrate(self.model, self._patch, self.vocab_size)
         self.info.settings["recipe"] = self._patch.describe() | {"calibrated_linears": n_cal}
 

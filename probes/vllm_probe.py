@@ -38,10 +38,14 @@ class VllmSampler(SamplerRunner):
         memory_fraction: float | None = None,
         llm_kwargs: dict[str, Any] | None = None,
         recipe: str | None = None,
+        recipe_ops: set[str] | None = None,
+        recipe_layers: set[int] | None = None,
     ) -> None:
         super().__init__(vocab_size)
         self.model_dir = Path(model_dir)
         self.recipe = recipe  # kernels.recipes name, installed by kernels.vllm_plugin (None: vLLM's own ops)
+        self.recipe_ops = recipe_ops  # subset of op classes / decoder layers (bisect's ablation)
+        self.recipe_layers = recipe_layers
         self.max_model_len = max_model_len
         self.seed = seed
         self.dtype = dtype
@@ -83,7 +87,8 @@ class VllmSampler(SamplerRunner):
         from mismatch_probe.kernels.recipes import parse
 
         recipe = parse(self.recipe or "engine")
-        vllm_plugin.activate(recipe)  # before the engine starts: the plugin keeps the weights at load
+        # before the engine starts: the plugin keeps the weights at load
+        vllm_plugin.activate(recipe, ops=self.recipe_ops, layers=self.recipe_layers)
         self.llm = vllm.LLM(**kwargs)
         self.info.settings["recipe"] = self._finish_recipe(recipe)
         self.info.settings.update(
@@ -97,7 +102,9 @@ class VllmSampler(SamplerRunner):
         """Tag layers for op/layer subsets and run the static-NVFP4 calibration pass."""
         from mismatch_probe.kernels import nvfp4_linear, vllm_plugin
 
-        desc = recipe.describe()
+        desc = recipe.describe() | {"patched_ops": sorted(vllm_plugin.active_ops())}
+        if self.recipe_layers is not None:
+            desc["layers"] = sorted(self.recipe_layers)
         if recipe.is_engine:
             return desc
         self.llm.apply_model(vllm_plugin.tag_modules)
