@@ -16,8 +16,7 @@ from .nvfp4_ref import FLOAT_DTYPES, NVFP4Tensor, w4a4_gemm_ref
 from .triton_nvfp4 import check_qtensor, nvfp4_dequantize, nvfp4_quantize
 from .triton_w4a4 import w4a4_kernel
 
-DECODE_MAX_M = 64  # at or below: packed FP4 weights read directly in the mainloop
-FMA_MAX_M = 16  # at or below: CUDA-core path (no tensor cores)
+DECODE_MAX_M = 64  # at or below: packed FP4 weights read directly in the mainloop (swap-AB)
 PATHS = ("auto", "fp4", "fp4w", "fp4w-swap", "fma", "bf16")
 # path -> (A packed FP4?, B packed FP4?, kernel MODE: 0 dot, 1 swap-AB dot, 2 CUDA-core FMA)
 _PATH_OPERANDS = {
@@ -32,27 +31,30 @@ _PATH_OPERANDS = {
 def choose_path(m: int, path: str = "auto") -> str:
     """Operand forms / engines, all giving identical bits (only speed differs):
 
-    * 'fma': both operands packed FP4 + scales, decoded in the mainloop, CUDA-core FMAs (M <= 16);
-    * 'fp4': both packed, tensor cores; 'fp4w': weights packed, activations pre-dequantized to
-      exact bf16 ``E2M1*sf`` (decoded once instead of once per N tile); 'fp4w-swap': the same
-      with the weights on the MMA's M side (swap-AB, for small M);
-    * 'bf16': both pre-dequantized (large M: keeps the mainloop on the tensor cores).
+    * 'fp4w-swap': weights packed FP4 + scales decoded in the mainloop and placed on the MMA's M
+      side (swap-AB: out^T = W A^T, so M = 1..64 wastes no wgmma rows); activations
+      pre-dequantized once to exact bf16 ``E2M1*sf``. Default for M <= 64 (fastest measured).
+    * 'fp4': both operands packed, decoded in the mainloop; 'fp4w': weights packed, activations
+      pre-dequantized (activation rows on the MMA's M side, padded to 64).
+    * 'bf16': both pre-dequantized to exact bf16 (large M: the mainloop stays on the tensor
+      cores); default for M > 64.
+    * 'fma': CUDA cores only (no tensor cores); exact too but slow (kept as a cross-check).
 
-    'auto': 'fma' for M <= 16, 'fp4w' for M <= 64, else 'bf16'."""
+    Every path passed the bitwise checks and batch invariance on the H200 (2026-11-29)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if path != "auto":
         return path
-    if m <= FMA_MAX_M:
-        return "fma"
-    return "fp4w" if m <= DECODE_MAX_M else "bf16"
+    return "fp4w-swap" if m <= DECODE_MAX_M else "bf16"
 
 
 def gemm_config(m: int, path: str) -> dict[str, int]:
     """Tile configuration by shape (never changes the bits: every tile computes the same sums).
 
-    Tensor-core tiles keep BM >= 64 (wgmma): on the H200 with Triton 3.6 the mma.sync (BM = 16)
-    variants of this kernel returned wrong values (2026-11-29 run), so they are not used."""
+    Tensor-core tiles keep both MMA dims >= 64 whenever an operand is decoded in registers: on the
+    H200 with Triton 3.6 the mma.sync (BM or BN < 64) variants fed by register-decoded FP4
+    operands returned wrong values (a register layout conversion; the same mma.sync fed from
+    memory was exact), so those tile shapes are never chosen."""
     small = 1 << max(0, (max(1, min(m, 16)) - 1).bit_length())
     if INTERPRET:
         if path == "fma":
@@ -61,10 +63,11 @@ def gemm_config(m: int, path: str) -> dict[str, int]:
     if path == "fma":
         return {"BM": small, "BN": 32, "num_warps": 4, "num_stages": 3}
     if path == "fp4w-swap":
-        return {"BM": 16 if m <= 16 else (32 if m <= 32 else 64), "BN": 64, "num_warps": 4, "num_stages": 4}
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        return {"BM": bm, "BN": 64, "num_warps": 4, "num_stages": 3, "KSTEP": 2}
     if path in ("fp4", "fp4w"):
         return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 4}
-    return {"BM": 128, "BN": 128, "num_warps": 8, "num_stages": 3}
+    return {"BM": 128, "BN": 128, "num_warps": 8, "num_stages": 3, "KSTEP": 2}
 
 
 def _kstep(nblocks: int) -> int:
@@ -74,6 +77,17 @@ def _kstep(nblocks: int) -> int:
         if nblocks % s == 0:
             return s
     return 1
+
+
+def kstep_for(cfg: dict[str, int], nblocks: int, user: dict[str, int] | None) -> int:
+    """K blocks per unrolled loop step: the config's when it divides the block count (a user
+    override that does not divide is an error), else the largest of 8, 4, 2, 1 that does."""
+    ks = cfg.get("KSTEP")
+    if ks is not None and nblocks % ks == 0:
+        return ks
+    if user and "KSTEP" in user:
+        raise ValueError(f"config KSTEP={ks} must divide the number of K blocks {nblocks}")
+    return _kstep(nblocks)
 
 
 def _operand(q: NVFP4Tensor, fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,9 +124,7 @@ def w4a4_matmul(
     a_op, a_sf = _operand(a, a_fp4)
     b_op, b_sf = _operand(w, b_fp4)
     bm, bn = cfg["BM"], cfg["BN"]
-    kstep = cfg.get("KSTEP", _kstep(k // 16))
-    if (k // 16) % kstep:
-        raise ValueError(f"config KSTEP={kstep} must divide the number of K blocks {k // 16}")
+    kstep = kstep_for(cfg, k // 16, config)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     obf = out_dtype == torch.bfloat16
     launch(

@@ -19,7 +19,8 @@ KERNELS = ("quantize", "dequantize", "rmsnorm_quantize", "aligned_linear", "grou
 
 
 def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> dict[str, Any]:
-    """Choose the backend for ``kernel`` on ``device`` (and GEMM path by M). Returns a record
+    """Choose the backend for ``kernel`` on ``device`` (and the GEMM path by M, or by the average
+    rows per expert for ``grouped_gemm``). Returns a record
     ``{kernel, backend, path, reason, compute_capability, triton, torch}`` for manifests."""
     import torch
     import triton
@@ -47,8 +48,12 @@ def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> d
         rec.update(backend="triton", reason=f"sm_{cc[0]}{cc[1]}: Triton kernels (CUTLASS backend not implemented)")
     else:
         rec.update(backend="triton-interpreter", reason="CPU tensors: Triton interpreter (bit-identical, slow)")
-    if kernel in ("aligned_linear", "grouped_gemm") and m is not None:
+    if kernel == "aligned_linear" and m is not None:
         from .aligned_linear import choose_path
 
         rec["path"] = choose_path(m)
+    if kernel == "grouped_gemm" and m is not None:  # m: average rows per expert
+        from .grouped_gemm import choose_grouped_path
+
+        rec["path"] = choose_grouped_path(m)
     return rec

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from ._triton_common import INTERPRET, kernel_device_ok, launch, require_contiguous
-from .aligned_linear import _PATH_OPERANDS, _kstep, choose_path, gemm_config
+from .aligned_linear import _PATH_OPERANDS, PATHS, gemm_config, kstep_for
 from .nvfp4_ref import NVFP4Tensor, nvfp4_quantize_ref, w4a4_gemm_ref
 from .triton_nvfp4 import check_qtensor, nvfp4_dequantize, nvfp4_quantize
 from .triton_w4a4 import w4a4_kernel
@@ -86,6 +86,18 @@ def tile_schedule(offsets: torch.Tensor, bm: int, max_rows: int) -> tuple[torch.
     )
 
 
+def choose_grouped_path(avg_rows: int, path: str = "auto") -> str:
+    """'auto': 'fp4' (both operands packed, 64x64 wgmma tiles) when experts get <= 64 rows on
+    average, else 'bf16'. Both were bit-checked in grouped mode on the H200 (2026-11-29). The
+    faster 'fp4w-swap' (measured at 64 tokens) is available by name; in grouped mode it was timed
+    but not bit-checked on the GPU (it was on CPU, and non-grouped on the GPU)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path != "auto":
+        return path
+    return "fp4" if avg_rows <= 64 else "bf16"
+
+
 def grouped_w4a4(
     a: NVFP4Tensor,
     offsets: torch.Tensor,
@@ -120,7 +132,7 @@ def grouped_w4a4(
     if m == 0:
         return out
     avg = max(1, m // max(1, e_count))
-    p = choose_path(avg, path)
+    p = choose_grouped_path(avg, path)
     cfg = {**gemm_config(avg, p), **(config or {})}
     bm, bn = cfg["BM"], cfg["BN"]
     te, tr0, tr1 = tile_schedule(offsets.to(a.codes.device), bm, m)
@@ -138,7 +150,7 @@ def grouped_w4a4(
         te, tr0, tr1,
         m, n, k, b_op[0].numel(), n * (k // 16), 1,
         a_fp4, b_fp4, True, False,
-        True, bm, bn, _kstep(k // 16), INTERPRET, not INTERPRET, obf, mode,
+        True, bm, bn, kstep_for(cfg, k // 16, config), INTERPRET, not INTERPRET, obf, mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -43,3 +43,42 @@ def test_interpreter_mode_does_not_leak():
 def test_unknown_check_name():
     with pytest.raises(ValueError, match="unknown check"):
         run_checks(["no_such_check"])
+
+
+QUANT_CHECKS = [c.name for c in CHECKS if c.name.startswith(("quant_", "rmsnorm")) and "tile16" not in c.name]
+
+
+@pytest.mark.parametrize("name", QUANT_CHECKS)
+def test_quantize_v2_kernel_bitwise(name, monkeypatch):
+    """The alternative block-major quantize kernel (v2) passes the same checks."""
+    from mismatch_probe.kernels import triton_nvfp4
+
+    monkeypatch.setattr(triton_nvfp4, "QUANT_IMPL", "v2")
+    (res,) = run_checks([name])
+    assert res.status == "pass", res.detail
+
+
+@pytest.mark.parametrize("path", ["fp4w", "fp4w-swap"])
+def test_grouped_other_paths_bitwise(path):
+    """Grouped GEMM through the paths that are not in the named checks (CPU interpreter)."""
+    import torch
+
+    from mismatch_probe.kernels import moe_grouped_linear, quantize_expert_weights
+
+    g = torch.Generator().manual_seed(1)
+    w = quantize_expert_weights(torch.randn(4, 32, 64, generator=g), use_ref=True)
+    x = torch.randn(7, 64, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(7)])
+    tw = torch.rand(7, 2, generator=g)
+    got = moe_grouped_linear(x, ids, tw, w, path=path)
+    assert torch.equal(got.view(torch.int16), moe_grouped_linear(x, ids, tw, w, use_ref=True).view(torch.int16))
+
+
+def test_backend_record():
+    from mismatch_probe.kernels import select_backend
+
+    rec = select_backend("aligned_linear", "cpu", 16)
+    assert rec["backend"] == "triton-interpreter" and rec["path"] == "fp4w-swap"
+    assert select_backend("grouped_gemm", "cpu", 4)["path"] == "fp4"
+    with pytest.raises(ValueError, match="unknown kernel"):
+        select_backend("nope", "cpu")
