@@ -55,7 +55,8 @@ def bench_quantize(rows: list[dict[str, Any]], quick: bool) -> None:
     m = k = S["quant"]
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    copy_ms = _safe(rows, "copy bf16 8192x8192 (read+write)", lambda: y.copy_(x), bytes=2 * x.numel() * 2)
+    cbytes = 2 * x.numel() * 2
+    copy_ms = _safe(rows, f"copy bf16 {m}x{k} (read+write)", lambda: y.copy_(x), bytes=cbytes)
     qbytes = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + m * 4
     from mismatch_probe.kernels import triton_nvfp4 as tq
 
@@ -63,19 +64,20 @@ def bench_quantize(rows: list[dict[str, Any]], quick: bool) -> None:
     for impl in ("v2", "v1"):
         tq.QUANT_IMPL = impl
         _safe(rows, f"quantize per-token 1x16: Triton {impl}", lambda: nvfp4_quantize(x, per_token=True), bytes=qbytes,
-              copy_ms=copy_ms)
+              copy_ms=copy_ms, copy_bytes=cbytes)
         _safe(rows, f"quantize per-tensor 1x16, amax given: Triton {impl}", lambda: nvfp4_quantize(x, amax=amax1),
-              bytes=qbytes, copy_ms=copy_ms)
-    tq.QUANT_IMPL = "v2"
-    _safe(rows, "quantize per-tensor 1x16 incl. torch amax pass: Triton v2", lambda: nvfp4_quantize(x), bytes=qbytes,
-          copy_ms=copy_ms)
+              bytes=qbytes, copy_ms=copy_ms, copy_bytes=cbytes)
+    tq.QUANT_IMPL = "v1"
+    _safe(rows, "quantize per-tensor 1x16 incl. Triton amax pass", lambda: nvfp4_quantize(x), bytes=qbytes,
+          copy_ms=copy_ms, copy_bytes=cbytes)
     _safe(rows, "quantize per-token 1x16: reference eager torch", lambda: nvfp4_quantize_ref(x, per_token=True),
-          bytes=qbytes, copy_ms=copy_ms)
+          bytes=qbytes, copy_ms=copy_ms, copy_bytes=cbytes)
     if not quick and not DRY:
         try:
             comp = torch.compile(lambda t: nvfp4_quantize_ref(t, per_token=True))
             comp(x)
-            _safe(rows, "quantize per-token 1x16: reference torch.compile", lambda: comp(x), bytes=qbytes, copy_ms=copy_ms)
+            _safe(rows, "quantize per-token 1x16: reference torch.compile", lambda: comp(x), bytes=qbytes,
+                  copy_ms=copy_ms, copy_bytes=cbytes)
         except Exception as e:
             rows.append({"name": "quantize reference torch.compile", "ms": None, "error": str(e)[:200]})
 
@@ -221,12 +223,14 @@ def run_gpu_checks() -> tuple[int, int, list[dict[str, Any]]]:
     from mismatch_probe.kernels.checks import run_checks
 
     res = run_checks()
-    tq.QUANT_IMPL = "v1"  # the previous quantize kernel, kept for 16x16 tiles and as a fallback
+    default = tq.QUANT_IMPL
+    other = "v2" if default == "v1" else "v1"
+    tq.QUANT_IMPL = other  # the alternative quantize kernel passes the same checks
     names = [r.name for r in res if r.name.startswith(("quant_", "rmsnorm")) and "tile16" not in r.name]
     for r in run_checks(names):
-        r.name = r.name + " [quantize v1]"
+        r.name = r.name + f" [quantize {other}]"
         res.append(r)
-    tq.QUANT_IMPL = "v2"
+    tq.QUANT_IMPL = default
     out = [r.__dict__ for r in res]
     for r in res:
         print(f"[check] {r.status:4s} {r.seconds:7.2f}s {r.name}: {r.detail[:160]}", flush=True)
@@ -291,8 +295,8 @@ def print_table(result: dict[str, Any]) -> None:
         d = []
         if "bytes" in r:
             d.append(f"{r['bytes'] / ms / 1e6:.0f} GB/s")
-            if r.get("copy_ms"):
-                d.append(f"{r['copy_ms'] / ms * 100:.0f}% of copy")
+            if r.get("copy_ms") and r.get("copy_bytes"):
+                d.append(f"{(r['bytes'] / ms) / (r['copy_bytes'] / r['copy_ms']) * 100:.0f}% of copy bandwidth")
         if "flops" in r:
             d.append(f"{r['flops'] / ms / 1e9:.1f} TFLOP/s")
         if "bits_equal_ref" in r:
