@@ -39,8 +39,17 @@ def _specs(root: Path) -> dict[str, list[str]]:
     return {k: ["compare", *v, "--out", str(root / k)] for k, v in specs.items()}
 
 
+class Runs(dict):
+    """run name -> run directory; a run that failed fails only the tests that use it."""
+
+    failed: dict[str, str]
+
+    def __missing__(self, name: str) -> Path:
+        pytest.fail(f"compare run {name!r} failed:\n{self.failed.get(name, '(unknown run)')}")
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("align")
     todo = list(_specs(root).items())
     running: list[tuple[str, subprocess.Popen]] = []
@@ -58,8 +67,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 running.remove(item)
                 if proc.returncode != 0:
                     failed[name] = (proc.stderr.read() if proc.stderr else "")[-3000:]
-    assert not failed, failed
-    return {name: root / name for name in _specs(root)}
+    out = Runs({name: root / name for name in _specs(root) if name not in failed})
+    out.failed = failed
+    return out
 
 
 def _summary(run: Path) -> dict:
@@ -71,7 +81,7 @@ def _max_gap(run: Path, pair: str) -> float:
 
 
 @pytest.mark.parametrize("model", STRICT_MODELS)
-def test_strict_bitwise_learner_equals_sampler_prefill_and_decode(runs: dict[str, Path], model: str) -> None:
+def test_strict_bitwise_learner_equals_sampler_prefill_and_decode(runs: Runs, model: str) -> None:
     run = runs[f"strict-{model}"]
     s = _summary(run)
     assert s["n_sequences"] >= 8
@@ -89,7 +99,7 @@ def test_strict_bitwise_learner_equals_sampler_prefill_and_decode(runs: dict[str
 
 
 @pytest.mark.parametrize("model", STRICT_MODELS)
-def test_strict_bitwise_captured_ops_equal(runs: dict[str, Path], model: str) -> None:
+def test_strict_bitwise_captured_ops_equal(runs: Runs, model: str) -> None:
     errs = runs[f"strict-{model}"] / "compare/op_errors.parquet"
     if not errs.exists():
         pytest.skip("this run has no op comparison")
@@ -99,7 +109,7 @@ def test_strict_bitwise_captured_ops_equal(runs: dict[str, Path], model: str) ->
     assert bad.empty, bad[["op", "bitwise_equal_frac", "max_abs_diff"]].to_string()
 
 
-def test_nvfp4_story(runs: dict[str, Path]) -> None:
+def test_nvfp4_story(runs: Runs) -> None:
     """dynamic-tensor (learner) vs static (sampler) >> bf16 engine baseline; per-token on both
     sides is back near the baseline; strict + per-token is exactly 0."""
     gap = {k: _summary(runs[f"nvfp4-{k}"])["pairs"]["learner_vs_prefill"] for k in NVFP4}
