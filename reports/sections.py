@@ -220,7 +220,7 @@ def _tok_text(data: RunData, tid: int) -> str:
     return _CTRL.sub(lambda m: _VISIBLE.get(m.group(), "\u00b7"), s) if s else f"<{tid}>"
 
 
-def worst_tokens(data: RunData, top: int = 25, before: int = 12, after: int = 4) -> str:
+def worst_tokens(data: RunData, top: int = 25, before: int = 10, after: int = 4) -> str:
     resp = data.response
     key = resp["d_learner_decode"].abs().fillna(-1.0)
     worst = resp.loc[key.sort_values(ascending=False, kind="stable").index[:top]]
@@ -244,28 +244,32 @@ def worst_tokens(data: RunData, top: int = 25, before: int = 12, after: int = 4)
                 td_num(r.seq_id),
                 td_num(r.pos),
                 f'<td class="ctx">{esc(_tok_text(data, int(r.token_id)))}</td>',
-                f'<td class="ctx">{ctx}</td>',
-                td_num(r.lp_learner),
-                td_num(r.lp_prefill),
-                td_num(r.lp_decode),
                 td_num(r.d_learner_decode),
                 td_num(r.d_learner_prefill),
                 td_num(r.d_prefill_decode),
+                td_num(r.lp_learner),
+                td_num(r.lp_prefill),
+                td_num(r.lp_decode),
+                f'<td class="ctx">{ctx}</td>',
             ]
         )
     hdr = [
         "seq",
         "pos",
         "token",
-        "context (hit highlighted, prompt greyed)",
-        "lp learner",
-        "lp prefill",
-        "lp decode",
         "learner-decode",
         "learner-prefill",
         "prefill-decode",
+        "lp learner",
+        "lp prefill",
+        "lp decode",
+        "context (hit highlighted, prompt greyed)",
     ]
-    return table(hdr, rows, numeric=[0, 1, 4, 5, 6, 7, 8, 9], cls="sortable", tid="worst-tokens")
+    return (
+        '<div class="hscroll">'
+        + table(hdr, rows, numeric=[0, 1, 3, 4, 5, 6, 7, 8], cls="sortable", tid="worst-tokens")
+        + "</div>"
+    )
 
 
 def op_table(data: RunData) -> str:
@@ -361,7 +365,7 @@ def bisect(data: RunData) -> str:
         headers = ["rank", "op", "layer"] + [h for _, h in cols] + ["share of local"]
         out.append(
             "<h3>Ops ranked by local error (error introduced by the op itself)</h3>"
-            + table(headers, rows, numeric=range(len(headers)), cls="sortable", tid="local-errors")
+            + table(headers, rows, numeric=[i for i in range(len(headers)) if i != 1], cls="sortable", tid="local-errors")
         )
     else:
         out.append(missing("Local error ranking", "bisect.json has no local_errors (bisect ran without --replay?)"))
