@@ -258,3 +258,16 @@ def test_explain_pair_names_activation_scaling() -> None:
     diff = explain_pair(x, w, NVFP4Linear("nvfp4-dynamic-tensor"), NVFP4Linear("nvfp4-per-token"))
     assert "activation scaling" in diff["reason"] and diff["activation_codes_differ_frac"] > 0
     assert "weight quantization" in diff["reason"]  # 16x16 tiles vs 1x16 blocks
+
+
+def test_hf_learner_static_recipe_calibrates_and_records() -> None:
+    from mismatch_probe.probes.hf_probe import HfLearner
+
+    seqs = _seqs()[:3]
+    with HfLearner(resolve_tiny_model("tiny-qwen3"), 512, recipe="nvfp4-static", device="cpu") as lr:
+        out = lr.score(seqs, list(range(len(seqs))))
+        rec = lr.info.settings["recipe"]
+    assert rec["name"] == "nvfp4-static" and rec["calibrated_linears"] == 28  # 4 layers x 7 linears
+    assert rec["nvfp4"]["activation_amax"] == "static" and rec["nvfp4"]["weight_blocks"] == "1x16"
+    assert all(len(o) == len(s) - 1 for o, s in zip(out, seqs, strict=True))
+    assert lr.model is None  # unloaded (and unpatched)
