@@ -192,6 +192,7 @@ def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, A
             "model_type": prep.model.model_type,
             "num_layers": prep.model.num_layers,
             "n_prompts": len(prep.specs),
+            "recipes": {side: cfg.side_recipe(side) for side in ("learner", "sampler")},  # resolved, per side
         }
         run.write_manifest()
         rollouts = stages.sample(cfg, prep, run, progress)
