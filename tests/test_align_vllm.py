@@ -92,6 +92,7 @@ def test_strict_bitwise_learner_equals_sampler_prefill_and_decode(runs: Runs, mo
         assert s["pairs"][pair]["max_abs_dlogp"] == 0.0, (model, pair, s["pairs"][pair])
     m = json.loads((run / "manifest.json").read_text())
     assert m["config"]["align"] == "strict"
+    assert m["config"]["recipes"] == {"learner": "strict", "sampler": "strict"}
     for side in ("learner", "sampler"):
         assert m["engines"][side]["recipe"]["name"] == "strict"
         assert m["engines"][side]["recipe"]["ops"]["attention"] == "strict"
