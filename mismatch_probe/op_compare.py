@@ -57,7 +57,7 @@ def error_stats(s: np.ndarray, ref: np.ndarray) -> dict[str, float]:
         "max_abs_diff": float(np.abs(diff).max()) if diff.size else 0.0,
         "mean_abs_diff": float(np.abs(diff).mean()) if diff.size else 0.0,
         "rel_l2": nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf),
-        "cosine": float((s * ref).sum() / (ns * nr)) if ns > 0 and nr > 0 else (1.0 if nd == 0 else 0.0),
+        "cosine": 1.0 if nd == 0 else (float((s * ref).sum() / (ns * nr)) if ns > 0 and nr > 0 else 0.0),
         "sqnr_db": 10 * math.log10(nr**2 / nd**2) if nd > 0 and nr > 0 else math.inf,
     }
 
