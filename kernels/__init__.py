@@ -13,53 +13,52 @@ Plain functions (no CLI needed):
 * :mod:`.conformance`: other engines' quantizer formulas and their disagreement.
 * :mod:`.checks`: the named bitwise equivalence checks.
 
-This package imports torch and triton; ``mismatch_probe.kernels.cli`` does not (lazy).
+Importing this package is cheap: the names below are resolved lazily (PEP 562), so
+``mismatch_probe.kernels.cli`` (and the ``mismatch-probe`` CLI start-up) import neither torch nor
+triton; the first use of a kernel function does.
 """
 
-from .aligned_linear import aligned_linear, aligned_linear_ref, w4a4_matmul
-from .backends import select_backend
-from .grouped_gemm import (
-    GroupedNVFP4Weights,
-    grouped_w4a4,
-    grouped_w4a4_ref,
-    moe_combine,
-    moe_grouped_linear,
-    moe_route,
-    quantize_expert_weights,
-)
-from .nvfp4_ref import (
-    NVFP4Tensor,
-    nvfp4_dequantize_ref,
-    nvfp4_quantize_ref,
-    pack_codes,
-    swizzle_scales_ref,
-    unpack_codes,
-    unswizzle_scales_ref,
-    w4a4_gemm_ref,
-)
-from .triton_nvfp4 import nvfp4_dequantize, nvfp4_quantize, rmsnorm_nvfp4_quantize
+from __future__ import annotations
 
-__all__ = [
-    "GroupedNVFP4Weights",
-    "NVFP4Tensor",
-    "aligned_linear",
-    "aligned_linear_ref",
-    "grouped_w4a4",
-    "grouped_w4a4_ref",
-    "moe_combine",
-    "moe_grouped_linear",
-    "moe_route",
-    "nvfp4_dequantize",
-    "nvfp4_dequantize_ref",
-    "nvfp4_quantize",
-    "nvfp4_quantize_ref",
-    "pack_codes",
-    "quantize_expert_weights",
-    "rmsnorm_nvfp4_quantize",
-    "select_backend",
-    "swizzle_scales_ref",
-    "unpack_codes",
-    "unswizzle_scales_ref",
-    "w4a4_gemm_ref",
-    "w4a4_matmul",
-]
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "aligned_linear": "aligned_linear",
+    "aligned_linear_ref": "aligned_linear",
+    "w4a4_matmul": "aligned_linear",
+    "select_backend": "backends",
+    "GroupedNVFP4Weights": "grouped_gemm",
+    "grouped_w4a4": "grouped_gemm",
+    "grouped_w4a4_ref": "grouped_gemm",
+    "moe_combine": "grouped_gemm",
+    "moe_grouped_linear": "grouped_gemm",
+    "moe_route": "grouped_gemm",
+    "quantize_expert_weights": "grouped_gemm",
+    "NVFP4Tensor": "nvfp4_ref",
+    "nvfp4_dequantize_ref": "nvfp4_ref",
+    "nvfp4_quantize_ref": "nvfp4_ref",
+    "pack_codes": "nvfp4_ref",
+    "swizzle_scales_ref": "nvfp4_ref",
+    "unpack_codes": "nvfp4_ref",
+    "unswizzle_scales_ref": "nvfp4_ref",
+    "w4a4_gemm_ref": "nvfp4_ref",
+    "nvfp4_dequantize": "triton_nvfp4",
+    "nvfp4_quantize": "triton_nvfp4",
+    "rmsnorm_nvfp4_quantize": "triton_nvfp4",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:  # AttributeError lets `from mismatch_probe.kernels import <submodule>` work
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
