@@ -6,10 +6,11 @@ interpreter *without* setting ``TRITON_INTERPRET`` in the process environment (n
 other modules that import Triton). With CUDA, kernels are ``triton.jit`` and take CUDA tensors.
 
 Interpreter fidelity (Triton 3.9, checked by reading ``triton/runtime/interpreter.py``):
-fp32 -> fp8/bf16 casts there truncate or round ties away (not RNE), and ``tl.dot`` on bf16
-operands is wrong. So the helpers below never use those casts: E4M3 rounding, E4M3/E2M1 decoding
-and fp32 -> bf16 rounding are written in exact integer/fp32 arithmetic that is identical on the
-GPU and in the interpreter, and the GEMM's dot takes fp32 operands in interpreter mode (exact:
+fp32 -> fp8/bf16 casts there truncate or round ties away (not RNE), bf16 -> fp32 flushes bf16
+subnormals (found by the hypothesis test), and ``tl.dot`` on bf16 operands is wrong. So the
+helpers below never use those casts: E4M3 rounding, E4M3/E2M1 decoding and fp32 <-> bf16
+conversions are written in exact integer/fp32 arithmetic that is identical on
+the GPU and in the interpreter, and the GEMM's dot takes fp32 operands in interpreter mode (exact:
 E2M1 x E4M3 values have at most 6 significant bits).
 """
 

@@ -15,7 +15,13 @@ any M (batch invariance), and equals :func:`nvfp4_ref.w4a4_gemm_ref`.
 Operands come either as packed FP4 codes + E4M3 block scales (``*_FP4``: the decode path reads
 them directly) or as bf16 ``E2M1*sf`` values made by ``nvfp4_dequantize(apply_global=False)``
 (exact, so both forms give the same bits; the large-M path uses it to keep the mainloop on the
-tensor cores instead of the decode ALUs).
+tensor cores instead of the decode ALUs). MODE 1 swaps the operands (weights on the MMA's M side)
+for small M; MODE 2 uses CUDA-core FMAs (exact too, slow).
+
+Known compiler issue (Triton 3.6, H200, 2026-11-29): mma.sync tiles (an MMA dimension < 64)
+whose operand is decoded in registers (``tl.join``/``tl.reshape`` -> dot-operand layout) give
+wrong values; wgmma tiles (operands through shared memory) and mma.sync fed from memory are exact.
+``aligned_linear.gemm_config`` therefore never picks such tiles; the checks would catch them.
 """
 
 from __future__ import annotations
