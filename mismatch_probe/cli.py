@@ -60,3 +60,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2 if isinstance(e, click.UsageError) else e.exit_code)
         raise
 
+
+if __name__ == "__main__":  # ``python -m mismatch_probe.cli``: run the imported module's app, not a copy
+    from mismatch_probe.cli import main as _main
+
+    _main()

@@ -131,10 +131,10 @@ def tokenize_prompts(specs: list[PromptSpec], model: ModelInfo, max_tokens: int)
         if bad:
             raise UsageError(f"{where}: token id {bad[0]} is outside the model's vocabulary ({model.vocab_size})")
         n_resp = len(s.response_token_ids) if s.response_token_ids is not None else max_tokens
-        if len(ids) + n_resp > model.max_positions:
+        if len(ids) + n_resp >= model.max_positions:  # the prefill rescoring adds one sampled token
             raise UsageError(
-                f"{where}: {len(ids)} prompt tokens + {n_resp} response tokens exceed the model's "
-                f"context of {model.max_positions}"
+                f"{where}: {len(ids)} prompt tokens + {n_resp} response tokens do not fit the model's "
+                f"context of {model.max_positions} (one position is needed for the rescoring)"
             )
         if s.response_token_ids is not None and len(ids) + len(s.response_token_ids) < 2:
             raise UsageError(f"{where}: needs at least 2 tokens in all to score")

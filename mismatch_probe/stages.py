@@ -36,7 +36,7 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
     sampler = VllmSampler(
         prep.sampler_model.path,
         prep.sampler_model.vocab_size,
-        max_model_len=min(prep.sampler_model.max_positions, max(max_len, 64)),
+        max_model_len=min(prep.sampler_model.max_positions, max(max_len + 1, 64)),  # rescoring generates 1 token
         seed=cfg.seed,
         dtype=cfg.dtype,
         recipe=cfg.side_recipe("sampler"),
