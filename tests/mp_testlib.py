@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ def cli(*args: str, timeout: float = 600, check: bool = False) -> subprocess.Com
         text=True,
         timeout=timeout,
         cwd=REPO,
+        env={**os.environ, "COLUMNS": "200"},  # Rich wraps tables to the terminal width
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"mismatch-probe {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
