@@ -21,8 +21,9 @@ name                      alignment   linear
 Op classes (the ``ops=`` subset of a patch; ``bisect``'s ablation picks subsets of these):
 ``embedding, norm, linear, rope, attention, act, moe, logits, logsoftmax``. Under an ``engine``
 alignment with an NVFP4 linear, ``linear``, the ops that produce the quantizer's input (``norm``,
-``act``: fused norm/act + quantize kernels in an NVFP4 stack) and, on MoE models, ``moe`` (expert
-GEMMs in NVFP4) are replaced; attention, rope, logits and log-softmax stay the engine's.
+``act``), the ops whose last-bit differences FP4 amplifies (``rope``, ``attention``) and, on MoE
+models, ``moe`` (expert GEMMs in NVFP4) are replaced (:data:`NVFP4_OPS`); embedding, logits and
+log-softmax stay the engine's.
 The LM head (``logits``) and the MoE router stay bf16 in every recipe,
 as NVFP4 checkpoints and TE recipes keep them.
 """
@@ -35,10 +36,13 @@ from typing import Any
 OP_KINDS = ("embedding", "norm", "linear", "rope", "attention", "act", "moe", "logits", "logsoftmax")
 LINEARS = ("bf16", "nvfp4-dynamic-tensor", "nvfp4-static", "nvfp4-per-token")
 ALIGNS = ("engine", "strict")
-# What an NVFP4 recipe replaces under the engine alignment: the quantized GEMMs and the ops that
+# What an NVFP4 recipe replaces under the engine alignment: the quantized GEMMs, the ops that
 # produce their inputs (RMSNorm before q/k/v and gate/up, SiLU-and-mul before down: fused
-# norm+quantize / act+quantize kernels in a real NVFP4 stack, the same kernel in both engines).
-NVFP4_OPS = ("linear", "norm", "act", "moe")
+# norm+quantize / act+quantize kernels in an NVFP4 stack) and the ops whose last-bit differences
+# FP4 rounding amplifies into whole E2M1 steps (rotary, attention: they produce the residual
+# stream and o_proj's input). All NVFP4 recipes share these, so they differ only in the scaling
+# scheme; the LM head, log-softmax and embedding stay each engine's (strict adds them).
+NVFP4_OPS = ("linear", "norm", "act", "moe", "rope", "attention")
 RECIPES = ("engine", "strict", "nvfp4-dynamic-tensor", "nvfp4-static", "nvfp4-per-token")
 
 OP_DOC = {
@@ -102,7 +106,7 @@ class Recipe:
         if op == "moe" and self.nvfp4:
             return f"fixed-order, experts {self.linear}"
         if op in NVFP4_OPS and self.nvfp4:
-            return "strict (quantizer producer)"
+            return "strict (shared by the NVFP4 recipes)"
         return "strict" if self.strict else "engine"
 
     def describe(self) -> dict[str, Any]:

@@ -111,12 +111,12 @@ def test_strict_bitwise_captured_ops_equal(runs: Runs, model: str) -> None:
 
 def test_nvfp4_story(runs: Runs, real_run_qwen3: Path) -> None:
     """dynamic-tensor (learner) vs static (sampler) >> bf16 engine baseline; per-token on both
-    sides cuts it; strict + per-token is exactly 0."""
+    sides is at or below the baseline; strict + per-token is exactly 0."""
     gap = {k: _summary(runs[f"nvfp4-{k}"])["pairs"]["learner_vs_prefill"] for k in NVFP4}
     gap["engine"] = _summary(real_run_qwen3)["pairs"]["learner_vs_prefill"]
     base, mis, pt = gap["engine"]["mean_abs_dlogp"], gap["mismatched"]["mean_abs_dlogp"], gap["per-token"]["mean_abs_dlogp"]
-    assert mis > 10 * base, gap  # measured: 45-50x
-    assert pt < mis / 1.5, gap  # measured: 2.3-2.5x lower (not back to the bf16 baseline: see BENCHMARKS.md)
+    assert mis > 10 * base, gap  # measured: about 50x
+    assert pt < base, gap  # back to the bf16 baseline or below (measured: 0 to 1e-7)
     assert gap["strict-per-token"]["max_abs_dlogp"] == 0.0
     assert _max_gap(runs["nvfp4-strict-per-token"], "learner_vs_decode") == 0.0
     m = json.loads((runs["nvfp4-mismatched"] / "manifest.json").read_text())
