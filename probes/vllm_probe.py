@@ -21,6 +21,23 @@ def import_vllm() -> Any:
     return vllm
 
 
+_CPU_WHY = (
+    "on CPU vLLM reserves this fraction of the NUMA node's RAM for its KV cache and refuses to start "
+    "when less is free (its default 0.92 always fails): 0.3, or less when other processes hold memory"
+)
+
+
+def _cpu_memory_fraction() -> float:
+    """0.3 of RAM, or 60% of what is free now if that is less (never below 0.02)."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return round(max(0.02, min(0.3, 0.6 * vm.available / vm.total)), 3)
+    except Exception:
+        return 0.3
+
+
 class VllmSampler(SamplerRunner):
     """Generates rollouts with their decode-time logprobs, and rescores sequences as a prefill."""
 
@@ -61,13 +78,8 @@ class VllmSampler(SamplerRunner):
         on_cpu = not torch.cuda.is_available()
         frac = self.memory_fraction
         if frac is None:
-            frac = 0.3 if on_cpu else 0.5
-            self.info.auto["gpu_memory_utilization"] = {
-                "value": frac,
-                "reason": "on CPU vLLM reserves this fraction of the NUMA node's RAM; 0.92 (vLLM's default) fails there"
-                if on_cpu
-                else "leave room for the learner on the same GPU",
-            }
+            frac, why = (_cpu_memory_fraction(), _CPU_WHY) if on_cpu else (0.5, "leave room for the learner on the same GPU")
+            self.info.auto["gpu_memory_utilization"] = {"value": frac, "reason": why}
         kwargs = dict(
             model=str(self.model_dir),
             dtype=self.dtype,
