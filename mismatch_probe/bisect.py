@@ -121,6 +121,8 @@ class Engines:
     ablation can switch op classes on and off between passes) and the HF learner."""
 
     def __init__(self, cfg: dict[str, Any], align: bool) -> None:
+        """Each side runs the recipe it ran in the run (``config.recipes``); ``align`` (ablation,
+        engine recipes only) builds vLLM with the strict plugin, idle until switched on."""
         from mismatch_probe.models import inspect_model_dir
         from mismatch_probe.probes.hf_probe import HfLearner
         from mismatch_probe.probes.vllm_probe import VllmSampler
@@ -128,9 +130,10 @@ class Engines:
         self.align = align
         ms, ml = inspect_model_dir(Path(cfg["sampler_model_dir"])), inspect_model_dir(Path(cfg["model_dir"]))
         dtype = cfg.get("dtype", "bfloat16")
+        recipes = cfg.get("recipes") or {}
         self.sampler = VllmSampler(ms.path, ms.vocab_size, max_model_len=min(ms.max_positions, 512), dtype=dtype,
-                                   recipe="strict" if align else None)
-        self.learner = HfLearner(ml.path, ml.vocab_size, dtype=dtype)
+                                   recipe="strict" if align else recipes.get("sampler"))
+        self.learner = HfLearner(ml.path, ml.vocab_size, dtype=dtype, recipe=None if align else recipes.get("learner"))
 
     def __enter__(self) -> Engines:
         self.sampler.__enter__()

@@ -34,8 +34,14 @@ def bisect(
     cfg = manifest["config"]
     errs = load_op_errors(run)
     result: dict = {"schema_version": 1, "run": str(run), "first_divergent": first_divergent(errs)}
+    recipes = cfg.get("recipes") or {}
+    engine_run = all(recipes.get(side, "engine") == "engine" for side in ("learner", "sampler"))
     result["ablation"], result["ablation_note"] = [], "not run (--no-ablation)"
-    if replay or ablation:
+    if ablation and not engine_run:
+        ablation = False
+        result["ablation_note"] = f"not run: the run used recipes {recipes}; ablation aligns engine-kernel runs"
+    fd0 = result["first_divergent"]["bitwise"]
+    if replay or ablation or (fd0 is not None and not engine_run):  # an NVFP4 run's first divergence gets a reason
         if ablation and not (run / "sequences.parquet").exists():
             raise UsageError(f"{run} has no sequences.parquet (written by compare); rerun compare or pass --no-ablation")
         with console.status("loading both engines"), Engines(cfg, align=ablation) as engines:
@@ -43,6 +49,10 @@ def bisect(
                 with console.status("input substitution: each engine's op on the other's captured input"):
                     rows, skipped = local_errors(cfg, read_ops(run, "learner"), read_ops(run, "sampler"), engines, max_rows)
                 result["local_errors"], result["not_replayed"] = rows, skipped
+            if fd0 is not None and not engine_run:
+                reason = _nvfp4_reason(run, cfg, fd0["op"], engines)
+                if reason is not None:
+                    result["first_divergent"]["reason"] = reason
             if ablation:
                 result.update(_ablation(run, cfg, engines, min_share))
     atomic_write_json(run / "bisect.json", result)
@@ -57,6 +67,11 @@ def bisect(
     tol_detail = f"rel L2 {_f(tol['rel_l2'])} ({tol['dtype']})" if tol else "-"
     t.add_row("first not bitwise equal", b["op"] if b else "none", b_detail)
     t.add_row("first over tolerance", tol["op"] if tol else "none", tol_detail)
+    if "reason" in fd:
+        r = fd["reason"]
+        detail = (f"act-scaling err {r['rel_error_from_activation_scaling']:.2e}, weight-quant err "
+                  f"{r['rel_error_from_weight_quantization']:.2e} ({r['schemes']['learner']} vs {r['schemes']['sampler']})")
+        t.add_row("why (NVFP4)", r["reason"], detail)
     console.print(t)
     if replay and result["local_errors"]:
         lt = Table(title="local error by input substitution (sampler op on learner input vs learner output)")
@@ -95,3 +110,20 @@ def _ablation(run: Path, cfg: dict, engines: object, min_share: float) -> dict:
         "gap_engine": res["gap_engine"],
         "gap_all_aligned": res["gap_all_aligned"],
     }
+
+
+def _nvfp4_reason(run: Path, cfg: dict, op: str, engines: object) -> dict | None:
+    """The reason a first divergent quantized linear differs (see mismatch_probe.nvfp4_reason)."""
+    from mismatch_probe.bisect import _tensors
+    from mismatch_probe.nvfp4_reason import explain_linear
+    from mismatch_probe.ops_stage import read_ops
+    from mismatch_probe.probes.replay import op_inputs
+
+    learner = read_ops(run, "learner")
+    full = learner[learner["values"].notna()]
+    ins = op_inputs(op, int(cfg.get("num_layers", 0)), set(full.op))
+    if not ins or ins[0] not in set(full.op):
+        return None
+    rows = full[full.op == ins[0]]
+    x = _tensors(full, ins[0], sorted(zip(rows.seq_id, rows.pos)))
+    return explain_linear(op, x, engines)

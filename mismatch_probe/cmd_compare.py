@@ -61,7 +61,9 @@ def compare(
     micro_batch_size: int = typer.Option(8, "--micro-batch-size", help="Learner micro-batch size (right padding)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32 (both engines)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory."),
-    align: str = typer.Option("engine", "--align", help="engine | strict: strict makes every op batch-invariant and identical in both engines."),
+    align: str = typer.Option(
+        "engine", "--align", help="engine | strict: strict makes every op batch-invariant and identical in both engines."
+    ),
     recipe: str | None = typer.Option(
         None, "--recipe", help="Both sides: engine | strict | nvfp4-dynamic-tensor | nvfp4-static | nvfp4-per-token."
     ),

@@ -105,7 +105,13 @@ SEQUENCES_V1 = pa.schema(
     ]
 )
 
-SCHEMAS: dict[str, pa.Schema] = {"sequences": SEQUENCES_V1, "tokens": TOKENS_V1, "token_gaps": TOKEN_GAPS_V1, "ops": OPS_V1, "op_errors": OP_ERRORS_V1}
+SCHEMAS: dict[str, pa.Schema] = {
+    "sequences": SEQUENCES_V1,
+    "tokens": TOKENS_V1,
+    "token_gaps": TOKEN_GAPS_V1,
+    "ops": OPS_V1,
+    "op_errors": OP_ERRORS_V1,
+}
 
 # version -> function upgrading a table of that version to version + 1
 _UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {}

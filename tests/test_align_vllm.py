@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from mp_testlib import REPO
+from mp_testlib import REPO, cli
 
 pytestmark = pytest.mark.vllm
 
@@ -122,6 +122,19 @@ def test_nvfp4_story(runs: Runs, real_run_qwen3: Path) -> None:
     m = json.loads((runs["nvfp4-mismatched"] / "manifest.json").read_text())
     assert m["engines"]["learner"]["recipe"]["linear"] == "nvfp4-dynamic-tensor"
     assert m["engines"]["sampler"]["recipe"]["linear"] == "nvfp4-static"
+
+
+def test_bisect_names_first_quantized_linear_and_its_reason(runs: Runs) -> None:
+    """bisect on the mismatched NVFP4 run: the first divergent op is the first quantized linear,
+    and the reason says how the two NVFP4 linears differ (scaling of activations and weights)."""
+    run = runs["nvfp4-mismatched"]
+    cli("bisect", str(run), "--no-replay", check=True)
+    fd = json.loads((run / "bisect.json").read_text())["first_divergent"]
+    assert fd["bitwise"]["op"] == "0.attn.q"  # norms, rope, attention are shared; q is the first NVFP4 linear
+    r = fd["reason"]
+    assert r["schemes"] == {"learner": "nvfp4-dynamic-tensor", "sampler": "nvfp4-static"}
+    assert "activation scaling" in r["reason"] and r["activation_codes_differ_frac"] > 0
+    assert r["rel_error_from_activation_scaling"] > 0
 
 
 PLUGIN_RESTORE = r"""
