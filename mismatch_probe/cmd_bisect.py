@@ -44,13 +44,14 @@ def bisect(
     if replay or ablation or (fd0 is not None and not engine_run):  # an NVFP4 run's first divergence gets a reason
         if ablation and not (run / "sequences.parquet").exists():
             raise UsageError(f"{run} has no sequences.parquet (written by compare); rerun compare or pass --no-ablation")
+        learner_ops = read_ops(run, "learner")
         with console.status("loading both engines"), Engines(cfg, align=ablation) as engines:
             if replay:
                 with console.status("input substitution: each engine's op on the other's captured input"):
-                    rows, skipped = local_errors(cfg, read_ops(run, "learner"), read_ops(run, "sampler"), engines, max_rows)
+                    rows, skipped = local_errors(cfg, learner_ops, read_ops(run, "sampler"), engines, max_rows)
                 result["local_errors"], result["not_replayed"] = rows, skipped
             if fd0 is not None and not engine_run:
-                reason = _nvfp4_reason(run, cfg, fd0["op"], engines)
+                reason = _nvfp4_reason(cfg, fd0["op"], learner_ops, engines)
                 if reason is not None:
                     result["first_divergent"]["reason"] = reason
             if ablation:
@@ -112,14 +113,12 @@ def _ablation(run: Path, cfg: dict, engines: object, min_share: float) -> dict:
     }
 
 
-def _nvfp4_reason(run: Path, cfg: dict, op: str, engines: object) -> dict | None:
+def _nvfp4_reason(cfg: dict, op: str, learner: object, engines: object) -> dict | None:
     """The reason a first divergent quantized linear differs (see mismatch_probe.nvfp4_reason)."""
     from mismatch_probe.bisect import _tensors
     from mismatch_probe.nvfp4_reason import explain_linear
-    from mismatch_probe.ops_stage import read_ops
     from mismatch_probe.probes.replay import op_inputs
 
-    learner = read_ops(run, "learner")
     full = learner[learner["values"].notna()]
     ins = op_inputs(op, int(cfg.get("num_layers", 0)), set(full.op))
     if not ins or ins[0] not in set(full.op):

@@ -366,25 +366,16 @@ def to_markdown(results: list[CheckResult], run: Path, manifest: dict[str, Any] 
 def to_junit(results: list[CheckResult], run: Path, elapsed_s: float = 0.0) -> bytes:
     n_fail = sum(r.verdict == "fail" for r in results)
     n_skip = sum(r.verdict == "skip" for r in results)
-    suites = ET.Element(
-        "testsuites",
-        name="mismatch-probe gate",
-        tests=str(len(results)),
-        failures=str(n_fail),
-        errors="0",
-        skipped=str(n_skip),
-        time=f"{elapsed_s:.3f}",
-    )
-    suite = ET.SubElement(
-        suites,
-        "testsuite",
-        name="mismatch-probe gate",
-        tests=str(len(results)),
-        failures=str(n_fail),
-        errors="0",
-        skipped=str(n_skip),
-        time=f"{elapsed_s:.3f}",
-    )
+    counts = {
+        "name": "mismatch-probe gate",
+        "tests": str(len(results)),
+        "failures": str(n_fail),
+        "errors": "0",
+        "skipped": str(n_skip),
+        "time": f"{elapsed_s:.3f}",
+    }
+    suites = ET.Element("testsuites", counts)
+    suite = ET.SubElement(suites, "testsuite", counts)
     props = ET.SubElement(suite, "properties")
     ET.SubElement(props, "property", name="run", value=str(run))
     for r in results:

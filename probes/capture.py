@@ -85,8 +85,17 @@ class CapturePlan:
         return {"default": self.default, "rules": [r.__dict__ for r in self.rules]}
 
 
-def _row_digests(raw: np.ndarray) -> list[str]:
+def row_digests(t: Any) -> list[str]:
+    """blake2b-64 of each row's raw bytes (``t``: a CPU tensor [rows, ...] or a uint8 array)."""
+    raw = t if isinstance(t, np.ndarray) else _raw_bytes(t)
     return [hashlib.blake2b(r.tobytes(), digest_size=8).hexdigest() for r in raw]
+
+
+def _raw_bytes(t: Any) -> np.ndarray:
+    import torch
+
+    flat = t.detach().to("cpu").contiguous().reshape(t.shape[0], -1)
+    return flat.view(torch.uint8).numpy() if flat.dtype != torch.bool else flat.to(torch.uint8).numpy()
 
 
 class OpRecorder:
@@ -120,7 +129,7 @@ class OpRecorder:
             self.seen_ops.append(op)
         n = t.shape[0]
         flat = t.reshape(n, -1)
-        raw = flat.view(torch.uint8).numpy() if flat.dtype != torch.bool else flat.to(torch.uint8).numpy()
+        raw = _raw_bytes(flat)
         f64 = flat.double()
         finite = torch.isfinite(f64)
         clean = torch.where(finite, f64, torch.zeros_like(f64))
@@ -142,7 +151,7 @@ class OpRecorder:
                 "abs_max": np.where(stats_on, clean.abs().amax(1).numpy() if flat.shape[1] else 0.0, np.nan),
                 "n_nan": np.where(stats_on, torch.isnan(f64).sum(1).numpy(), 0),
                 "n_inf": np.where(stats_on, torch.isinf(f64).sum(1).numpy(), 0),
-                "digest": _row_digests(raw),
+                "digest": row_digests(raw),
                 "values": values,
             }
         )

@@ -21,24 +21,16 @@ fuses modules; this adapter undoes both:
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from typing import Any
 
 import numpy as np
 
-from mismatch_probe.probes.capture import OpRecorder
+from mismatch_probe.probes.capture import OpRecorder, row_digests
 from mismatch_probe.probes.hooks import HookSet, first
 
 # vLLM computes top-k routing inside its fused-MoE kernel: not observable from modules.
 UNOBSERVABLE_MOE = ("moe.topk_ids", "moe.topk_weights")
-
-
-def _digest(row: Any) -> str:
-    import torch
-
-    raw = row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.blake2b(raw, digest_size=8).hexdigest()
 
 
 def _segments(positions: np.ndarray, qsl: np.ndarray | None) -> list[tuple[int, int]]:
@@ -143,10 +135,9 @@ class VllmCapture:
             else:
                 normed = out
             self._rec("final_norm", normed)
-            rows = normed.reshape(normed.shape[0], -1).cpu()
-            for r in range(rows.shape[0]):
+            for r, d in enumerate(row_digests(normed)):
                 if self._seq[r] >= 0:  # equal rows (shared prefixes) queue up: each is consumed once
-                    self._norm_rows.setdefault(_digest(rows[r]), deque()).append((int(self._seq[r]), int(self._pos[r])))
+                    self._norm_rows.setdefault(d, deque()).append((int(self._seq[r]), int(self._pos[r])))
 
         self.hooks.fwd(m.norm, final)
         lp = getattr(model, "logits_processor", None)
@@ -155,10 +146,9 @@ class VllmCapture:
 
             def logits_in(args: tuple, kwargs: dict) -> None:
                 hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
-                rows = hidden.reshape(hidden.shape[0], -1).cpu()
                 keys = []
-                for r in range(rows.shape[0]):
-                    q = self._norm_rows.get(_digest(rows[r]))
+                for d in row_digests(hidden):
+                    q = self._norm_rows.get(d)
                     keys.append(q.popleft() if q else (-1, -1))  # a row scored twice is dropped
                 pending.append(np.array(keys, np.int64).reshape(-1, 2))
 
