@@ -1,11 +1,13 @@
-"""Named bitwise equivalence checks: Triton kernels vs the pure-torch reference (atol = rtol = 0).
+"""Named checks of the NVFP4 kernels against the pure-torch reference.
 
-Used by ``mismatch-probe kernels check`` and by the tests. Every check compares with
-``torch.equal`` on raw bits (codes, scale bytes, amax, outputs viewed as integers). On a machine
-without CUDA they run through the Triton interpreter on CPU with small shapes; there the GEMM's
-``tl.dot`` takes fp32 operands (exact for E2M1 x E4M3 values; the interpreter's bf16 dot is
-wrong), so checks named ``gemm_*`` cover the bf16 tensor-core path only on the GPU. Checks marked
-GPU-only are skipped on CPU (too large for the interpreter).
+Used by ``mismatch-probe kernels check`` and by the tests. Every check says what kind it is, with
+no default: ``Exact(...)`` checks compare raw bits with ``torch.equal`` (codes, scale bytes, amax,
+outputs viewed as integers; atol = rtol = 0); ``Tolerance(...)`` checks compare within a bound that
+the check states (``bound``), and are labelled "tolerance" with that bound wherever they are shown.
+On a machine without CUDA they run through the Triton interpreter on CPU with small shapes; there
+the GEMM's ``tl.dot`` takes fp32 operands (exact for E2M1 x E4M3 values; the interpreter's bf16 dot
+is wrong), so checks named ``gemm_*`` cover the bf16 tensor-core path only on the GPU. Checks
+marked GPU-only are skipped on CPU (too large for the interpreter).
 """
 
 from __future__ import annotations
@@ -22,11 +24,34 @@ from ._triton_common import INTERPRET
 
 @dataclass
 class Check:
+    """One named check. ``exact`` has no default: build checks with ``Exact`` or ``Tolerance``."""
+
     name: str
     what: str
     fn: Callable[[torch.device, bool], str]
+    exact: bool
+    bound: str = ""  # the tolerance, in words ("max |diff| <= 1 bf16 ulp"); empty for exact checks
     gpu_only: bool = False
-    exact: bool = True
+
+    def __post_init__(self) -> None:
+        if self.exact == bool(self.bound):
+            raise ValueError(f"check {self.name}: an exact check has no bound, a tolerance check must state one")
+
+
+def Exact(name: str, what: str, fn: Callable[[torch.device, bool], str], gpu_only: bool = False) -> Check:  # noqa: N802
+    """A bitwise check: raw bits compared with torch.equal (atol = rtol = 0)."""
+    return Check(name, what, fn, exact=True, gpu_only=gpu_only)
+
+
+def Tolerance(name: str, what: str, fn: Callable[[torch.device, bool], str], bound: str,  # noqa: N802
+              gpu_only: bool = False) -> Check:
+    """A check within a stated tolerance ``bound``; never labelled bitwise."""
+    return Check(name, what, fn, exact=False, bound=bound, gpu_only=gpu_only)
+
+
+def kind_label(exact: bool, bound: str = "") -> str:
+    """How a check's comparison is shown: "bitwise (atol=rtol=0)" only for exact checks."""
+    return "bitwise (atol=rtol=0)" if exact else f"tolerance ({bound})"
 
 
 @dataclass
@@ -37,6 +62,7 @@ class CheckResult:
     detail: str
     seconds: float
     exact: bool
+    bound: str = ""
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -176,11 +202,9 @@ def _rmsnorm_check(dev: torch.device, big: bool) -> str:
     x = torch.randn(5, k, generator=_gen(9)).to(torch.bfloat16).to(dev)
     w = (1 + 0.1 * torch.randn(k, generator=_gen(10))).to(torch.bfloat16).to(dev)
     y, q = rmsnorm_nvfp4_quantize(x, w)
-    msg = assert_same_q(q, R.nvfp4_quantize_ref(y, per_token=True))
-    err = (y.float() - R.rmsnorm_ref(x, w, 1e-6).float()).abs().max().item()
-    if err > 0.0625:
-        raise AssertionError(f"RMSNorm output off by {err}")
-    return msg + f"; |y - torch RMSNorm| <= {err:.3g}"
+    y_ref = R.rmsnorm_ref(x, w, 1e-6)  # torch's RMSNorm, independent of the kernel's output
+    assert_equal_bits(y, y_ref, "RMSNorm output vs torch RMSNorm")
+    return assert_same_q(q, R.nvfp4_quantize_ref(y_ref, per_token=True)) + "; y equal to torch RMSNorm"
 
 
 def _weights(n: int, k: int, seed: int, **kw) -> R.NVFP4Tensor:
@@ -251,10 +275,22 @@ def _grouped_invariance(dev: torch.device, big: bool) -> str:
 
     x, ids, tw, wq = _grouped_setup(dev, big, 300 if big else 9)
     full = moe_grouped_linear(x, ids, tw, wq)
+    assert_equal_bits(full, moe_grouped_linear(x, ids, tw, wq, use_ref=True), "full batch vs reference")
     sizes = (1, 3, 16, 128, 300) if big else (1, 3, 9)
     for t in sizes:
         assert_equal_bits(moe_grouped_linear(x[:t], ids[:t], tw[:t], wq), full[:t], f"tokens={t}")
-    return f"token counts {sizes}: identical rows (expert loads vary)"
+    return f"token counts {sizes}: identical rows (expert loads vary), equal to the reference"
+
+
+def _amax_reuse_check(dev: torch.device, big: bool) -> str:
+    """The kernel given the rows' amax (as a fused producer hands it over) == the kernel computing it
+    == the reference computing it."""
+    from .triton_nvfp4 import nvfp4_quantize
+
+    x = _randn(6, 64, torch.bfloat16, 10)().to(dev)
+    given = nvfp4_quantize(x, per_token=True, amax=R.nonfinite_amax(x, True))
+    assert_same_q(given, nvfp4_quantize(x, per_token=True))
+    return assert_same_q(given, R.nvfp4_quantize_ref(x, per_token=True)) + " (amax given == computed == reference)"
 
 
 def _swizzle_check(dev: torch.device, big: bool) -> str:
@@ -271,61 +307,60 @@ def _swizzle_check(dev: torch.device, big: bool) -> str:
 
 
 CHECKS: list[Check] = [
-    Check("quant_bf16_per_tensor_1x16", "bf16 randn 33x256, per-tensor", _q_check(_randn(33, 256, torch.bfloat16))),
-    Check("quant_fp16_per_tensor_1x16", "fp16 randn 17x128, per-tensor", _q_check(_randn(17, 128, torch.float16, 1))),
-    Check("quant_fp32_per_tensor_1x16", "fp32 randn 9x512, per-tensor", _q_check(_randn(9, 512, torch.float32, 2))),
-    Check("quant_bf16_per_token_1x16", "bf16 33x256, per-token", _q_check(_randn(33, 256, torch.bfloat16), per_token=True)),
-    Check("quant_fp16_per_token_1x16", "fp16 17x128, per-token", _q_check(_randn(17, 128, torch.float16, 1), per_token=True)),
-    Check("quant_fp32_per_token_1x16", "fp32 9x512, per-token", _q_check(_randn(9, 512, torch.float32, 2), per_token=True)),
-    Check("quant_one_row", "1 row, K=4096, per-token", _q_check(_randn(1, 4096, torch.bfloat16, 3), per_token=True)),
-    Check("quant_odd_rows", "7 rows x K=48 (odd rows, K not a power of 2)", _q_check(_randn(7, 48, torch.bfloat16, 4))),
-    Check("quant_k16", "K = 16, 65 rows, per-token", _q_check(_randn(65, 16, torch.bfloat16, 5), per_token=True)),
-    Check("quant_large_k_multi_tile", "K = 16400 (> one tile: two-pass row loop), per-token",
+    Exact("quant_bf16_per_tensor_1x16", "bf16 randn 33x256, per-tensor", _q_check(_randn(33, 256, torch.bfloat16))),
+    Exact("quant_fp16_per_tensor_1x16", "fp16 randn 17x128, per-tensor", _q_check(_randn(17, 128, torch.float16, 1))),
+    Exact("quant_fp32_per_tensor_1x16", "fp32 randn 9x512, per-tensor", _q_check(_randn(9, 512, torch.float32, 2))),
+    Exact("quant_bf16_per_token_1x16", "bf16 33x256, per-token", _q_check(_randn(33, 256, torch.bfloat16), per_token=True)),
+    Exact("quant_fp16_per_token_1x16", "fp16 17x128, per-token", _q_check(_randn(17, 128, torch.float16, 1), per_token=True)),
+    Exact("quant_fp32_per_token_1x16", "fp32 9x512, per-token", _q_check(_randn(9, 512, torch.float32, 2), per_token=True)),
+    Exact("quant_one_row", "1 row, K=4096, per-token", _q_check(_randn(1, 4096, torch.bfloat16, 3), per_token=True)),
+    Exact("quant_odd_rows", "7 rows x K=48 (odd rows, K not a power of 2)", _q_check(_randn(7, 48, torch.bfloat16, 4))),
+    Exact("quant_k16", "K = 16, 65 rows, per-token", _q_check(_randn(65, 16, torch.bfloat16, 5), per_token=True)),
+    Exact("quant_large_k_multi_tile", "K = 16400 (> one tile: two-pass row loop), per-token",
           _q_check(_randn(2, 16400, torch.bfloat16, 6), per_token=True)),
-    Check("quant_large_k_per_tensor", "K = 16400, per-tensor", _q_check(_randn(3, 16400, torch.float32, 6))),
-    Check("quant_tile16x16", "16x16 weight tiles, 48x256", _q_check(_randn(48, 256, torch.bfloat16, 7), tile16=True)),
-    Check("quant_tile16x16_partial", "16x16 tiles, 40 rows (partial last tile)",
+    Exact("quant_large_k_per_tensor", "K = 16400, per-tensor", _q_check(_randn(3, 16400, torch.float32, 6))),
+    Exact("quant_tile16x16", "16x16 weight tiles, 48x256", _q_check(_randn(48, 256, torch.bfloat16, 7), tile16=True)),
+    Exact("quant_tile16x16_partial", "16x16 tiles, 40 rows (partial last tile)",
           _q_check(_randn(40, 96, torch.float32, 8), tile16=True)),
-    Check("quant_zeros", "all-zero tensor, per-tensor", _q_check(lambda: torch.zeros(4, 64, dtype=torch.bfloat16))),
-    Check("quant_zero_rows_per_token", "some all-zero rows, per-token",
+    Exact("quant_zeros", "all-zero tensor, per-tensor", _q_check(lambda: torch.zeros(4, 64, dtype=torch.bfloat16))),
+    Exact("quant_zero_rows_per_token", "some all-zero rows, per-token",
           _q_check(lambda: torch.cat([torch.zeros(2, 64), torch.randn(2, 64, generator=_gen(9))]), per_token=True)),
-    Check("quant_all_equal_blocks", "blocks of one repeated value (fp16)", _q_check(_equal_blocks)),
-    Check("quant_e2m1_ties", "values exactly on every E2M1 rounding tie (y == x)", _q_check(_ties)),
-    Check("quant_extremes", "near 6*448*scale, near FLT_MAX, tiny 1e-38 (fp32)", _q_check(_extremes, per_token=True)),
-    Check("quant_subnormal_e4m3_scales", "block scales in the E4M3 subnormal range", _q_check(_subnormal_scales)),
-    Check("quant_scale_rounds_to_zero", "non-zero blocks whose scale rounds to 0 (TE: codes saturate)",
+    Exact("quant_all_equal_blocks", "blocks of one repeated value (fp16)", _q_check(_equal_blocks)),
+    Exact("quant_e2m1_ties", "values exactly on every E2M1 rounding tie (y == x)", _q_check(_ties)),
+    Exact("quant_extremes", "near 6*448*scale, near FLT_MAX, tiny 1e-38 (fp32)", _q_check(_extremes, per_token=True)),
+    Exact("quant_subnormal_e4m3_scales", "block scales in the E4M3 subnormal range", _q_check(_subnormal_scales)),
+    Exact("quant_scale_rounds_to_zero", "non-zero blocks whose scale rounds to 0 (TE: codes saturate)",
           _q_check(_zero_scale)),
-    Check("quant_bf16_subnormal_inputs", "bf16 subnormal inputs (amax subnormal -> S_enc capped at FLT_MAX)",
+    Exact("quant_bf16_subnormal_inputs", "bf16 subnormal inputs (amax subnormal -> S_enc capped at FLT_MAX)",
           _q_check(_bf16_subnormal, per_token=True)),
-    Check("quant_negative_zero", "-0.0 -> code 0; tiny negatives -> code 8", _q_check(_neg_zero, per_token=True)),
-    Check("quant_nan_inf_flagged", "NaN/Inf policy: flagged blocks (scale 0x7F, codes 0)", _q_check(_nonfinite)),
-    Check("quant_nan_inf_flagged_per_token", "NaN/Inf policy, per-token amax excludes them",
+    Exact("quant_negative_zero", "-0.0 -> code 0; tiny negatives -> code 8", _q_check(_neg_zero, per_token=True)),
+    Exact("quant_nan_inf_flagged", "NaN/Inf policy: flagged blocks (scale 0x7F, codes 0)", _q_check(_nonfinite)),
+    Exact("quant_nan_inf_flagged_per_token", "NaN/Inf policy, per-token amax excludes them",
           _q_check(_nonfinite, per_token=True)),
-    Check("quant_heavy_tailed", "heavy-tailed (lognormal-scaled) data", _q_check(_heavy, per_token=True)),
-    Check("quant_amax_reuse", "amax given (reuse) == amax computed",
-          _q_check(_randn(6, 64, torch.bfloat16, 10), per_token=True,
-                   amax=R.nonfinite_amax(_randn(6, 64, torch.bfloat16, 10)(), True))),
-    Check("dequant_fp32_per_tensor", "dequantize to fp32", _dequant_check(False, torch.float32)),
-    Check("dequant_bf16_per_token", "dequantize to bf16 (RNE)", _dequant_check(True, torch.bfloat16)),
-    Check("dequant_fp16", "dequantize to fp16", _dequant_check(True, torch.float16)),
-    Check("dequant_gemm_operand", "E2M1*sf operand in bf16 (no global scale)", _dequant_check(True, torch.bfloat16, False)),
-    Check("rmsnorm_quant_amax_reuse", "fused RMSNorm + per-token quantize == quantize_ref(y)", _rmsnorm_check),
-    Check("gemm_decode_fma_m1", "aligned_linear M=1, packed FP4 operands, CUDA-core FMA", _gemm_check(1, "fma")),
-    Check("gemm_decode_fma_m16", "aligned_linear M=16, CUDA-core FMA path", _gemm_check(16, "fma")),
-    Check("gemm_decode_fp4_m16", "aligned_linear M=16, packed FP4 operands, tensor cores", _gemm_check(16, "fp4")),
-    Check("gemm_decode_fp4w_m16", "aligned_linear M=16, FP4 weights + bf16 activations", _gemm_check(16, "fp4w")),
-    Check("gemm_decode_fp4w_swap_m16", "aligned_linear M=16, swap-AB (weights on MMA M side)",
+    Exact("quant_heavy_tailed", "heavy-tailed (lognormal-scaled) data", _q_check(_heavy, per_token=True)),
+    Exact("quant_amax_reuse", "amax given (reuse) == amax computed", _amax_reuse_check),
+    Exact("dequant_fp32_per_tensor", "dequantize to fp32", _dequant_check(False, torch.float32)),
+    Exact("dequant_bf16_per_token", "dequantize to bf16 (RNE)", _dequant_check(True, torch.bfloat16)),
+    Exact("dequant_fp16", "dequantize to fp16", _dequant_check(True, torch.float16)),
+    Exact("dequant_gemm_operand", "E2M1*sf operand in bf16 (no global scale)", _dequant_check(True, torch.bfloat16, False)),
+    Exact("rmsnorm_quant_amax_reuse", "fused RMSNorm + per-token quantize: y == torch RMSNorm, q == quantize_ref(it)",
+          _rmsnorm_check),
+    Exact("gemm_decode_fma_m1", "aligned_linear M=1, packed FP4 operands, CUDA-core FMA", _gemm_check(1, "fma")),
+    Exact("gemm_decode_fma_m16", "aligned_linear M=16, CUDA-core FMA path", _gemm_check(16, "fma")),
+    Exact("gemm_decode_fp4_m16", "aligned_linear M=16, packed FP4 operands, tensor cores", _gemm_check(16, "fp4")),
+    Exact("gemm_decode_fp4w_m16", "aligned_linear M=16, FP4 weights + bf16 activations", _gemm_check(16, "fp4w")),
+    Exact("gemm_decode_fp4w_swap_m16", "aligned_linear M=16, swap-AB (weights on MMA M side)",
           _gemm_check(16, "fp4w-swap")),
-    Check("gemm_bf16_operands_m33", "aligned_linear M=33, pre-dequantized bf16 operands", _gemm_check(33, "bf16")),
-    Check("gemm_tile16_weights", "aligned_linear with 16x16-tile weights", _gemm_check(5, "auto", True)),
-    Check("gemm_k16", "aligned_linear K=16", _gemm_check(3, "auto", k=16)),
-    Check("gemm_batch_invariance", "rows identical for every M", _invariance_check),
-    Check("grouped_moe_fp4", "MoE route+grouped GEMM+combine, FP4 operands", _grouped_check("fp4")),
-    Check("grouped_moe_bf16_operands", "MoE grouped GEMM, bf16 operands", _grouped_check("bf16")),
-    Check("grouped_moe_fma", "MoE grouped GEMM, CUDA-core FMA path", _grouped_check("fma")),
-    Check("grouped_batch_invariance", "MoE rows identical for any token count", _grouped_invariance),
-    Check("swizzle_layout", "swizzled scale layout == blocked-permute form; round trip", _swizzle_check),
-    Check("gemm_large_m4096", "aligned_linear M=4096 K=2048 (bf16 tensor cores)", _gemm_check(4096, "auto", k=2048, n=256),
+    Exact("gemm_bf16_operands_m33", "aligned_linear M=33, pre-dequantized bf16 operands", _gemm_check(33, "bf16")),
+    Exact("gemm_tile16_weights", "aligned_linear with 16x16-tile weights", _gemm_check(5, "auto", True)),
+    Exact("gemm_k16", "aligned_linear K=16", _gemm_check(3, "auto", k=16)),
+    Exact("gemm_batch_invariance", "rows identical for every M", _invariance_check),
+    Exact("grouped_moe_fp4", "MoE route+grouped GEMM+combine, FP4 operands", _grouped_check("fp4")),
+    Exact("grouped_moe_bf16_operands", "MoE grouped GEMM, bf16 operands", _grouped_check("bf16")),
+    Exact("grouped_moe_fma", "MoE grouped GEMM, CUDA-core FMA path", _grouped_check("fma")),
+    Exact("grouped_batch_invariance", "MoE rows identical for any token count", _grouped_invariance),
+    Exact("swizzle_layout", "swizzled scale layout == blocked-permute form; round trip", _swizzle_check),
+    Exact("gemm_large_m4096", "aligned_linear M=4096 K=2048 (bf16 tensor cores)", _gemm_check(4096, "auto", k=2048, n=256),
           gpu_only=True),
 ]
 
@@ -345,7 +380,7 @@ def run_checks(names: list[str] | None = None, device: str | None = None) -> lis
         if names and c.name not in names:
             continue
         if c.gpu_only and dev.type != "cuda":
-            out.append(CheckResult(c.name, c.what, "skip", "GPU only (no CUDA here)", 0.0, c.exact))
+            out.append(CheckResult(c.name, c.what, "skip", "GPU only (no CUDA here)", 0.0, c.exact, c.bound))
             continue
         t0 = time.perf_counter()
         try:
@@ -354,5 +389,5 @@ def run_checks(names: list[str] | None = None, device: str | None = None) -> lis
             detail, status = str(e), "fail"
         except Exception as e:  # a crash is a failure too, with its reason
             detail, status = f"{type(e).__name__}: {e}", "fail"
-        out.append(CheckResult(c.name, c.what, status, detail, time.perf_counter() - t0, c.exact))
+        out.append(CheckResult(c.name, c.what, status, detail, time.perf_counter() - t0, c.exact, c.bound))
     return out

@@ -16,7 +16,7 @@ from mismatch_probe.cli import app, console
 from mismatch_probe.errors import EngineUnavailable, UsageError
 
 kernels_app = typer.Typer(
-    help="NVFP4 kernels: bitwise equivalence checks, quantizer conformance, H200 benchmarks.",
+    help="NVFP4 kernels: named checks against the reference, quantizer conformance, H200 benchmarks.",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -28,15 +28,17 @@ def check_cmd(
     list_only: bool = typer.Option(False, "--list", help="List the check names and exit."),
     json_out: Path = typer.Option(None, "--json", help="Also write the results as JSON here."),
 ) -> int:
-    """Run the named bitwise equivalence checks (Triton kernels vs the pure-torch reference,
-    atol = rtol = 0) and print a pass/fail table. Exit code 1 when any check fails.
+    """Run the named checks of the Triton kernels against the pure-torch reference and print a
+    pass/fail table; the "kind" column says "bitwise (atol=rtol=0)" for exact comparisons and
+    "tolerance (its bound)" otherwise. Exit code 1 when any check fails.
 
     On a machine without CUDA the kernels run through the Triton interpreter on CPU."""
-    from mismatch_probe.kernels.checks import CHECKS, run_checks
+    from mismatch_probe.kernels.checks import CHECKS, kind_label, run_checks
 
     if list_only:
         for c in CHECKS:
-            console.print(f"{c.name}  [dim]{c.what}{' (GPU only)' if c.gpu_only else ''}[/]", highlight=False)
+            gpu = " (GPU only)" if c.gpu_only else ""
+            console.print(f"{c.name}  [dim]{kind_label(c.exact, c.bound)}: {c.what}{gpu}[/]", highlight=False)
         return 0
     try:
         results = run_checks(only or None)
@@ -52,7 +54,7 @@ def check_cmd(
     for r in results:
         table.add_row(
             r.name,
-            "bitwise (atol=rtol=0)" if r.exact else "tolerance",
+            kind_label(r.exact, r.bound),
             f"[{style[r.status]}]{r.status}[/]",
             f"{r.seconds:.2f}",
             r.detail,

@@ -12,15 +12,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str, timeout: float = 600, check: bool = False) -> subprocess.CompletedProcess:
-    """Run ``mismatch-probe ARGS`` in a fresh interpreter; returns the completed process."""
+def cli(*args: str, timeout: float = 600, check: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``mismatch-probe ARGS`` in a fresh interpreter (``env`` added to the environment)."""
     proc = subprocess.run(
         [sys.executable, "-m", "mismatch_probe", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=REPO,
-        env={**os.environ, "COLUMNS": "200"},  # Rich wraps tables to the terminal width
+        env={**os.environ, "COLUMNS": "200", **(env or {})},  # Rich wraps tables to the terminal width
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"mismatch-probe {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

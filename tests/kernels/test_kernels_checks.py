@@ -1,4 +1,4 @@
-"""The named bitwise equivalence checks (Triton kernel vs reference, atol = rtol = 0).
+"""The named kernel checks (Triton kernel vs reference): exact ones compare bits (atol = rtol = 0).
 
 Without CUDA they run in this process through Triton's interpreter on CPU tensors. The kernels
 module never sets TRITON_INTERPRET: it wraps its kernels in the interpreter directly, so other test
@@ -12,19 +12,37 @@ import os
 
 import pytest
 
-from mismatch_probe.kernels.checks import CHECKS, run_checks
+from mismatch_probe.kernels.checks import CHECKS, Check, Exact, Tolerance, kind_label, run_checks
+
+N_CHECKS = 46  # pinned: adding or removing a named check changes this number (and the README's)
 
 
-def test_at_least_28_named_checks():
+def test_named_checks_pinned_and_labelled():
     names = [c.name for c in CHECKS]
-    assert len(set(names)) == len(names) >= 28
-    assert all(c.exact for c in CHECKS)
+    assert len(set(names)) == len(names) == N_CHECKS
+    for c in CHECKS:
+        assert kind_label(c.exact, c.bound) == ("bitwise (atol=rtol=0)" if c.exact else f"tolerance ({c.bound})")
+        assert c.exact != bool(c.bound), c.name
+
+
+def test_check_kind_is_never_implicit():
+    def fn(dev, big):
+        return ""
+
+    with pytest.raises(TypeError):
+        Check("x", "no kind given", fn)  # no default for `exact`
+    with pytest.raises(ValueError, match="must state"):
+        Check("x", "tolerance without a bound", fn, exact=False)
+    assert Exact("x", "", fn).exact and not Tolerance("x", "", fn, "max |diff| <= 1 ulp").exact
+    assert kind_label(False, "max |diff| <= 1 ulp") == "tolerance (max |diff| <= 1 ulp)"
+    assert "bitwise" not in kind_label(False, "max |diff| <= 1 ulp")
 
 
 @pytest.mark.parametrize("name", [c.name for c in CHECKS])
 def test_check_bitwise(name):
     (res,) = run_checks([name])
     if res.status == "skip":
+        assert next(c for c in CHECKS if c.name == name).gpu_only  # only GPU-only checks skip
         pytest.skip(res.detail)
     assert res.status == "pass", res.detail
 
