@@ -10,6 +10,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mismatch_probe.conventions import framework_metrics
 from mismatch_probe.metrics import logprob_gap
 from mismatch_probe.schema import conform
 
@@ -80,6 +81,15 @@ def token_gaps(sampler_tokens: pd.DataFrame, learner_tokens: pd.DataFrame) -> pd
     return df
 
 
+def pair_metrics(lp_a: np.ndarray, lp_b: np.ndarray, seq_ids: np.ndarray) -> dict[str, Any]:
+    """Our metrics of one pair plus, under ``conventions``, each RL framework's (A is the
+    learner/trainer side, B the sampler/rollout side)."""
+    out: dict[str, Any] = dict(logprob_gap(lp_a, lp_b, seq_ids=seq_ids))
+    finite = np.isfinite(lp_a) & np.isfinite(lp_b)
+    out["conventions"] = framework_metrics(lp_a[finite], lp_b[finite], seq_ids[finite])
+    return out
+
+
 def summarize(gaps: pd.DataFrame) -> dict[str, Any]:
     """Every token-level metric for the three pairs, over response tokens."""
     resp = gaps[gaps.is_response]
@@ -89,7 +99,7 @@ def summarize(gaps: pd.DataFrame) -> dict[str, Any]:
         if sub.empty:
             pairs[pair] = None  # e.g. no decode view when responses were given, not generated
             continue
-        pairs[pair] = logprob_gap(sub[a].to_numpy(), sub[b].to_numpy(), seq_ids=sub["seq_id"].to_numpy())
+        pairs[pair] = pair_metrics(sub[a].to_numpy(), sub[b].to_numpy(), sub["seq_id"].to_numpy())
     return {
         "n_sequences": int(gaps["seq_id"].nunique()),
         "n_tokens": int(len(gaps)),

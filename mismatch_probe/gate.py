@@ -5,8 +5,11 @@ the first-divergent-op check, ``RUN/bisect.json`` (or ``RUN/compare/op_errors.pa
 
 A check is ``[PAIR.]METRIC OP VALUE`` with OP one of ``<= < >= > ==``; PAIR defaults to the
 gate's pair (``learner_vs_decode``). Metrics are the keys of ``summary.json`` for that pair
-(see :mod:`mismatch_probe.metrics`) and, where the run captured full-vocabulary logprobs, the
-keys of the pair's ``full_vocab`` block (``kl_fwd``, ``kl_rev``, ``top1_agree``, ...). A NaN or
+(see :mod:`mismatch_probe.metrics`), where the run captured top-K logprobs the keys of the pair's
+``full_vocab`` block (``kl_fwd``, ``kl_rev``, ``top1_agree``, ...), and each RL framework's
+metrics under its own names as ``conventions.FRAMEWORK.NAME`` (e.g.
+``conventions.verl.rollout_is_eff_sample_size>=0.99``, see :mod:`mismatch_probe.conventions`),
+optionally after the pair (``learner_vs_prefill.conventions.slime.mis_kl<=1e-3``). A NaN or
 infinite value never passes a ``<=`` check. A check whose metric the run did not record is
 *skipped* (``--strict`` makes that a failure). A metric name nobody defines is a usage error.
 
@@ -26,14 +29,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from mismatch_probe.conventions import FRAMEWORKS, framework_metrics
 from mismatch_probe.errors import SchemaError, UsageError
-from mismatch_probe.metrics import GAP_METRICS
+from mismatch_probe.metrics import GAP_METRICS, RATIO_METRICS
 from mismatch_probe.schema import SCHEMA_VERSION
 
 PAIRS = ("learner_vs_decode", "learner_vs_prefill", "prefill_vs_decode")
-FULL_VOCAB_METRICS = ("kl_fwd", "kl_rev", "top1_agree", "topk_overlap")
+FULL_VOCAB_METRICS = (
+    "kl_fwd", "kl_rev", "top1_agree", "topk_overlap", "sampled_rank_mean", "sampled_rank_max",
+    "sampled_in_topk_frac", "entropy_learner", "entropy_sampler", "n_positions",
+)  # fmt: skip
 OTHER_METRICS = ("n_tokens", "n_nonfinite", "pearson_prob", "ppl_learner", "ppl_sampler")
-KNOWN_METRICS = frozenset(GAP_METRICS + FULL_VOCAB_METRICS + OTHER_METRICS)
+KNOWN_METRICS = frozenset(GAP_METRICS + RATIO_METRICS + FULL_VOCAB_METRICS + OTHER_METRICS)
+_x = np.array([-1.0, -2.0])
+CONVENTION_METRICS: dict[str, frozenset[str]] = {
+    f: frozenset(v) for f, v in framework_metrics(_x, _x - 0.5, np.array([0, 1])).items()
+}
 OPS = ("<=", ">=", "==", "<", ">")
 FIRST_DIVERGENT = "first_divergent_op"
 
@@ -53,7 +66,7 @@ TOML_KEYS = frozenset(MAX_FLAGS) | {
     "strict",
 }
 
-_CHECK_RE = re.compile(r"^\s*(?:(?P<pair>[a-z_]+)\.)?(?P<metric>[A-Za-z0-9_]+)\s*(?P<op><=|>=|==|<|>)\s*(?P<val>\S+)\s*$")
+_CHECK_RE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_.]+)\s*(?P<op><=|>=|==|<|>)\s*(?P<val>\S+)\s*$")
 
 
 # --------------------------------------------------------------------------- run inputs
@@ -194,11 +207,36 @@ def parse_check(spec: str, default_pair: str) -> Check:
     m = _CHECK_RE.match(spec)
     if not m:
         raise UsageError(f"bad check {spec!r}: expected [PAIR.]METRIC<=VALUE (operators: {' '.join(OPS)})")
-    pair = _check_pair(m["pair"] or default_pair, f"check {spec!r}")
-    metric = m["metric"]
-    if metric not in KNOWN_METRICS:
-        raise UsageError(f"check {spec!r}: unknown metric {metric!r}; known: {', '.join(sorted(KNOWN_METRICS))}")
+    parts = m["key"].split(".")
+    pair = default_pair
+    if len(parts) > 1 and parts[0] not in ("conventions", "full_vocab"):
+        pair, parts = parts[0], parts[1:]
+    pair = _check_pair(pair, f"check {spec!r}")
+    metric = ".".join(parts)
+    _check_metric(metric, spec)
     return Check(metric, m["op"], _to_float(m["val"], f"check {spec!r}"), pair)
+
+
+def _check_metric(metric: str, spec: str) -> None:
+    parts = metric.split(".")
+    if parts[0] == "full_vocab" and len(parts) == 2:
+        parts = parts[1:]
+    if len(parts) == 1:
+        if parts[0] not in KNOWN_METRICS:
+            raise UsageError(
+                f"check {spec!r}: unknown metric {parts[0]!r}; known: {', '.join(sorted(KNOWN_METRICS))}, "
+                "and conventions.FRAMEWORK.NAME"
+            )
+        return
+    if parts[0] != "conventions" or len(parts) != 3:
+        raise UsageError(f"check {spec!r}: unknown metric {metric!r}; a framework's metric is conventions.FRAMEWORK.NAME")
+    fw, name = parts[1], parts[2]
+    if fw not in CONVENTION_METRICS:
+        raise UsageError(f"check {spec!r}: unknown framework {fw!r}; choose one of {', '.join(FRAMEWORKS)}")
+    if name not in CONVENTION_METRICS[fw]:
+        raise UsageError(
+            f"check {spec!r}: unknown metric {name!r} of {fw}; known: {', '.join(sorted(CONVENTION_METRICS[fw]))}"
+        )
 
 
 def max_checks(key: str, value: float, pair: str) -> list[Check]:
@@ -288,10 +326,17 @@ def _lookup(summary: dict[str, Any], pair: str, metric: str) -> tuple[float | No
     block = summary["pairs"].get(pair)
     if not isinstance(block, dict):
         return None, f"pair {pair} not in summary.json"
+    if metric.startswith("conventions."):
+        _, fw, name = metric.split(".")
+        conv = (block.get("conventions") or {}).get(fw)
+        if not isinstance(conv, dict) or name not in conv:
+            return None, f"{metric} not recorded for {pair} (a run made before framework conventions?)"
+        return _to_float(conv[name], f"summary {pair}.{metric}"), ""
+    metric = metric.removeprefix("full_vocab.")
     if metric in FULL_VOCAB_METRICS:
         fv = block.get("full_vocab")
         if not isinstance(fv, dict):
-            return None, "full-vocabulary logprobs not captured in this run"
+            return None, "top-K logprobs not captured in this run (compare --topk K)"
         if metric not in fv:
             return None, f"{metric} not in full_vocab"
         return _to_float(fv[metric], f"summary {pair}.full_vocab.{metric}"), ""

@@ -26,7 +26,29 @@ Definitions, over the tokens selected by ``mask`` (response tokens), with
 ``pearson_prob``            Pearson correlation of exp(lp_l) and exp(lp_s)
 ``ppl_learner/sampler``     exp(-mean logp) of each side
 ``n_nonfinite``             masked tokens where either logprob is not finite (NaN, -inf)
+``is_mean/std/min/max``     of the token importance ratios r (std: population)
+``ess``                     effective sample size (sum r)^2 / (N sum r^2), in (0, 1]
+``reject_token_frac``       share of tokens with r outside ``reject_token`` = [lo, hi] (0.5, 2)
+``reject_seq_frac_token``   share of sequences holding at least one such token
+``reject_seq_frac_product`` share of sequences with exp(sum_t d) outside ``reject_seq`` (0.5, 2)
+``reject_seq_frac_geo``     share of sequences with exp(mean_t d) outside ``reject_geo``
+                            (0.999, 1.001)
+``seq_product_ratio_*``     mean/min/max over sequences of exp(sum_t d) (sequence IS weight)
+``seq_geo_ratio_*``         mean/min/max over sequences of exp(mean_t d) (geometric mean ratio)
+``seq_log_ppl_diff_*``      per sequence mean_t(lp_s) - mean_t(lp_l) (the learner's log-ppl minus
+                            the sampler's); ``mean``, ``abs_mean``, ``max_abs`` over sequences
+``chi2_seq``                mean over sequences of exp(2 sum_t d) - 1
+``kl_rev_k3``               mean(1/r - 1 + log r): k3 form of KL(learner || sampler) on the
+                            sampled tokens (NeMo RL's policy_kl_error)
+``js``                      Jensen-Shannon term on the sampled tokens (NeMo RL's
+                            js_divergence_error): with m = (p_l + p_s) / 2,
+                            mean(k3(p_l/m) + k3(p_s/m)) / 2
 ==========================  ==================================================================
+
+Sequence metrics need ``seq_ids`` (or 2-D inputs, whose rows are the sequences); without them
+they are NaN. ``convention="verl" | "slime" | "nemo_rl"`` returns that framework's metrics under
+its own names and aggregation instead (see :mod:`mismatch_probe.conventions`), for a training
+loop to log next to its own.
 
 Non-finite logprobs are reported, never a crash: tokens where exactly one side is -inf make the
 gap infinite (``max_abs_dlogp = inf``); the other metrics are computed over the finite tokens,
@@ -56,6 +78,30 @@ GAP_METRICS = (
     "tis_frac",
     "seq_mean_abs_logratio",
     "seq_max_abs_logratio",
+    "reject_token_frac",
+    "reject_seq_frac_token",
+    "reject_seq_frac_product",
+    "reject_seq_frac_geo",
+    "seq_log_ppl_diff_mean",
+    "seq_log_ppl_diff_abs_mean",
+    "seq_log_ppl_diff_max_abs",
+    "chi2_seq",
+    "kl_rev_k3",
+    "js",
+)
+# metrics whose "no gap" value is not 0 (ratios: 1)
+RATIO_METRICS = (
+    "is_mean",
+    "is_std",
+    "is_min",
+    "is_max",
+    "ess",
+    "seq_product_ratio_mean",
+    "seq_product_ratio_min",
+    "seq_product_ratio_max",
+    "seq_geo_ratio_mean",
+    "seq_geo_ratio_min",
+    "seq_geo_ratio_max",
 )
 
 
@@ -73,6 +119,12 @@ def logprob_gap(
     seq_ids: Any | None = None,
     clip_eps: float = 0.2,
     tis_cap: float = 2.0,
+    reject_token: tuple[float, float] = (0.5, 2.0),
+    reject_seq: tuple[float, float] = (0.5, 2.0),
+    reject_geo: tuple[float, float] = (0.999, 1.001),
+    convention: str | None = None,
+    convention_config: Any | None = None,
+    prefix: str | None = None,
 ) -> dict[str, float]:
     """Gap metrics between learner and sampler token logprobs (see the module docstring).
 
@@ -80,10 +132,22 @@ def logprob_gap(
         learner_lp: learner logprob of each token (any shape; flattened).
         sampler_lp: sampler logprob of the same tokens, same shape.
         mask: which tokens count (e.g. response tokens); default all.
-        seq_ids: sequence id of each token, for the sequence-level log-ratio sums.
+        seq_ids: sequence id of each token, for the sequence-level metrics; default: the rows
+            of 2-D inputs, else none.
         clip_eps: PPO clip range for ``clip_frac``.
         tis_cap: truncation cap C for ``tis_frac``.
+        reject_token, reject_seq, reject_geo: [lo, hi] bounds of the rejection fractions (token
+            ratio, sequence product, sequence geometric mean).
+        convention: ``verl`` | ``slime`` | ``nemo_rl``: return that framework's metrics instead.
+        convention_config: a :class:`mismatch_probe.conventions.ConventionConfig` (thresholds).
+        prefix: with ``convention``, prefix of the keys (default: none; e.g. ``"mismatch/"``).
     """
+    if seq_ids is None and np.ndim(learner_lp) == 2:
+        rows, cols = np.shape(learner_lp)
+        seq_ids = np.repeat(np.arange(rows), cols)
+    for name, (lo, hi) in (("reject_token", reject_token), ("reject_seq", reject_seq), ("reject_geo", reject_geo)):
+        if not 0 <= lo < hi:
+            raise ValueError(f"{name} must be (lo, hi) with 0 <= lo < hi, got {(lo, hi)}")
     lp_l = _as_f64(learner_lp)
     lp_s = _as_f64(sampler_lp)
     if lp_l.shape != lp_s.shape:
@@ -103,8 +167,15 @@ def logprob_gap(
     out: dict[str, float] = {"n_tokens": float(m.sum()), "n_nonfinite": float((~finite).sum())}
     a, b = lp_l[finite], lp_s[finite]
     n = a.size
+    if convention is not None:
+        from mismatch_probe import conventions as conv
+
+        fs = sid[finite] if sid is not None else np.zeros(n, dtype=np.int64)
+        block = conv.framework_metrics(a, b, fs, (convention,), convention_config)[convention]
+        return {f"{prefix or ''}{k}": v for k, v in block.items()}
     if n == 0:
         out.update({k: (float("inf") if k == "max_abs_dlogp" and one_inf.any() else float("nan")) for k in GAP_METRICS})
+        out.update({k: float("nan") for k in RATIO_METRICS})
         out.update(pearson_prob=float("nan"), ppl_learner=float("nan"), ppl_sampler=float("nan"))
         return out
     d = a - b
@@ -126,16 +197,19 @@ def logprob_gap(
     out["chi2"] = float((r * r).mean() - 1.0) if np.any(d != 0) else 0.0
     out["clip_frac"] = float(((r < 1 - clip_eps) | (r > 1 + clip_eps)).mean())
     out["tis_frac"] = float((r > tis_cap).mean())
-    if sid is not None:
-        fs = sid[finite]
-        uniq, inv = np.unique(fs, return_inverse=True)
-        sums = np.zeros(uniq.size)
-        np.add.at(sums, inv, d)
-        out["seq_mean_abs_logratio"] = float(np.abs(sums).mean())
-        out["seq_max_abs_logratio"] = float(np.abs(sums).max())
-    else:
-        out["seq_mean_abs_logratio"] = float("nan")
-        out["seq_max_abs_logratio"] = float("nan")
+    out["is_mean"] = float(r.mean())
+    out["is_std"] = float(r.std())
+    out["is_min"] = float(r.min())
+    out["is_max"] = float(r.max())
+    out["ess"] = float(r.sum() ** 2 / (n * (r * r).sum()))
+    bad = (r < reject_token[0]) | (r > reject_token[1])
+    out["reject_token_frac"] = float(bad.mean())
+    out["kl_rev_k3"] = float(np.maximum(1.0 / r - 1.0 + d, 0.0).mean())
+    log_m = np.log(0.5 * pa_ + 0.5 * pb)
+    ja, jb = a - log_m, b - log_m
+    js = 0.5 * (np.exp(ja) - ja - 1.0) + 0.5 * (np.exp(jb) - jb - 1.0)
+    out["js"] = float(np.where(d == 0, 0.0, np.maximum(js, 0.0)).mean())
+    out.update(_seq_metrics(d, bad, None if sid is None else sid[finite], reject_seq, reject_geo))
     if n > 1 and pa_.std() > 0 and pb.std() > 0:
         out["pearson_prob"] = float(np.corrcoef(pa_, pb)[0, 1])
     else:
@@ -143,3 +217,44 @@ def logprob_gap(
     out["ppl_learner"] = float(np.exp(-a.mean()))
     out["ppl_sampler"] = float(np.exp(-b.mean()))
     return out
+
+
+SEQ_METRICS = (
+    "seq_mean_abs_logratio", "seq_max_abs_logratio", "reject_seq_frac_token", "reject_seq_frac_product",
+    "reject_seq_frac_geo", "seq_product_ratio_mean", "seq_product_ratio_min", "seq_product_ratio_max",
+    "seq_geo_ratio_mean", "seq_geo_ratio_min", "seq_geo_ratio_max", "seq_log_ppl_diff_mean",
+    "seq_log_ppl_diff_abs_mean", "seq_log_ppl_diff_max_abs", "chi2_seq",
+)  # fmt: skip
+
+
+def _seq_metrics(
+    d: np.ndarray, bad: np.ndarray, sid: np.ndarray | None, reject_seq: tuple[float, float], reject_geo: tuple[float, float]
+) -> dict[str, float]:
+    """Sequence-level metrics from the token log-ratios ``d`` (NaN without sequence ids)."""
+    if sid is None:
+        return {k: float("nan") for k in SEQ_METRICS}
+    _, inv = np.unique(sid, return_inverse=True)
+    inv = inv.reshape(-1)
+    count = np.bincount(inv).astype(np.float64)
+    sums = np.bincount(inv, weights=d, minlength=count.size)
+    means = sums / count
+    prod, geo = np.exp(sums), np.exp(means)
+    with np.errstate(over="ignore"):
+        chi2 = np.exp(2.0 * sums).mean() - 1.0 if np.any(sums != 0) else 0.0
+    return {
+        "seq_mean_abs_logratio": float(np.abs(sums).mean()),
+        "seq_max_abs_logratio": float(np.abs(sums).max()),
+        "reject_seq_frac_token": float((np.bincount(inv, weights=bad.astype(np.float64), minlength=count.size) > 0).mean()),
+        "reject_seq_frac_product": float(((prod < reject_seq[0]) | (prod > reject_seq[1])).mean()),
+        "reject_seq_frac_geo": float(((geo < reject_geo[0]) | (geo > reject_geo[1])).mean()),
+        "seq_product_ratio_mean": float(prod.mean()),
+        "seq_product_ratio_min": float(prod.min()),
+        "seq_product_ratio_max": float(prod.max()),
+        "seq_geo_ratio_mean": float(geo.mean()),
+        "seq_geo_ratio_min": float(geo.min()),
+        "seq_geo_ratio_max": float(geo.max()),
+        "seq_log_ppl_diff_mean": float((-means).mean()),
+        "seq_log_ppl_diff_abs_mean": float(np.abs(means).mean()),
+        "seq_log_ppl_diff_max_abs": float(np.abs(means).max()),
+        "chi2_seq": float(chi2),
+    }

@@ -16,9 +16,9 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from mismatch_probe.compare import pair_metrics
 from mismatch_probe.errors import SchemaError
 from mismatch_probe.gate import PAIRS, read_manifest, read_run_json, read_summary
-from mismatch_probe.metrics import logprob_gap
 from mismatch_probe.schema import SCHEMA_VERSION, SCHEMAS, read_schema_version, read_table
 
 OP_ERROR_COLUMNS = (
@@ -74,7 +74,7 @@ def _summary_from_gaps(gaps: pd.DataFrame) -> dict[str, Any]:
     resp = gaps[gaps["is_response"]]
     pairs = {}
     for pair, (a, b, _) in PAIR_COLUMNS.items():
-        pairs[pair] = logprob_gap(resp[a].to_numpy(float), resp[b].to_numpy(float), seq_ids=resp["seq_id"].to_numpy())
+        pairs[pair] = pair_metrics(resp[a].to_numpy(float), resp[b].to_numpy(float), resp["seq_id"].to_numpy())
     return {
         "schema_version": SCHEMA_VERSION,
         "n_sequences": int(gaps["seq_id"].nunique()),

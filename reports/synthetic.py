@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from mismatch_probe.compare import pair_metrics
 from mismatch_probe.gate import PAIRS
-from mismatch_probe.metrics import logprob_gap
 from mismatch_probe.schema import SCHEMA_VERSION, atomic_write_json, write_table
 
 LAYER_OPS = (
@@ -86,7 +86,7 @@ def _summary(gaps: pa.Table) -> dict:
         "learner_vs_prefill": ("lp_learner", "lp_prefill"),
         "prefill_vs_decode": ("lp_prefill", "lp_decode"),
     }
-    pairs = {p: logprob_gap(r[a].to_numpy(), r[b].to_numpy(), seq_ids=r["seq_id"].to_numpy()) for p, (a, b) in cols.items()}
+    pairs = {p: pair_metrics(r[a].to_numpy(), r[b].to_numpy(), r["seq_id"].to_numpy()) for p, (a, b) in cols.items()}
     assert set(pairs) == set(PAIRS)
     return {
         "schema_version": SCHEMA_VERSION,
