@@ -7,12 +7,21 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from mp_testlib import cli
 
 # Tiny models are built into a per-session cache (subprocesses inherit it); nothing downloads.
 if "MISMATCH_PROBE_CACHE" not in os.environ:
     os.environ["MISMATCH_PROBE_CACHE"] = tempfile.mkdtemp(prefix="mp-cache-")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# Property tests: "ci" (the default under pytest) draws the same examples on every run (derandomized,
+# no example database), so CI never fails at random on a change that touches nothing there; "dev"
+# searches with fresh random examples and keeps failures in the local database:
+#   HYPOTHESIS_PROFILE=dev python -m pytest -q tests/kernels/test_kernels_properties.py
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _compare(tmp_path_factory: pytest.TempPathFactory, model: str, *extra: str) -> Path:
