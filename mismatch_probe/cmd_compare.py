@@ -54,6 +54,12 @@ def compare(
     learner: str = typer.Option("hf", "--learner", help="hf | fsdp"),
     sampler: str = typer.Option("vllm", "--sampler", help="vllm"),
     prompts: Path | None = typer.Option(None, "--prompts", "-p", help="JSONL prompts file (see README)."),
+    rollouts: Path | None = typer.Option(
+        None,
+        "--rollouts",
+        help="A training run's rollouts (Parquet or JSONL; ours, verl or slime column names): their recorded "
+        "sampler logprobs are the decode view; learner and sampler prefill rescore them (see README).",
+    ),
     n: int = typer.Option(2, "--n", help="Samples per prompt."),
     max_tokens: int = typer.Option(16, "--max-tokens", help="Response length limit."),
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (logprobs: raw T=1 distribution)."),
@@ -95,6 +101,7 @@ def compare(
         learner=learner,
         sampler=sampler,
         prompts=prompts,
+        rollouts=rollouts,
         n=n,
         max_tokens=max_tokens,
         temperature=temperature,

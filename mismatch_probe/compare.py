@@ -106,3 +106,23 @@ def summarize(gaps: pd.DataFrame) -> dict[str, Any]:
         "n_response_tokens": int(len(resp)),
         "pairs": pairs,
     }
+
+
+# pairs of a --rollouts run that recorded the trainer's logprobs (A - B as above)
+TRAINER_PAIRS = {
+    "trainer_vs_decode": ("lp_trainer", "lp_decode"),  # the gap the training run saw
+    "learner_vs_trainer": ("lp_learner", "lp_trainer"),  # does this learner reproduce the trainer
+}
+
+
+def trainer_pairs(gaps: pd.DataFrame, trainer_tokens: pd.DataFrame) -> dict[str, Any]:
+    """Metrics of the training run's own gap (trainer vs recorded sampler logprobs) and of this
+    learner against the trainer, over the response tokens of ``gaps``."""
+    key = ["seq_id", "pos"]
+    t = trainer_tokens[key + ["logprob"]].rename(columns={"logprob": "lp_trainer"})
+    df = gaps[gaps.is_response].merge(t, on=key, how="left", validate="one_to_one")
+    out: dict[str, Any] = {}
+    for pair, (a, b) in TRAINER_PAIRS.items():
+        sub = df[df[a].notna() & df[b].notna()]
+        out[pair] = pair_metrics(sub[a].to_numpy(), sub[b].to_numpy(), sub["seq_id"].to_numpy()) if len(sub) else None
+    return out

@@ -37,6 +37,7 @@ from mismatch_probe.metrics import GAP_METRICS, RATIO_METRICS
 from mismatch_probe.schema import SCHEMA_VERSION
 
 PAIRS = ("learner_vs_decode", "learner_vs_prefill", "prefill_vs_decode")
+TRAINER_PAIRS = ("trainer_vs_decode", "learner_vs_trainer")  # runs of compare --rollouts with trainer logprobs
 FULL_VOCAB_METRICS = (
     "kl_fwd", "kl_rev", "top1_agree", "topk_overlap", "sampled_rank_mean", "sampled_rank_max",
     "sampled_in_topk_frac", "entropy_learner", "entropy_sampler", "n_positions",
@@ -197,8 +198,8 @@ def _to_float(v: Any, where: str) -> float:
 
 
 def _check_pair(pair: str, where: str) -> str:
-    if pair not in PAIRS:
-        raise UsageError(f"{where}: unknown pair {pair!r}; choose one of {', '.join(PAIRS)}")
+    if pair not in PAIRS + TRAINER_PAIRS:
+        raise UsageError(f"{where}: unknown pair {pair!r}; choose one of {', '.join(PAIRS + TRAINER_PAIRS)}")
     return pair
 
 

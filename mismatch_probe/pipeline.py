@@ -37,6 +37,7 @@ class CompareConfig:
     learner: str = "hf"
     sampler: str = "vllm"
     prompts: Path | None = None
+    rollouts: Path | None = None  # --rollouts: a training run's recorded rollouts (decode view from the file)
     n: int = 2
     max_tokens: int = 16
     temperature: float = 1.0
@@ -68,6 +69,8 @@ class CompareConfig:
             raise UsageError(str(e)) from None
 
     def validate(self) -> None:
+        if self.rollouts is not None and self.prompts is not None:
+            raise UsageError("give either --prompts or --rollouts, not both")
         if self.learner not in LEARNERS:
             raise UsageError(f"--learner must be one of {', '.join(LEARNERS)}, got {self.learner!r}")
         if self.nproc < 1:
@@ -106,9 +109,11 @@ class Prepared:
     sampler_model: ModelInfo
     specs: list[PromptSpec]
     prompt_ids: list[list[int]]
+    recorded: list[Any] | None = None  # RecordedRollout of --rollouts
+    rollouts_naming: str | None = None
 
 
-def tokenize_prompts(specs: list[PromptSpec], model: ModelInfo, max_tokens: int) -> list[list[int]]:
+def tokenize_prompts(specs: list[PromptSpec], model: ModelInfo, max_tokens: int, what: str = "prompts line") -> list[list[int]]:
     """Token ids of each prompt, checked against the model's vocabulary and context."""
     from transformers import AutoTokenizer
 
@@ -123,7 +128,7 @@ def tokenize_prompts(specs: list[PromptSpec], model: ModelInfo, max_tokens: int)
         )
     out: list[list[int]] = []
     for i, s in enumerate(specs):
-        where = f"prompt {i + 1}" if s.line == 0 else f"prompts line {s.line}"
+        where = f"prompt {i + 1}" if s.line == 0 else f"{what} {s.line}"
         ids = tok(s.text)["input_ids"] if s.text is not None else list(s.token_ids or [])
         if not ids:
             raise UsageError(f"{where}: tokenizes to no tokens")
@@ -145,8 +150,15 @@ def tokenize_prompts(specs: list[PromptSpec], model: ModelInfo, max_tokens: int)
 def prepare(cfg: CompareConfig) -> Prepared:
     """Validate everything a run needs before any engine starts or any file is written."""
     cfg.validate()
-    specs = load_prompts(cfg.prompts)
     model = resolve_model(cfg.model)
+    recorded, naming = None, None
+    if cfg.rollouts is not None:
+        from mismatch_probe.rollouts import load_rollouts
+
+        recorded, naming = load_rollouts(cfg.rollouts, model.vocab_size)
+        specs = [PromptSpec(line=r.row, token_ids=r.prompt_ids, response_token_ids=r.response_ids) for r in recorded]
+    else:
+        specs = load_prompts(cfg.prompts)
     smodel = model if cfg.sampler_model in (None, cfg.model) else resolve_model(cfg.sampler_model)
     if smodel.vocab_size != model.vocab_size:
         raise UsageError(
@@ -154,8 +166,8 @@ def prepare(cfg: CompareConfig) -> Prepared:
         )
     if smodel.model_type != model.model_type:
         raise UsageError(f"--sampler-model is a {smodel.model_type} model, --model a {model.model_type} model")
-    ids = tokenize_prompts(specs, model, cfg.max_tokens)
-    return Prepared(model=model, sampler_model=smodel, specs=specs, prompt_ids=ids)
+    ids = tokenize_prompts(specs, model, cfg.max_tokens, what=f"{cfg.rollouts} row" if recorded else "prompts line")
+    return Prepared(model=model, sampler_model=smodel, specs=specs, prompt_ids=ids, recorded=recorded, rollouts_naming=naming)
 
 
 @contextmanager
@@ -194,6 +206,13 @@ def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, A
             "n_prompts": len(prep.specs),
             "recipes": {side: cfg.side_recipe(side) for side in ("learner", "sampler")},  # resolved, per side
         }
+        if prep.recorded is not None:
+            run.manifest["rollouts"] = {
+                "file": str(cfg.rollouts),
+                "naming": prep.rollouts_naming,
+                "n_rollouts": len(prep.recorded),
+                "trainer_logprobs": prep.recorded[0].old_logprobs is not None,
+            }
         run.write_manifest()
         rollouts = stages.sample(cfg, prep, run, progress)
         stages.learn(cfg, prep, run, rollouts, progress)

@@ -40,3 +40,35 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def real_run_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A complete ``compare`` run on tiny-qwen3 with real vLLM and HF."""
     return _compare(tmp_path_factory, "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def rollouts_run(tmp_path_factory: pytest.TempPathFactory, real_run_qwen3: Path) -> Path:
+    """``compare --rollouts`` on tiny-qwen3: real_run_qwen3's 16 rollouts (its decode logprobs as the
+    recorded sampler logprobs, its learner logprobs as the trainer's), four of them cut to one
+    response token, written in verl's naming with padding and masks (Parquet). Op capture off."""
+    from mismatch_probe.rollouts import rollouts_from_run, write_rollouts
+
+    rows = rollouts_from_run(real_run_qwen3)
+    for i in (0, 5, 9, 13):
+        for k in ("response_token_ids", "rollout_logprobs", "old_logprobs"):
+            rows[i][k] = rows[i][k][:1]
+    wp = max(len(r["prompt_token_ids"]) for r in rows)
+    wr = max(len(r["response_token_ids"]) for r in rows)
+    verl = []
+    for r in rows:
+        lp, rp = wp - len(r["prompt_token_ids"]), wr - len(r["response_token_ids"])
+        verl.append(
+            {
+                "uid": str(r["prompt_id"]),
+                "prompts": [0] * lp + r["prompt_token_ids"],
+                "responses": r["response_token_ids"] + [0] * rp,
+                "rollout_log_probs": r["rollout_logprobs"] + [0.0] * rp,
+                "old_log_probs": r["old_logprobs"] + [0.0] * rp,
+                "attention_mask": [0] * lp + [1] * (len(r["prompt_token_ids"]) + len(r["response_token_ids"])) + [0] * rp,
+                "response_mask": [1] * len(r["response_token_ids"]) + [0] * rp,
+            }
+        )
+    base = tmp_path_factory.mktemp("rollouts")
+    write_rollouts(base / "verl_batch.parquet", verl)
+    return _compare(tmp_path_factory, "tiny-qwen3", "--rollouts", str(base / "verl_batch.parquet"), "--capture", "off")
