@@ -92,13 +92,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return acc.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Row gather (exact in every engine; here for completeness of the op set)."""
-    return weight.index_select(0, ids.reshape(-1)).reshape(*ids.shape, weight.shape[1])
+def embedding(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Row gather (exact in every engine). ``scale`` (a 0-d tensor in the weight's dtype, e.g.
+    Gemma's bf16 ``sqrt(hidden)``) multiplies each row in fp32, rounded once: the bits of a bf16
+    elementwise product."""
+    out = weight.index_select(0, ids.reshape(-1)).reshape(*ids.shape, weight.shape[1])
+    if scale is None:
+        return out
+    return (out.float() * scale.to(weight.dtype).float()).to(weight.dtype)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``w * bf16(x * 1/sqrt(tree_sum(x^2)/H + eps))``: HF's order of roundings, fixed reduction."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
+    """``w * bf16(x * 1/sqrt(tree_sum(x^2)/H + eps))``: HF's order of roundings, fixed reduction.
+
+    ``unit_offset=True`` is Gemma's norm: ``bf16(x * inv * (1 + w))`` in fp32, rounded once (the
+    weight stores ``w``, the scale is ``1 + w``; HF's Gemma RMSNorm rounds in this order)."""
+    if unit_offset:
+        return _rmsnorm_unit_offset(x, weight, eps)
     cu = _cuda_kernels(x)
     if cu is not None:
         return cu.rmsnorm(x, weight, eps)  # type: ignore[attr-defined]
@@ -111,10 +121,20 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.T
     return (weight.float() * y.float()).to(x.dtype)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float):
+def _rmsnorm_unit_offset(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    var = tree_sum(xf * xf, -1) / float(x.shape[-1])
+    y = xf * (1.0 / torch.sqrt(var + eps))[..., None]
+    if weight is not None:
+        y = y * (1.0 + weight.float())
+    return y.to(x.dtype)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+                unit_offset: bool = False):
     """vLLM's fused add + norm, as the HF decoder computes it: ``r = bf16(x + residual)``."""
     r = (x.float() + residual.float()).to(x.dtype)
-    return rmsnorm(r, weight, eps), r
+    return rmsnorm(r, weight, eps, unit_offset=unit_offset), r
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -126,6 +146,34 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``bf16(silu(gate) * up)``: the HF MLP's two roundings (silu, then the product)."""
     return (silu(gate).float() * up.float()).to(up.dtype)
+
+
+_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
+_INV_SQRT_2 = 0.7071067811865476
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """``bf16(0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))))`` in fp32 (GELU, tanh approximation)."""
+    xf = x.float()
+    inner = _SQRT_2_OVER_PI * (xf + 0.044715 * (xf * xf * xf))
+    return (0.5 * xf * (1.0 + ew(torch.tanh, inner))).to(x.dtype)
+
+
+def gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    """``bf16(0.5 x (1 + erf(x / sqrt 2)))`` in fp32 (exact GELU)."""
+    xf = x.float()
+    return (0.5 * xf * (1.0 + ew(torch.erf, xf * _INV_SQRT_2))).to(x.dtype)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": silu, "gelu_tanh": gelu_tanh, "gelu": gelu_erf,
+}
+
+
+def act_and_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """``bf16(act(gate) * up)`` with the strict ``act`` (:data:`ACTIVATIONS`): two roundings, as
+    the HF MLPs compute ``act_fn(gate_proj(x)) * up_proj(x)``."""
+    return (ACTIVATIONS[act](gate).float() * up.float()).to(up.dtype)
 
 
 _ROPE: dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -157,9 +205,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+              window: int | None = None) -> torch.Tensor:
     """Causal attention of one sequence: ``q [Tq, Hq, D]`` at absolute positions ``q_pos [Tq]``
-    over keys/values ``[Tk, Hkv, D]`` at positions ``0..Tk-1`` (key j visible iff j <= q_pos).
+    over keys/values ``[Tk, Hkv, D]`` at positions ``0..Tk-1`` (key j visible iff j <= q_pos;
+    with a sliding ``window`` W also iff j > q_pos - W, HF's and vLLM's convention: W keys
+    including the query's own). Invisible keys add exact zeros at their own index of the trees,
+    so a query gets the same bits whatever the window clips or how many keys follow.
 
     Scores, softmax sums and the weighted value sum are fp32 trees; the output is rounded once.
     Used for the learner's teacher-forced prefill and for vLLM prefill and decode (keys read back
@@ -172,7 +224,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
     qf = q.float().transpose(0, 1)  # [Hq, Tq, D]
     s = tree_dot(qf[:, :, None, :], kf[:, None, :, :]) * scale  # [Hq, Tq, Tk]
-    visible = torch.arange(tk, device=q.device)[None, :] <= q_pos.to(q.device)[:, None]  # [Tq, Tk]
+    j, qp = torch.arange(tk, device=q.device)[None, :], q_pos.to(q.device)[:, None]
+    visible = j <= qp  # [Tq, Tk]
+    if window is not None and window > 0:
+        visible &= j > qp - window
     s = torch.where(visible[None], s, torch.full_like(s, float("-inf")))
     m = s.amax(dim=-1, keepdim=True)
     p = ew(torch.exp, s - m)
