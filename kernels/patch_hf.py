@@ -76,8 +76,12 @@ class PatchHandle:
         }
 
 
-def _rope_base(config: Any) -> float:
+def _rope_base(config: Any, layer_type: str | None = None) -> float:
+    """The rope base of a layer: ``rope_parameters`` is one dict, or (Gemma 3: local and global
+    layers) one dict per layer type."""
     rp = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and isinstance(rp.get(layer_type), dict):
+        rp = rp[layer_type]
     if rp.get("rope_type", "default") not in ("default", None):
         raise NotImplementedError(f"strict rope supports the default rope only, not {rp.get('rope_type')!r}")
     base = rp.get("rope_theta", getattr(config, "rope_theta", None))
@@ -107,9 +111,12 @@ def _attention_forward(self: Any, hidden_states: torch.Tensor, position_embeddin
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
     if self._mp_attn:
+        if getattr(self, "attn_logit_softcapping", None):
+            raise NotImplementedError("strict attention: no logit soft cap")
         qpos = torch.arange(t, device=q.device)
         qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, T, H, D]
-        outs = [so.attention(qs[i], ks[i], vs[i], qpos, self.scaling) for i in range(b)]
+        window = getattr(self, "sliding_window", None)
+        outs = [so.attention(qs[i], ks[i], vs[i], qpos, self.scaling, window) for i in range(b)]
         out = torch.stack(outs).reshape(b, t, -1)
     else:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -152,6 +159,20 @@ def _moe_fns(recipe: Recipe, handle: PatchHandle, name: str) -> tuple[Callable[.
     return router, experts
 
 
+# HF activation modules -> the strict activation of the same function (kernels.strict_ops.ACTIVATIONS)
+HF_ACTIVATIONS = {
+    "SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+    "GELUActivation": "gelu",
+}
+
+
+def _strict_act(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    name = HF_ACTIVATIONS.get(type(module).__name__)
+    if name is None:
+        raise NotImplementedError(f"strict act: no strict version of {type(module).__name__}")
+    return so.ACTIVATIONS[name]
+
+
 def _kind(name: str, module: torch.nn.Module, lm_head: torch.nn.Module, embed: torch.nn.Module) -> str | None:
     cls = type(module).__name__
     if module is embed:
@@ -174,8 +195,13 @@ def _kind(name: str, module: torch.nn.Module, lm_head: torch.nn.Module, embed: t
 
 
 def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | None = None,
-          layers: Iterable[int] | None = None) -> PatchHandle:
-    """Patch ``model`` (an HF causal LM, possibly FSDP2-sharded) with ``recipe``'s ops."""
+          layers: Iterable[int] | None = None, *, norm_unit_offset: bool = False) -> PatchHandle:
+    """Patch ``model`` (an HF causal LM, possibly FSDP2-sharded) with ``recipe``'s ops.
+
+    ``norm_unit_offset``: the model's RMSNorms scale by ``1 + w`` (Gemma). Per-layer rope bases
+    (``rope_parameters`` per layer type), sliding-window layers (``sliding_window`` of the
+    attention module), the activation (by its HF class) and a scaled embedding (``embed_scale``
+    of the embedding module) are read from the model."""
     r = parse(recipe) if isinstance(recipe, str) else recipe
     chosen = r.ops() if ops is None else frozenset(ops) & r.ops()
     bad = set(ops or ()) - set(OP_KINDS)
@@ -194,18 +220,19 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
             if not (rope_on or attn_on):
                 continue
             mod._mp_rope, mod._mp_attn = rope_on, attn_on
-            mod._mp_rope_base = _rope_base(model.config)
+            mod._mp_rope_base = _rope_base(model.config, getattr(mod, "layer_type", None))
             modeling = sys.modules[type(mod).__module__]
             mod._mp_apply_rope, mod._mp_eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
             h._set(name, mod, _attention_forward)
         elif kind not in chosen:
             continue
         elif kind == "embedding":
-            h._set(name, mod, lambda self, ids: so.embedding(ids, self.weight))
+            h._set(name, mod, lambda self, ids: so.embedding(ids, self.weight, getattr(self, "embed_scale", None)))
         elif kind == "norm":
-            h._set(name, mod, lambda self, x: so.rmsnorm(x, self.weight, self.variance_epsilon))
+            h._set(name, mod, _norm_fn(norm_unit_offset))
         elif kind == "act":
-            h._set(name, mod, lambda self, x: so.silu(x))
+            act = _strict_act(mod)
+            h._set(name, mod, lambda self, x, _act=act: _act(x))
         elif kind == "logits":
             h._set(name, mod, lambda self, x: so.linear(x, self.weight, self.bias))
         elif kind == "linear":
@@ -213,8 +240,9 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
         elif kind == "rope":
             orig = mod.forward
 
-            def rope_fwd(self: Any, x: torch.Tensor, position_ids: torch.Tensor, _orig: Any = orig) -> _PosEmb:
-                out = _PosEmb(_orig(x, position_ids))
+            def rope_fwd(self: Any, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, _orig: Any = orig,
+                         **kwargs: Any) -> _PosEmb:
+                out = _PosEmb(_orig(x, position_ids, *args, **kwargs))
                 out.positions = position_ids
                 return out
 
@@ -224,6 +252,14 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
             h._set(f"{name}.gate", mod.gate, router)
             h._set(f"{name}.experts", mod.experts, experts)
     return h
+
+
+def _norm_fn(unit_offset: bool) -> Callable[..., torch.Tensor]:
+    def fwd(self: Any, x: torch.Tensor) -> torch.Tensor:
+        eps = getattr(self, "variance_epsilon", None)
+        return so.rmsnorm(x, self.weight, self.eps if eps is None else eps, unit_offset=unit_offset)
+
+    return fwd
 
 
 def token_logprobs_fn(recipe: Recipe | str | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

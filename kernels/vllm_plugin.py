@@ -10,13 +10,15 @@ vLLM's own methods that defer to the original whenever the op class is not selec
 trees, names and hooks are unchanged; :func:`deactivate` puts the original methods back.
 
 Overrides (vLLM 0.32; CPU and CUDA layers share them):
-``RMSNorm.forward`` (norm, with the fused residual add), ``SiluAndMul.forward`` (act),
+``RMSNorm.forward`` and ``GemmaRMSNorm.forward`` (norm, with the fused residual add; Gemma's
+scales by ``1 + w``), ``SiluAndMul.forward`` and ``GeluAndMul.forward`` (act),
 ``RotaryEmbedding.forward`` (rope), ``UnquantizedLinearMethod.apply`` (linear: the strict GEMM or
 the NVFP4 W4A4 linear, i.e. our quantization method; the weight is kept at load time because the
 CPU backend repacks and drops it), ``UnquantizedEmbeddingMethod.apply/embedding`` (logits,
 embedding), ``MoERunner.forward`` (moe: router through the patched gate, fixed-order experts),
 ``CPUAttentionBackendImpl.do_kv_cache_update/forward`` (attention: our own paged KV layout,
-prefill and decode from the cache), ``Sampler.compute_logprobs`` (logsoftmax).
+prefill and decode from the cache, sliding windows included), ``Sampler.compute_logprobs``
+(logsoftmax).
 """
 
 from __future__ import annotations
@@ -106,6 +108,30 @@ def _rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
         if residual is None:
             return so.rmsnorm(x, w, self.variance_epsilon)
         return so.add_rmsnorm(x, residual, w, self.variance_epsilon)
+
+    return forward
+
+
+def _gemma_rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``GemmaRMSNorm``: scale ``1 + w`` (the strict norm with ``unit_offset``)."""
+
+    def forward(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if not _on("norm", self):
+            return orig(self, x, residual) if residual is not None else orig(self, x)
+        w = self.weight.data
+        if residual is None:
+            return so.rmsnorm(x, w, self.variance_epsilon, unit_offset=True)
+        return so.add_rmsnorm(x, residual, w, self.variance_epsilon, unit_offset=True)
+
+    return forward
+
+
+def _gelu_and_mul(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        if not _on("act", self):
+            return orig(self, x)
+        d = x.shape[-1] // 2
+        return so.act_and_mul(x[..., :d], x[..., d:], "gelu_tanh" if self.approximate == "tanh" else "gelu")
 
     return forward
 
@@ -243,8 +269,9 @@ def _attn_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
                 attn_metadata: Any, output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if attn_metadata is None or not _on("attention", self):
             return orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if self.sliding_window not in (-1, None) or self.alibi_slopes is not None or self.logits_soft_cap:
-            raise NotImplementedError("strict attention: no sliding window, ALiBi or soft cap")
+        if self.alibi_slopes is not None or self.logits_soft_cap:
+            raise NotImplementedError("strict attention: no ALiBi or soft cap")
+        window = None if self.sliding_window in (-1, None) else int(self.sliding_window)
         kc, vc = _split_cache(kv_cache)
         bs = kc.shape[2]
         n = attn_metadata.num_actual_tokens
@@ -261,7 +288,13 @@ def _attn_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
             kk = kc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kc.shape[1], -1)[:seq_len]
             vv = vc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, vc.shape[1], -1)[:seq_len]
             qpos = torch.arange(seq_len - (b - a), seq_len)
-            out[a:b] = so.attention(q[a:b], kk, vv, qpos, self.scale)
+            if window is not None and seq_len - (b - a) - window + 1 > 0:
+                # keys no query of this chunk can see: their blocks may be freed (sliding-window KV
+                # groups), so zero them; they add exact zeros either way
+                lo = seq_len - (b - a) - window + 1
+                kk, vv = kk.clone(), vv.clone()
+                kk[:lo], vv[:lo] = 0, 0
+            out[a:b] = so.attention(q[a:b], kk, vv, qpos, self.scale, window)
         return output
 
     return forward
@@ -277,10 +310,10 @@ def _compute_logprobs(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _targets() -> list[tuple[type, str, Callable[..., Any]]]:
-    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -288,7 +321,9 @@ def _targets() -> list[tuple[type, str, Callable[..., Any]]]:
 
     t: list[tuple[type, str, Callable[..., Any]]] = [
         (RMSNorm, "forward", _rmsnorm),
+        (GemmaRMSNorm, "forward", _gemma_rmsnorm),
         (SiluAndMul, "forward", _silu_and_mul),
+        (GeluAndMul, "forward", _gelu_and_mul),
         (RotaryEmbedding, "forward", _rope),
         (UnquantizedLinearMethod, "apply", _linear_apply),
         (UnquantizedLinearMethod, "process_weights_after_loading", _linear_pwal),
