@@ -13,9 +13,10 @@ Overrides (vLLM 0.32; CPU and CUDA layers share them):
 ``RMSNorm.forward`` and ``GemmaRMSNorm.forward`` (norm, with the fused residual add; Gemma's
 scales by ``1 + w``), ``SiluAndMul.forward`` and ``GeluAndMul.forward`` (act),
 ``RotaryEmbedding.forward`` (rope), ``UnquantizedLinearMethod.apply`` (linear: the strict GEMM or
-the NVFP4 W4A4 linear, i.e. our quantization method; the weight is kept at load time because the
-CPU backend repacks and drops it), ``UnquantizedEmbeddingMethod.apply/embedding`` (logits,
-embedding), ``MoERunner.forward`` (moe: router through the patched gate, fixed-order experts),
+the NVFP4 W4A4 linear: a process-wide patch of vLLM's class, not a registered quantization
+config; the weight is kept at load time because the CPU backend repacks and drops it),
+``UnquantizedEmbeddingMethod.apply/embedding`` (logits, embedding), ``MoERunner.forward`` (moe:
+router through the patched gate, fixed-order experts),
 ``CPUAttentionBackendImpl.do_kv_cache_update/forward`` (attention: our own paged KV layout,
 prefill and decode from the cache, sliding windows included), ``Sampler.compute_logprobs``
 (logsoftmax).

@@ -1,8 +1,9 @@
 """Run-directory Parquet schema (versioned) and atomic readers/writers.
 
 Every Parquet file carries ``mismatch_probe.schema_version`` in its key-value metadata. Readers
-check it first and upgrade older versions step by step (``_UPGRADES``); a version newer than the
-reader is an error. Schema history is append-only: never edit a released version, add one.
+check it first and upgrade older versions step by step (``_UPGRADES``, empty while v1 is the
+only version); a version newer than the reader, or one without an upgrade, is an error.
+Schema history is append-only: never edit a released version, add one.
 
 History:
   v1  sequences, tokens, token_gaps, ops, op_errors (this release).
@@ -213,6 +214,8 @@ def read_table(path: Path, kind: str) -> pa.Table:
     except Exception as e:
         raise SchemaError(f"corrupt Parquet file {path}: {e}") from None
     while version < SCHEMA_VERSION:
+        if version not in _UPGRADES:
+            raise SchemaError(f"{path} has schema version {version}, which this mismatch-probe cannot read or upgrade")
         table = _UPGRADES[version](table, kind)
         version += 1
     return conform(table, kind)

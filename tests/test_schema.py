@@ -45,6 +45,17 @@ def test_newer_version_is_rejected(tmp_path):
         read_table(p, "tokens")
 
 
+def test_version_without_upgrade_is_rejected(tmp_path):
+    """v1 is the only version: an older (unknown) one is a one-line SchemaError, not a KeyError."""
+    from mismatch_probe import schema
+
+    assert schema._UPGRADES == {}  # the README says the upgrade table is empty today
+    p = tmp_path / "t.parquet"
+    pq.write_table(_tokens().replace_schema_metadata({VERSION_KEY: b"0"}), p)
+    with pytest.raises(SchemaError, match="cannot read or upgrade"):
+        read_table(p, "tokens")
+
+
 def test_corrupt_and_missing_files(tmp_path):
     p = tmp_path / "t.parquet"
     p.write_bytes(b"PAR1 not really")

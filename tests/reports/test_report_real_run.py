@@ -1,49 +1,35 @@
 """Acceptance on a real run (tiny model, real vLLM sampler, real HF learner): the report in headless
 Chromium, and the gate's exit codes, JUnit XML and Markdown.
 
-Uses the session fixture ``real_run`` from tests/conftest.py when it exists; otherwise runs
-``mismatch-probe compare --model tiny-llama`` once for this module."""
+Uses the session fixture ``real_run`` from tests/conftest.py (``compare --model tiny-llama`` with the
+default capture, so its op tables exist: a missing one fails, never skips)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from report_chromium import CHROMIUM, load, screenshot
+from report_chromium import load, screenshot
 
 from mismatch_probe.gate import fmt_num
 from mismatch_probe.reports import build_report
 
 pytestmark = pytest.mark.vllm
-CLI = [sys.executable, "-c", "import sys; from mismatch_probe.cli import main; main(sys.argv[1:])"]
 
 
 @pytest.fixture(scope="module")
-def run_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return Path(request.getfixturevalue("real_run"))
-    except pytest.FixtureLookupError:
-        pass
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed: no real run can be made")
-    out = tmp_path_factory.mktemp("real") / "run"
-    cmd = [*CLI, "compare", "--model", "tiny-llama", "--out", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return out
+def run_dir(real_run: Path) -> Path:
+    assert (real_run / "compare" / "op_errors.parquet").exists(), "capture is on by default: op_errors.parquet missing"
+    return real_run
 
 
 def _summary(run: Path) -> dict:
     return json.loads((run / "compare" / "summary.json").read_text())["pairs"]["learner_vs_decode"]
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium chromium-driver)")
 def test_real_run_report_in_chromium(run_dir: Path, tmp_path: Path) -> None:
     html, absent = build_report(run_dir, tmp_path / "report.html")
     assert html.stat().st_size < 5_000_000
@@ -55,9 +41,7 @@ def test_real_run_report_in_chromium(run_dir: Path, tmp_path: Path) -> None:
     for metric in ("mean_abs_dlogp", "max_abs_dlogp", "k3", "clip_frac"):
         card = re.search(rf'data-metric="{metric}"><div class="k">[^<]+</div><div class="v">([^<]+)<', dom)
         assert card and card.group(1) == fmt_num(summ[metric]), metric
-    expected = {"scatter", "histogram", "decomposition"}
-    if (run_dir / "compare" / "op_errors.parquet").exists():
-        expected.add("drift")
+    expected = {"scatter", "histogram", "decomposition", "drift"}
     bisect = run_dir / "bisect.json"
     if bisect.exists() and json.loads(bisect.read_text()).get("ablation"):
         expected.add("ablation")
@@ -134,8 +118,6 @@ def test_real_run_gate_from_toml(run_dir: Path, tmp_path: Path, cli) -> None:
 
 def test_real_run_first_divergent_op(run_dir: Path, tmp_path: Path, cli) -> None:
     ope = run_dir / "compare" / "op_errors.parquet"
-    if not ope.exists():
-        pytest.skip("this real run has no op capture (compare/op_errors.parquet)")
     import pyarrow.parquet as pq
 
     diverges = min(pq.read_table(ope, columns=["bitwise_equal_frac"]).column(0).to_pylist()) < 1.0
