@@ -4,12 +4,13 @@ vLLM flattens the tokens of all scheduled requests into one ``[num_tokens, ...]`
 fuses modules; this adapter undoes both:
 
 - token mapping: hooks on the embedding and on decoder layer 0 read the step's token ids and positions
-  and cuts them into per-request segments (from the attention metadata's ``query_start_loc`` when
+  and cut them into per-request segments (from the attention metadata's ``query_start_loc`` when
   available, else where positions stop increasing by one). Each segment is matched to the one
   sequence being scored whose next uncomputed position is the segment's first position and whose
   tokens there are the segment's tokens. This holds under chunked prefill (a request's chunks
   arrive in order) and when several sequences share a step. Sequences with identical tokens are
   interchangeable: their rows are the same computation. Unmatched rows (padding) are dropped.
+  ``embed`` is the first decoder layer's input (after any embedding scale outside the module).
 - fused modules: ``qkv_proj`` is split into q, k, v; ``gate_up_proj`` into gate, up; the fused
   add + RMSNorm returns ``(normed, residual)`` where ``residual`` is the true residual stream, so
   ``L.resid_mid`` is taken from ``post_attention_layernorm`` and ``L.out`` from the next layer's
@@ -73,7 +74,6 @@ class VllmCapture:
         self.num_layers = 0
         self._cur_layer = -1
         self._pending_ids: Any = None
-        self._pending_embed: Any = None
 
     # ---- token mapping -------------------------------------------------------------------
     def _map_step(self, args: tuple, kwargs: dict) -> None:
@@ -101,9 +101,12 @@ class VllmCapture:
         self.unmatched_rows += int((seq < 0).sum())
         self._seq, self._pos = seq, pos_np
         self._norm_rows = {}
-        if self._pending_embed is not None and self._pending_embed.shape[0] == n:
-            self._rec("embed", self._pending_embed)
-        self._pending_embed = self._pending_ids = None
+        # the embedding as the first layer receives it: after any scaling outside the embedding
+        # module (Gemma multiplies by sqrt(hidden) in the model's forward; HF inside the module)
+        hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+        if hidden is not None and hidden.shape[0] == n:
+            self._rec("embed", hidden)
+        self._pending_ids = None
 
     def _rec(self, op: str, t: Any) -> None:
         n = self._seq.shape[0]
@@ -118,7 +121,6 @@ class VllmCapture:
         self.hooks.pre(m.layers[0], self._map_step)
         # vLLM may embed the tokens before the model's forward: keep ids and output until mapped
         self.hooks.pre(m.embed_tokens, lambda a, k: setattr(self, "_pending_ids", a[0] if a else k.get("input_ids")))
-        self.hooks.fwd(m.embed_tokens, lambda o: setattr(self, "_pending_embed", first(o)))
         rope_seen: set[int] = set()
         for i, layer in enumerate(m.layers):
             self.hooks.pre(layer, lambda _a, _k, i=i: setattr(self, "_cur_layer", i))
