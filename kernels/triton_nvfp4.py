@@ -28,6 +28,7 @@ from ._triton_common import (
     unpack_decode_tile,
 )
 from .nvfp4_ref import NVFP4Tensor, check_amax, validate_input
+from .quant_fast import MAX_K, quantize_rows
 
 _RCP6 = 0.1666666716337204  # fp32 0x3E2AAAAB exactly
 _RCP2688 = 0.00037202381645329297
@@ -165,10 +166,10 @@ def _quantize_row_blocks(xrow, amax, codes_ptr, scales_ptr, row, K, nb, BB: tl.c
         tl.store(scales_ptr + row * nb + bb, sbyte.to(tl.uint8), mask=bm)
 
 
-# "v1": [rows, K]-tile kernel (default: 182 us vs v2's 261-306 us for per-token bf16 8192^2 on the
-# H200, 2026-11-29); "v2": block-major rows (also provides the per-tensor amax pass). Both pass
-# every bitwise check on CPU and GPU.
-QUANT_IMPL = "v1"
+# "fast": quant_fast (rows in registers, integer E2M1, hardware E4M3; default for 1x16 blocks
+# with K <= quant_fast.MAX_K); "v1": [rows, K]-tile kernel (16x16 tiles, long rows); "v2":
+# block-major rows (also provides the per-tensor amax pass). All pass every bitwise check.
+QUANT_IMPL = "fast"
 QUANT_NUM_WARPS: int | None = None  # tuning override (bench)
 
 
@@ -224,6 +225,9 @@ def nvfp4_quantize(
         launch(_quantize_rows_kernel, (rows,), xk, row_amax, codes, scales, *v2_args, True, True, xbits, True,
                num_warps=nw)
         amax_t = row_amax.amax().reshape(1)
+    if not tile16 and QUANT_IMPL == "fast" and k <= MAX_K:
+        codes, scales, amax_t, _ = quantize_rows(x, None if compute else amax_t, per_token)
+        return NVFP4Tensor(codes, scales, amax_t, per_token, tile16)
     if not tile16 and QUANT_IMPL == "v2":
         launch(_quantize_rows_kernel, (rows,), xk, amax_t, codes, scales, *v2_args, compute, per_token, xbits, False,
                num_warps=nw)
