@@ -23,12 +23,15 @@ def report(
     gate_config: Path | None = typer.Option(
         None, "--gate-config", help="Gate TOML: show its checks and use its verdict in the report."
     ),
+    convention: str | None = typer.Option(
+        None, "--convention", help="verl | slime | nemo_rl: show all of that framework's metrics under its names."
+    ),
 ) -> None:
     """Write a self-contained HTML report of a run (no network, no external assets)."""
     from mismatch_probe.reports import build_report
 
     t0 = time.perf_counter()
-    path, absent = build_report(run, out, gate_config=gate_config)
+    path, absent = build_report(run, out, gate_config=gate_config, convention=convention)
     size = path.stat().st_size
     for section, why in absent.items():
         console.print(f"[yellow]absent:[/] {section}: {why}", highlight=False)

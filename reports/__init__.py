@@ -5,14 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def build_report(run: Path, out: Path | None = None, *, gate_config: Path | None = None) -> tuple[Path, dict[str, str]]:
+def build_report(
+    run: Path, out: Path | None = None, *, gate_config: Path | None = None, convention: str | None = None
+) -> tuple[Path, dict[str, str]]:
     """Render ``RUN/report.html`` (or ``out``); returns the path and the absent sections with reasons."""
     from mismatch_probe import gate as g
+    from mismatch_probe.conventions import FRAMEWORKS
+    from mismatch_probe.errors import UsageError
     from mismatch_probe.reports.load import load_run
     from mismatch_probe.reports.render import write_report
 
+    if convention is not None and convention not in FRAMEWORKS:
+        raise UsageError(f"--convention must be one of {', '.join(FRAMEWORKS)}, got {convention!r}")
     run = Path(run)
     data = load_run(run)
+    data.convention = convention
     results = None
     if gate_config is not None:
         cfg = g.build_config(toml=g.load_toml(gate_config))

@@ -43,6 +43,7 @@ class RunData:
     weight_parity: dict[str, Any] | None = None  # compare/weight_parity.json: are both sides' weights equal
     ops_capture: dict[str, dict[str, Any]] = field(default_factory=dict)  # side -> rows, columns
     decode: Callable[[list[int]], str] | None = None
+    convention: str | None = None  # report --convention: the RL framework whose view to show
     absent: dict[str, str] = field(default_factory=dict)  # section title -> reason
     notes: list[str] = field(default_factory=list)
 

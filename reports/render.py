@@ -9,7 +9,7 @@ from string import Template
 
 from mismatch_probe import __version__
 from mismatch_probe.gate import CheckResult
-from mismatch_probe.reports import sections
+from mismatch_probe.reports import frameworks, sections
 from mismatch_probe.reports.html import esc
 from mismatch_probe.reports.load import RunData
 
@@ -19,6 +19,8 @@ SECTIONS = (
     ("scatter", "Learner vs sampler logprobs", sections.scatter),
     ("histogram", "Histogram of |dlogp|", sections.histogram),
     ("decomposition", "Decomposition: learner vs sampler-prefill vs sampler-decode", sections.decomposition),
+    ("frameworks", "RL frameworks' view", frameworks.convention_view),
+    ("training-run", "Training-run gap", frameworks.training_run),
     ("worst", "Worst tokens", sections.worst_tokens),
     ("ops", "Op table", sections.op_table),
     ("bisect", "Bisect ranking", sections.bisect),
@@ -35,7 +37,9 @@ def render_html(data: RunData, gate: list[CheckResult] | None = None) -> str:
     model = cfg.get("model") or cfg.get("model_dir") or "?"
     verdict_key, head = sections.headline(data, gate)
     title = f"mismatch-probe report: {model}"
-    nav = "".join(f'<a href="#{sid}">{esc(t.split(":")[0])}</a>' for sid, t, _ in SECTIONS)
+    built = [(sid, t, build(data)) for sid, t, build in SECTIONS]
+    built = [(sid, t, html) for sid, t, html in built if html]  # a section with nothing to say is left out
+    nav = "".join(f'<a href="#{sid}">{esc(t.split(":")[0])}</a>' for sid, t, _ in built)
     parts = [
         f"<header><h1>{esc(title)}</h1><div class='meta'>run <code>{esc(data.root)}</code> &middot; "
         f"learner {esc(cfg.get('learner', '?'))} vs sampler {esc(cfg.get('sampler', '?'))} &middot; "
@@ -46,8 +50,8 @@ def render_html(data: RunData, gate: list[CheckResult] | None = None) -> str:
         "<main>",
         f'<section id="summary"><h2>Summary</h2>{head}{sections.weight_parity(data)}{sections.absent_box(data)}</section>',
     ]
-    for sid, t, build in SECTIONS:
-        parts.append(f'<section id="{sid}"><h2>{esc(t)}</h2>{build(data)}</section>')
+    for sid, t, html in built:
+        parts.append(f'<section id="{sid}"><h2>{esc(t)}</h2>{html}</section>')
     parts.append("</main>")
     return Template(_asset("template.html")).substitute(
         title=esc(title),

@@ -83,3 +83,12 @@ def test_conventions_on_the_real_run_equal_independent_numpy(rollouts_run: Path)
     # slime's seq-mean-token-mean differs from the token mean here (one-token sequences)
     c = s["pairs"]["learner_vs_decode"]["conventions"]
     assert c["slime"]["train_rollout_logprob_abs_diff"] != pytest.approx(s["pairs"]["learner_vs_decode"]["mean_abs_dlogp"])
+
+
+def test_report_shows_the_training_run_gap(rollouts_run: Path, tmp_path: Path) -> None:
+    from mismatch_probe.reports import build_report
+
+    out, _ = build_report(rollouts_run, tmp_path / "r.html", convention="nemo_rl")
+    html = out.read_text()
+    assert 'id="training-run"' in html and "trainer vs recorded sampler (training run)" in html
+    assert 'id="convention-table"' in html and "train/token_mult_prob_error" in html
