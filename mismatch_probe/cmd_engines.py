@@ -9,6 +9,7 @@ import platform
 
 from rich.table import Table
 
+from mismatch_probe import versions
 from mismatch_probe.cli import app, console
 
 
@@ -52,7 +53,10 @@ def engine_report() -> list[dict[str, str | bool]]:
             except md.PackageNotFoundError:
                 dist = "vllm"
         ok, ver, reason = _probe(module, dist)
-        rows.append({"name": name, "available": ok, "version": ver, "detail": reason or (dist or "")})
+        row: dict[str, str | bool] = {"name": name, "available": ok, "version": ver, "detail": reason or (dist or "")}
+        if name in versions.TESTED:
+            row["tested"] = versions.tested_label(name, versions.installed(name)[0])
+        rows.append(row)
     try:
         import torch
 
@@ -76,15 +80,20 @@ def engine_report() -> list[dict[str, str | bool]]:
 
 @app.command("engines")
 def engines() -> None:
-    """Show which engines and kernel backends are usable here, and why not."""
+    """Show which engines and kernel backends are usable here, and why not; each engine's installed
+    version against the range this release was tested with."""
     table = Table(title="mismatch-probe engines")
     table.add_column("engine")
     table.add_column("status")
     table.add_column("version")
+    table.add_column("tested with this release")
     table.add_column("detail / reason")
     with console.status("probing engines..."):
         rows = engine_report()
     for r in rows:
         status = "[green]available[/]" if r["available"] else "[red]unavailable[/]"
-        table.add_row(str(r["name"]), status, str(r["version"]), str(r["detail"]))
+        tested = str(r.get("tested", ""))
+        if "NO" in tested:
+            tested = f"[yellow]{tested}[/]"
+        table.add_row(str(r["name"]), status, str(r["version"]), tested, str(r["detail"]))
     console.print(table)
