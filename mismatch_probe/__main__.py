@@ -2,4 +2,5 @@
 
 from mismatch_probe.cli import main
 
-main()
+if __name__ == "__main__":  # worker processes started with "spawn" re-import this module: run nothing then
+    main()

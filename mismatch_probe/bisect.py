@@ -131,9 +131,19 @@ class Engines:
         ms, ml = inspect_model_dir(Path(cfg["sampler_model_dir"])), inspect_model_dir(Path(cfg["model_dir"]))
         dtype = cfg.get("dtype", "bfloat16")
         recipes = cfg.get("recipes") or {}
+        from mismatch_probe import engine_args as ea
+
+        # the run's own engine settings (--sampler-arg / --learner-arg), checked again for this use
+        s_recipe = "strict" if align else recipes.get("sampler")
+        skw, sauto = ea.sampler_kwargs(ea.split_pairs(cfg.get("sampler_args"), "--sampler-arg"), capture_on=True,
+                                       recipe=s_recipe or "engine")
+        lkw = ea.learner_kwargs(ea.split_pairs(cfg.get("learner_args"), "--learner-arg"), ml.path)
         self.sampler = VllmSampler(ms.path, ms.vocab_size, max_model_len=min(ms.max_positions, 512), dtype=dtype,
-                                   recipe="strict" if align else recipes.get("sampler"))
-        self.learner = HfLearner(ml.path, ml.vocab_size, dtype=dtype, recipe=None if align else recipes.get("learner"))
+                                   recipe=s_recipe, llm_kwargs=skw)
+        self.sampler.info.auto.update(sauto)
+        attn = lkw.pop("attn_implementation", "sdpa")
+        self.learner = HfLearner(ml.path, ml.vocab_size, dtype=dtype, recipe=None if align else recipes.get("learner"),
+                                 attn_implementation=attn, model_kwargs=lkw)
 
     def __enter__(self) -> Engines:
         self.sampler.__enter__()

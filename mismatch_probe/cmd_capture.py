@@ -20,15 +20,35 @@ def _runner(engine: str, model_dir: Path, vocab: int, max_len: int, opts: dict[s
     if engine == "vllm":
         from mismatch_probe.probes.vllm_probe import VllmSampler
 
-        return VllmSampler(model_dir, vocab, max_model_len=max_len, dtype=opts["dtype"], recipe=opts["recipe"])
+        sampler = VllmSampler(model_dir, vocab, max_model_len=max_len, dtype=opts["dtype"], recipe=opts["recipe"],
+                              llm_kwargs=opts["engine_kwargs"])
+        sampler.info.auto.update(opts["engine_auto"])
+        return sampler
+    lkw = dict(opts["engine_kwargs"])
+    attn = lkw.pop("attn_implementation", "sdpa")
     if engine == "fsdp":
         from mismatch_probe.probes.fsdp_probe import FsdpLearner
 
         return FsdpLearner(model_dir, vocab, micro_batch_size=opts["micro_batch_size"], dtype=opts["dtype"],
-                           nproc=opts["nproc"], timeout_s=opts["timeout"])
+                           nproc=opts["nproc"], timeout_s=opts["timeout"], attn_implementation=attn, model_kwargs=lkw)
     from mismatch_probe.probes.hf_probe import HfLearner
 
-    return HfLearner(model_dir, vocab, micro_batch_size=opts["micro_batch_size"], dtype=opts["dtype"], recipe=opts["recipe"])
+    return HfLearner(model_dir, vocab, micro_batch_size=opts["micro_batch_size"], dtype=opts["dtype"], recipe=opts["recipe"],
+                     attn_implementation=attn, model_kwargs=lkw)
+
+
+def _engine_args(engine: str, sampler_arg: list[str], learner_arg: list[str], model_dir: Path, plan: Any,
+                 recipe: str | None) -> tuple[dict[str, Any], dict[str, dict]]:
+    """The engine's typed --sampler-arg (vllm) or --learner-arg (hf, fsdp); the other side's is an error."""
+    from mismatch_probe import engine_args
+
+    mine, other = ("--sampler-arg", "--learner-arg") if engine == "vllm" else ("--learner-arg", "--sampler-arg")
+    if (learner_arg if engine == "vllm" else sampler_arg):
+        raise UsageError(f"{other} does not apply to --engine {engine} (use {mine})")
+    if engine == "vllm":
+        raw = engine_args.split_pairs(sampler_arg, mine)
+        return engine_args.sampler_kwargs(raw, capture_on=plan is not None, recipe=recipe or "engine")
+    return engine_args.learner_kwargs(engine_args.split_pairs(learner_arg, mine), model_dir), {}
 
 
 @app.command("capture")
@@ -45,6 +65,12 @@ def capture(
     recipe: str | None = typer.Option(None, "--recipe", help="Alignment recipe (hf, vllm)."),
     dtype: str = typer.Option("bfloat16", "--dtype"),
     overwrite: bool = typer.Option(False, "--overwrite"),
+    sampler_arg: list[str] = typer.Option(
+        [], "--sampler-arg", help="--engine vllm: KEY=VALUE vLLM engine argument (repeatable)."
+    ),
+    learner_arg: list[str] = typer.Option(
+        [], "--learner-arg", help="--engine hf|fsdp: KEY=VALUE from_pretrained attn_implementation / config attribute."
+    ),
 ) -> None:
     """Score a run's sequences with ONE engine, capturing logprobs and ops (to `diff` later)."""
     from mismatch_probe.models import resolve_model
@@ -62,14 +88,17 @@ def capture(
     rules = [CaptureRule.parse(r) for r in capture_rule]
     plan = CapturePlan(capture_mode, rules) if capture_mode != "off" or rules else None
     d = seqs.to_pydict()
-    opts = {"micro_batch_size": micro_batch_size, "dtype": dtype, "nproc": nproc, "timeout": timeout, "recipe": recipe}
+    opts: dict[str, Any] = {"micro_batch_size": micro_batch_size, "dtype": dtype, "nproc": nproc, "timeout": timeout,
+                            "recipe": recipe, "sampler_args": list(sampler_arg), "learner_args": list(learner_arg)}
+    opts["engine_kwargs"], opts["engine_auto"] = _engine_args(engine, sampler_arg, learner_arg, mi.path, plan, recipe)
     max_len = min(mi.max_positions, max(64, max(len(t) for t in d["token_ids"])))
     side = "sampler" if engine == "vllm" else "learner"
     with RunWriter(out, overwrite=overwrite) as run:
         run.manifest["kind"] = "capture"
         run.manifest["config"] = {
             "engine": engine, "from": str(source), "model_dir": str(mi.path), "model_type": mi.model_type,
-            "num_layers": mi.num_layers, "capture": capture_mode, "capture_rules": list(capture_rule), **opts,
+            "num_layers": mi.num_layers, "capture": capture_mode, "capture_rules": list(capture_rule),
+            **{k: v for k, v in opts.items() if k not in ("engine_kwargs", "engine_auto")},
         }
         runner = _runner(engine, mi.path, mi.vocab_size, max_len, opts)
         if engine == "fsdp":

@@ -89,6 +89,12 @@ def compare(
     fsdp_reduce_dtype: str = typer.Option(
         "float32", "--fsdp-reduce-dtype", help="--learner fsdp: MixedPrecisionPolicy reduce dtype (recorded)."
     ),
+    sampler_arg: list[str] = typer.Option(
+        [], "--sampler-arg", help="KEY=VALUE: a vLLM engine argument, typed as vLLM types it (repeatable)."
+    ),
+    learner_arg: list[str] = typer.Option(
+        [], "--learner-arg", help="KEY=VALUE: HF from_pretrained's attn_implementation or a config attribute (repeatable)."
+    ),
     fsdp_fault: str | None = typer.Option(None, "--_fsdp-fault", hidden=True),  # test-only fault injection
 ) -> None:
     """Run sampler (vLLM) and learner (HF) on the same tokens; write RUN/ with token tables and gaps."""
@@ -119,6 +125,8 @@ def compare(
         fsdp_timeout_s=fsdp_timeout,
         fsdp_param_dtype=fsdp_param_dtype,
         fsdp_reduce_dtype=fsdp_reduce_dtype,
+        sampler_args=list(sampler_arg),
+        learner_args=list(learner_arg),
         extra={"_fsdp_fault": fsdp_fault} if fsdp_fault else {},
     )
     path, summary = run_compare(cfg, console)

@@ -55,6 +55,8 @@ class CompareConfig:
     recipe: str | None = None  # --recipe (both sides): engine | strict | nvfp4-dynamic-tensor | nvfp4-static | nvfp4-per-token
     learner_recipe: str | None = None  # --learner-recipe: overrides --recipe for the learner
     sampler_recipe: str | None = None  # --sampler-recipe: overrides --recipe for the sampler
+    sampler_args: list[str] = field(default_factory=list)  # --sampler-arg KEY=VALUE: vLLM engine arguments
+    learner_args: list[str] = field(default_factory=list)  # --learner-arg KEY=VALUE: HF from_pretrained kwargs
     extra: dict[str, Any] = field(default_factory=dict)
 
     def side_recipe(self, side: str) -> str:
@@ -101,6 +103,10 @@ class CompareConfig:
             raise UsageError("--learner fsdp does not take a recipe yet (kernels.patch_hf supports FSDP2; use --learner hf)")
         if recipes["learner"] != "engine" and self.dtype != "bfloat16":
             raise UsageError("recipes other than 'engine' are defined for --dtype bfloat16")
+        from mismatch_probe.engine_args import split_pairs
+
+        split_pairs(self.sampler_args, "--sampler-arg")
+        split_pairs(self.learner_args, "--learner-arg")
 
 
 @dataclass
@@ -111,6 +117,9 @@ class Prepared:
     prompt_ids: list[list[int]]
     recorded: list[Any] | None = None  # RecordedRollout of --rollouts
     rollouts_naming: str | None = None
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)  # typed --sampler-arg
+    sampler_auto: dict[str, dict] = field(default_factory=dict)  # settings the tool needs, with reasons
+    learner_kwargs: dict[str, Any] = field(default_factory=dict)  # typed --learner-arg
 
 
 def tokenize_prompts(specs: list[PromptSpec], model: ModelInfo, max_tokens: int, what: str = "prompts line") -> list[list[int]]:
@@ -167,7 +176,16 @@ def prepare(cfg: CompareConfig) -> Prepared:
     if smodel.model_type != model.model_type:
         raise UsageError(f"--sampler-model is a {smodel.model_type} model, --model a {model.model_type} model")
     ids = tokenize_prompts(specs, model, cfg.max_tokens, what=f"{cfg.rollouts} row" if recorded else "prompts line")
-    return Prepared(model=model, sampler_model=smodel, specs=specs, prompt_ids=ids, recorded=recorded, rollouts_naming=naming)
+    from mismatch_probe import engine_args, ops_stage
+
+    skw, sauto = engine_args.sampler_kwargs(
+        engine_args.split_pairs(cfg.sampler_args, "--sampler-arg"),
+        capture_on=ops_stage.capture_plan(cfg) is not None,
+        recipe=cfg.side_recipe("sampler"),
+    )
+    lkw = engine_args.learner_kwargs(engine_args.split_pairs(cfg.learner_args, "--learner-arg"), model.path)
+    return Prepared(model=model, sampler_model=smodel, specs=specs, prompt_ids=ids, recorded=recorded, rollouts_naming=naming,
+                    sampler_kwargs=skw, sampler_auto=sauto, learner_kwargs=lkw)
 
 
 @contextmanager

@@ -41,7 +41,9 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
         seed=cfg.seed,
         dtype=cfg.dtype,
         recipe=cfg.side_recipe("sampler"),
+        llm_kwargs=prep.sampler_kwargs,
     )
+    sampler.info.auto.update(prep.sampler_auto)
     with step(progress, "loading vLLM sampler"):
         sampler.__enter__()
     try:
@@ -134,6 +136,8 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
             timeout_s=cfg.fsdp_timeout_s,
             mp_param_dtype=cfg.fsdp_param_dtype,
             mp_reduce_dtype=cfg.fsdp_reduce_dtype,
+            attn_implementation=prep.learner_kwargs.get("attn_implementation", "sdpa"),
+            model_kwargs={k: v for k, v in prep.learner_kwargs.items() if k != "attn_implementation"},
             _fault=cfg.extra.get("_fsdp_fault"),  # test-only fault injection (never set by the CLI)
         )
         learner.seq_meta = [(r.seq_id, r.prompt_id, len(r.prompt_ids)) for r in rollouts]
@@ -146,6 +150,8 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
             micro_batch_size=cfg.micro_batch_size,
             dtype=cfg.dtype,
             recipe=cfg.side_recipe("learner"),
+            attn_implementation=prep.learner_kwargs.get("attn_implementation", "sdpa"),
+            model_kwargs={k: v for k, v in prep.learner_kwargs.items() if k != "attn_implementation"},
         )
     with step(progress, f"loading {learner.name.upper()} learner"):
         learner.__enter__()

@@ -60,6 +60,7 @@ class FsdpLearner(Runner):
         timeout_s: float = 300.0,
         mp_param_dtype: str | None = None,
         mp_reduce_dtype: str = "float32",
+        model_kwargs: dict[str, Any] | None = None,
         _fault: str | None = None,
     ) -> None:
         super().__init__(vocab_size)
@@ -68,6 +69,7 @@ class FsdpLearner(Runner):
         self.dtype = dtype
         self.device = device
         self.attn_implementation = attn_implementation
+        self.model_kwargs = dict(model_kwargs or {})  # --learner-arg: other from_pretrained kwargs
         self.progress = progress  # callable(n_done) or None
         self.nproc = nproc
         self.timeout_s = timeout_s
@@ -127,6 +129,7 @@ class FsdpLearner(Runner):
                 "micro_batch_size": self.micro_batch_size,
                 "padding_side": "right",
                 "attn_implementation": self.attn_implementation,
+                **({"learner_args": dict(self.model_kwargs)} if self.model_kwargs else {}),
                 "logsoftmax_dtype": "float32",
                 "timeout_s": self.timeout_s,
                 "threads_per_rank": self.threads_per_rank if self.device == "cpu" else None,
@@ -183,6 +186,7 @@ class FsdpLearner(Runner):
             "device_type": self.device,
             "micro_batch_size": self.micro_batch_size,
             "attn_implementation": self.attn_implementation,
+            "model_kwargs": self.model_kwargs,
             "mp_param_dtype": self.mp_param_dtype,
             "mp_reduce_dtype": self.mp_reduce_dtype,
             "timeout_s": self.timeout_s,

@@ -162,7 +162,8 @@ def run_rank(job: Path, fault: Fault | None) -> None:
         mesh = init_device_mesh(device.type, (world,))
         _status(job, rank, phase="loading", steps_done=0, seqs_done=0)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            spec["model_dir"], dtype=getattr(torch, spec["dtype"]), attn_implementation=spec["attn_implementation"]
+            spec["model_dir"], dtype=getattr(torch, spec["dtype"]), attn_implementation=spec["attn_implementation"],
+            **spec.get("model_kwargs", {}),
         )
         model.eval()
         _wrap_fsdp(model, mesh, spec)  # moves this rank's shards to `device`

@@ -36,6 +36,7 @@ class HfLearner(Runner):
         recipe: str | None = None,
         recipe_ops: set[str] | None = None,
         recipe_layers: set[int] | None = None,
+        model_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(vocab_size)
         self.model_dir = Path(model_dir)
@@ -47,6 +48,7 @@ class HfLearner(Runner):
         self.dtype = dtype
         self.device = device
         self.attn_implementation = attn_implementation
+        self.model_kwargs = dict(model_kwargs or {})  # --learner-arg: other from_pretrained kwargs (config overrides)
         self.progress = progress  # callable(n_done) or None
         self.model: Any = None
 
@@ -58,7 +60,8 @@ class HfLearner(Runner):
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
             self.info.auto["device"] = {"value": self.device, "reason": "CUDA available" if self.device == "cuda" else "no CUDA"}
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation
+            self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation,
+            **self.model_kwargs,
         ).to(self.device)
         self.model.eval()
         self._apply_recipe()
@@ -69,6 +72,7 @@ class HfLearner(Runner):
                 "micro_batch_size": self.micro_batch_size,
                 "padding_side": "right",
                 "attn_implementation": self.attn_implementation,
+                **({"learner_args": dict(self.model_kwargs)} if self.model_kwargs else {}),
                 "logsoftmax_dtype": "float32",
                 "transformers_version": transformers.__version__,
             }

@@ -95,6 +95,10 @@ class VllmSampler(SamplerRunner):
             "caching the prefill view would depend on which requests ran before",
         }
         kwargs.update(self.llm_kwargs)
+        if self.llm_kwargs:
+            from mismatch_probe.engine_args import jsonable
+
+            self.info.settings["sampler_args"] = jsonable(self.llm_kwargs)  # what --sampler-arg set
         from mismatch_probe.kernels import vllm_plugin
         from mismatch_probe.kernels.recipes import parse
 
@@ -107,7 +111,7 @@ class VllmSampler(SamplerRunner):
             {k: v for k, v in kwargs.items() if k != "model"}
             | {"vllm_version": vllm.__version__, "device": "cpu" if on_cpu else "cuda"}
         )
-        if self.enforce_eager:
+        if kwargs["enforce_eager"]:
             self.info.notes.append("vLLM ran with enforce_eager=True (no CUDA graphs / torch.compile)")
 
     def _finish_recipe(self, recipe: Any) -> dict[str, Any]:

@@ -1,0 +1,192 @@
+"""``--sampler-arg KEY=VALUE`` / ``--learner-arg KEY=VALUE``: the engines' own settings, passed through.
+
+Sampler arguments are vLLM engine arguments (``vllm.engine.arg_utils.EngineArgs`` fields), typed by
+vLLM's own command-line parser, exactly as ``vllm serve --KEY VALUE`` would type them. Learner
+arguments are HF ``from_pretrained`` keyword arguments: ``attn_implementation`` or an attribute of
+the model's config (typed like the config's value). An unknown key, a bad value, a key the tool
+owns (set by one of its own flags) or a setting that conflicts with what the run needs is a
+one-line :class:`UsageError` (exit 2). Settings the tool needs are set with a reason, recorded in
+the manifest's ``auto`` section.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe.errors import UsageError
+
+# vLLM arguments that one of the tool's own flags sets.
+SAMPLER_OWNED = {
+    "model": "--sampler-model / --model",
+    "tokenizer": "--model (the learner's tokenizer is the run's)",
+    "dtype": "--dtype (both engines)",
+    "seed": "--seed",
+}
+LEARNER_OWNED = {
+    "dtype": "--dtype (both engines)",
+    "torch_dtype": "--dtype (both engines)",
+    "device_map": "the tool (one device)",
+}
+
+EAGER_WHY = (
+    "the op-capture hooks and the recipes' op overrides run only outside CUDA graphs / torch.compile; "
+    "with --capture off and the engine recipe, --sampler-arg enforce_eager=false is allowed"
+)
+PREFIX_WHY = (
+    "every token of the prefill rescoring must be computed (and captured); with prefix caching the "
+    "prefill view would depend on which requests ran before"
+)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def split_pairs(items: list[str] | None, flag: str) -> dict[str, str]:
+    """``["k=v", ...]`` -> ``{"k": "v"}`` (dashes in keys become underscores; a later key wins)."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _unknown(flag: str, key: str, known: list[str], what: str) -> UsageError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return UsageError(f"{flag} {key}: not {what}{hint}")
+
+
+def _vllm_parser() -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # older vLLM
+        from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+
+    def error(message: str) -> None:  # argparse would print its usage and exit
+        raise UsageError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def _as_bool(flag: str, key: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise UsageError(f"{flag} {key}={value}: expected true or false")
+
+
+def type_sampler_args(raw: dict[str, str]) -> dict[str, Any]:
+    """Type each vLLM engine argument with vLLM's own parser; unknown keys name themselves."""
+    if not raw:
+        return {}
+    import argparse
+
+    parser = _vllm_parser()
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    typed: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in SAMPLER_OWNED:
+            raise UsageError(f"--sampler-arg {key}: set by {SAMPLER_OWNED[key]}")
+        action = actions.get(key)
+        if action is None:
+            raise _unknown("--sampler-arg", key, sorted(actions), "a vLLM engine argument")
+        if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+            typed[key] = _as_bool("--sampler-arg", key, value)
+            continue
+        try:
+            ns, _ = parser.parse_known_args([action.option_strings[0], value])
+        except UsageError as e:
+            raise UsageError(f"--sampler-arg {key}={value}: {e}") from None
+        typed[key] = getattr(ns, key)
+    return typed
+
+
+def sampler_kwargs(raw: dict[str, str], *, capture_on: bool, recipe: str) -> tuple[dict[str, Any], dict[str, dict]]:
+    """(vLLM kwargs given by the user, typed; auto settings with reasons), or a conflict error."""
+    typed = type_sampler_args(raw)
+    auto: dict[str, dict] = {}
+    needs_eager = capture_on or recipe != "engine"
+    if typed.get("enforce_eager") is False and needs_eager:
+        why = "op capture (--capture)" if capture_on else f"the {recipe} recipe's op overrides"
+        raise UsageError(
+            f"--sampler-arg enforce_eager=false conflicts with {why}: its hooks do not run inside CUDA graphs / "
+            "torch.compile (use --capture off and the engine recipe to measure that configuration)"
+        )
+    if "enforce_eager" not in typed:
+        auto["enforce_eager"] = {"value": True, "reason": EAGER_WHY}
+    if typed.get("enable_prefix_caching"):
+        raise UsageError(f"--sampler-arg enable_prefix_caching=true conflicts with the prefill view: {PREFIX_WHY}")
+    auto["enable_prefix_caching"] = {"value": False, "reason": PREFIX_WHY}
+    return typed, auto
+
+
+def _attn_choices() -> list[str]:
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return sorted({"eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()})
+    except Exception:  # older transformers: the common ones
+        return ["eager", "flash_attention_2", "flex_attention", "sdpa"]
+
+
+def _typed_like(flag: str, key: str, value: str, current: Any) -> Any:
+    if isinstance(current, bool):
+        return _as_bool(flag, key, value)
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    if current is None or isinstance(parsed, type(current)):
+        return parsed
+    if isinstance(current, float) and isinstance(parsed, int):
+        return float(parsed)
+    raise UsageError(f"{flag} {key}={value}: expected a {type(current).__name__} like the config's {current!r}")
+
+
+def learner_kwargs(raw: dict[str, str], model_dir: Path | str) -> dict[str, Any]:
+    """HF ``from_pretrained`` kwargs: ``attn_implementation`` or attributes of the model's config."""
+    if not raw:
+        return {}
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir).to_dict()
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in LEARNER_OWNED:
+            raise UsageError(f"--learner-arg {key}: set by {LEARNER_OWNED[key]}")
+        if key == "attn_implementation":
+            choices = _attn_choices()
+            if value not in choices:
+                raise UsageError(f"--learner-arg attn_implementation={value}: must be one of {', '.join(choices)}")
+            out[key] = value
+        elif key in config:
+            out[key] = _typed_like("--learner-arg", key, value, config[key])
+        else:
+            known = ["attn_implementation", *config]
+            raise _unknown("--learner-arg", key, known, "a from_pretrained argument or config attribute")
+    return out
+
+
+def jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    """Values as JSON can hold them (vLLM config objects as their repr), for the manifest."""
+    out = {}
+    for k, v in d.items():
+        try:
+            json.dumps(v)
+            out[k] = v
+        except TypeError:
+            out[k] = repr(v)
+    return out
