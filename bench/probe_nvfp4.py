@@ -22,7 +22,13 @@ ROWS: list[dict[str, Any]] = []
 NOTES: list[str] = []
 
 
+GRAPH = {"on": True}
+
+
 def bench(fn, rep: int = 100) -> float:  # noqa: ANN001
+    if GRAPH["on"]:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
@@ -82,8 +88,8 @@ def quantize() -> None:
     copy = rec("copy bf16 8192^2", lambda: y.copy_(x), bytes=cb)
     qb = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + m * 4
     ref = nvfp4_quantize_ref(x[:256], per_token=True)
-    for cfg in ({}, {"num_warps": 4}, {"num_warps": 16}, {"ELEMS": 16384, "num_warps": 8},
-                {"ELEMS": 16384, "num_warps": 16}):
+    for cfg in ({}, {"num_warps": 4}, {"num_warps": 2}, {"ELEMS": 16384, "num_warps": 4},
+                {"ELEMS": 16384, "num_warps": 8}):
         qf.QF_CFG.clear()
         qf.QF_CFG.update(cfg)
         q = nvfp4_quantize(x, per_token=True)
@@ -143,11 +149,19 @@ def gemm() -> None:
         x8 = x.to(torch.float8_e4m3fn)
         rec(f"M={m} FP8 _scaled_mm", lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
                                                                out_dtype=torch.bfloat16), m=m)
-        variants = [("default", {}), ("no-asm", {"USE_ASM": False}), ("stages3", {"num_stages": 3}),
-                    ("stages6", {"num_stages": 6}), ("nseg2", {"NSEG": 2}), ("nseg4", {"NSEG": 4}),
-                    ("BN128w8", {"BN": 128, "num_warps": 8}), ("BN128w8-nseg2", {"BN": 128, "num_warps": 8, "NSEG": 2})]
-        if m == 64:
-            variants = variants[:2] + [("nseg2", {"NSEG": 2})]
+        bm = 16 if m <= 16 else 64
+        variants = [("swap default", {}), ("swap s3", {"num_stages": 3}), ("swap nseg4", {"NSEG": 4}),
+                    ("swap nseg8", {"NSEG": 8}),
+                    ("ns BM{bm} BN32 s4", {"SWAP": False, "BM": bm, "BN": 32}),
+                    ("ns BM{bm} BN32 s6", {"SWAP": False, "BM": bm, "BN": 32, "num_stages": 6}),
+                    ("ns BM{bm} BN64 s4", {"SWAP": False, "BM": bm, "BN": 64}),
+                    ("ns BM{bm} BN32 cpi2 s4", {"SWAP": False, "BM": bm, "BN": 32, "CPI": 2}),
+                    ("ns BM{bm} BN16 cpi2 s4", {"SWAP": False, "BM": bm, "BN": 16, "CPI": 2}),
+                    ("ns BM{bm} BN32 noasm", {"SWAP": False, "BM": bm, "BN": 32, "USE_ASM": False})]
+        if m == 16:
+            variants += [("ns BM64 BN32 s4 (wgmma)", {"SWAP": False, "BM": 64, "BN": 32}),
+                         ("ns BM64 BN64 s4 (wgmma)", {"SWAP": False, "BM": 64, "BN": 64})]
+        variants = [(nm.format(bm=bm), c) for nm, c in variants]
         for name, cfg in variants:
             T.DECODE_CFG.clear()
             T.DECODE_CFG.update(cfg)
@@ -161,15 +175,18 @@ def gemm() -> None:
                 rows_eq_prefill=same)
         T.DECODE_CFG.clear()
         rec(f"M={m} tc_linear auto incl. quantize", lambda: T.tc_linear(x, pw), m=m, cublas_ms=cub)
+        GRAPH["on"] = False
+        rec(f"M={m} tc_linear auto incl. quantize, no CUDA graph", lambda: T.tc_linear(x, pw), m=m, cublas_ms=cub)
+        rec(f"M={m} cuBLAS bf16, no CUDA graph", lambda: x @ w.t(), m=m)
+        GRAPH["on"] = True
         rec(f"M={m} prefill path", lambda: T.tc_matmul(a, pw, path="prefill", a_op=aop_m), m=m, cublas_ms=cub)
     # large M
     cub = rec("M=8192 cuBLAS bf16", lambda: X @ w.t())
     x8 = X.to(torch.float8_e4m3fn)
     rec("M=8192 FP8 _scaled_mm", lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-    for name, cfg in (("default 128x256x64 w8 s3", {}), ("128x256x64 w8 s4", {"num_stages": 4}),
-                      ("128x128x64 w8 s4", {"BN": 128, "num_stages": 4}), ("256x128x64 w8 s3", {"BM": 256, "BN": 128}),
-                      ("128x256x64 w8 s3 G16", {"GROUP_M": 16}),
-                      ("128x128x64 w4 s4", {"BN": 128, "num_warps": 4, "num_stages": 4})):
+    for name, cfg in (("default 128x256x64 w8 s3 G16", {}), ("128x256x64 w8 s4 G16", {"num_stages": 4}),
+                      ("128x256x64 w8 s3 G32", {"GROUP_M": 32}),
+                      ("128x128x64 w8 s4 G16 (nseg>1 config)", {"BN": 128, "num_stages": 4})):
         T.PREFILL_CFG.clear()
         T.PREFILL_CFG.update(cfg)
         try:
@@ -204,9 +221,19 @@ def gemm() -> None:
         note(f"N={n2} K={k2} nseg={p2.nseg}: decode vs prefill {'equal' if not bad2 else bad2}; "
              f"ref: {tol(f2[:64], ref_rows(a2, w2, 64))}")
         xb = x2[:16].contiguous()
-        rec(f"N={n2} K={k2} M=16 cuBLAS", lambda: xb @ torch.randn(n2, k2, device='cuda', dtype=torch.bfloat16).t())
-        rec(f"N={n2} K={k2} M=16 decode", lambda: T.tc_matmul(type(a2)(a2.codes[:16], a2.scales[:16], a2.amax[:16], True),
-                                                              p2, path="decode"))
+        wb2 = torch.randn(n2, k2, device="cuda", dtype=torch.bfloat16)
+        a16 = type(a2)(a2.codes[:16], a2.scales[:16], a2.amax[:16], True)
+        op16 = T.act_operand(a16)
+        rec(f"N={n2} K={k2} M=16 cuBLAS", lambda: xb @ wb2.t())
+        for nm, c in (("swap", {}), ("ns BN32", {"SWAP": False, "BN": 32, "BM": 16}),
+                      ("ns BN16 cpi2", {"SWAP": False, "BN": 16, "BM": 16, "CPI": 2})):
+            T.DECODE_CFG.clear()
+            T.DECODE_CFG.update(c)
+            ok = eq(T.tc_matmul(a16, p2, path="decode", a_op=op16), f2[:16])
+            rec(f"N={n2} K={k2} M=16 decode {nm} (nseg={p2.nseg})", lambda: T.tc_matmul(a16, p2, path="decode", a_op=op16),
+                rows_eq_prefill=ok)
+        T.DECODE_CFG.clear()
+        rec(f"N={n2} K={k2} M=16 decode + quantize, tc_linear", lambda: T.tc_linear(xb, p2))
 
 
 @section
@@ -231,7 +258,10 @@ def moe() -> None:
             offs32 = offsets[1:].to(torch.int32)
             tag = f"MoE {name} N={n} K={k} T={t}"
             gm = rec(f"{tag} torch._grouped_mm bf16", lambda: torch._grouped_mm(xa, wt, offs=offs32))
-            for p in ("decode", "prefill"):
+            for p, c in ((("decode", {}), ("decode", {"SWAP": False, "BN": 32}), ("prefill", {})) if t <= 64 else
+                         (("prefill", {}),)):
+                T.DECODE_CFG.clear()
+                T.DECODE_CFG.update(c)
                 y = T.tc_grouped(a, offsets, pg, path=p, a_op=aop)
                 off = offsets.tolist()
                 bad = []
@@ -241,8 +271,9 @@ def moe() -> None:
                         sub = type(a)(a.codes[r0:r1], a.scales[r0:r1], a.amax[r0:r1], True)
                         if not eq(T.tc_matmul(sub, pg.expert(ex), path=p), y[r0:r1]):
                             bad.append(ex)
-                rec(f"{tag} grouped {p}", lambda: T.tc_grouped(a, offsets, pg, path=p, a_op=aop), grouped_mm_ms=gm,
+                rec(f"{tag} grouped {p} {c}", lambda: T.tc_grouped(a, offsets, pg, path=p, a_op=aop), grouped_mm_ms=gm,
                     grouped_eq_per_expert=not bad)
+            T.DECODE_CFG.clear()
             y1 = T.tc_grouped(a, offsets, pg, path="decode", a_op=aop)
             y2 = T.tc_grouped(a, offsets, pg, path="prefill", a_op=aop)
             note(f"{tag}: grouped decode == grouped prefill: {eq(y1, y2)}")

@@ -160,6 +160,64 @@ def decode_kernel(
 
 
 @kjit
+def decode_ns_kernel(
+    w_ptr, wsf_ptr, w_amax_ptr, a_ptr, a_amax_ptr, out_ptr, part_ptr,
+    tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+    M, N, K, w_estride, wsf_estride,
+    BN: tl.constexpr, BM: tl.constexpr, BKC: tl.constexpr, NSEG: tl.constexpr, CPI: tl.constexpr,
+    GROUPED: tl.constexpr, W_AMAX_ROW: tl.constexpr, USE_ASM: tl.constexpr, F32: tl.constexpr,
+):
+    """Decode path, tokens on the MMA's M side (16 rows: mma.sync; 64: wgmma) and a narrow weight
+    tile on its N side (many programs without splitting K). Same numerics as decode_kernel."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    seg = tl.program_id(2)
+    e, r0, r1 = _tile_rows(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pid_m, M, BM, GROUPED)
+    if e >= 0:
+        eb = e.to(tl.int64)
+        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        nmask = rn < N
+        rm = (r0 + tl.arange(0, BM)).to(tl.int64)
+        mmask = rm < r1
+        b3 = tl.arange(0, BKC // 32)
+        j16 = tl.arange(0, 16)
+        kk = tl.arange(0, BKC // 2)
+        wrow = w_ptr + eb * w_estride + rn[:, None, None] * (K // 2) + b3[None, :, None] * 16 + j16[None, None, :]
+        srow = wsf_ptr + eb * wsf_estride + rn[:, None] * (K // 16) + b3[None, :]
+        arow = a_ptr + rm[:, None] * K + kk[None, :]
+        cps = (K // BKC) // NSEG
+        acc = tl.full([BM, BN], 0.0, tl.float32)
+        for c0 in range(seg * cps, seg * cps + cps, CPI):
+            for ci in tl.static_range(CPI):
+                c = c0 + ci
+                p = tl.load(wrow + c * (BKC // 2), mask=nmask[:, None, None], other=0)
+                sl = _scale_f(tl.load(srow + c * (BKC // 16), mask=nmask[:, None], other=0), F32)
+                sh = _scale_f(tl.load(srow + c * (BKC // 16) + BKC // 32, mask=nmask[:, None], other=0), F32)
+                lo, hi = decode_pair(p, sl[:, :, None], sh[:, :, None], USE_ASM, F32)
+                lo = tl.reshape(lo, (BN, BKC // 2))
+                hi = tl.reshape(hi, (BN, BKC // 2))
+                a_lo = tl.load(arow + c * BKC, mask=mmask[:, None], other=0.0)
+                a_hi = tl.load(arow + c * BKC + BKC // 2, mask=mmask[:, None], other=0.0)
+                if F32:
+                    acc = tl.dot(a_lo, tl.trans(lo), acc, input_precision="ieee")
+                    acc = tl.dot(a_hi, tl.trans(hi), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a_lo, tl.trans(lo), acc)
+                    acc = tl.dot(a_hi, tl.trans(hi), acc)
+        omask = mmask[:, None] & nmask[None, :]
+        if NSEG == 1:
+            aa = tl.load(a_amax_ptr + rm, mask=mmask, other=0.0)
+            if W_AMAX_ROW:
+                ba = tl.load(w_amax_ptr + eb * N + rn, mask=nmask, other=0.0)
+            else:
+                ba = tl.load(w_amax_ptr + eb + rn * 0)
+            res = _epilogue(acc, aa[:, None], ba[None, :])
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], bf16_bits_rne(res).to(tl.int16), mask=omask)
+        else:
+            tl.store(part_ptr + seg.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], acc, mask=omask)
+
+
+@kjit
 def reduce_kernel(part_ptr, a_amax_ptr, w_amax_ptr, row_e_ptr, out_ptr, M, N,
                   NSEG: tl.constexpr, BLOCK: tl.constexpr, W_AMAX_ROW: tl.constexpr, GROUPED: tl.constexpr):
     """out = epilogue(((p_0 + p_1) + p_2) + ...): the segment partials in segment order."""

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from ._triton_common import INTERPRET, kernel_device_ok, launch
-from .gemm_tc import decode_kernel, prefill_kernel, reduce_kernel
+from .gemm_tc import decode_kernel, decode_ns_kernel, prefill_kernel, reduce_kernel
 from .nvfp4_ref import NVFP4Tensor, e2m1_decode, e4m3_decode, unpack_codes
 
 DECODE_MAX_M = 64
@@ -135,7 +135,8 @@ def choose(m: int, w: TCWeight, path: str = "auto") -> str:
 
 def decode_config(m: int) -> dict[str, Any]:
     if INTERPRET:
-        return {"BN": 16, "BM": 16, "num_warps": 4, "num_stages": 1, "USE_ASM": False}
+        keep = {key: v for key, v in DECODE_CFG.items() if key in ("SWAP", "CPI", "NSEG")}
+        return {"BN": 16, "BM": 16, "num_warps": 4, "num_stages": 1, "USE_ASM": False, **keep}
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     return {"BN": 64, "BM": bm, "num_warps": 4, "num_stages": 4, "USE_ASM": True, **DECODE_CFG}
 
@@ -145,9 +146,9 @@ def prefill_config(nseg: int, kseg: int) -> dict[str, Any]:
     if INTERPRET:
         return {"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1}
     if nseg == 1:
-        cfg = {"BM": 128, "BN": 256, "BK": bk, "num_warps": 8, "num_stages": 3, "GROUP_M": 8}
+        cfg = {"BM": 128, "BN": 256, "BK": bk, "num_warps": 8, "num_stages": 3, "GROUP_M": 16}
     else:
-        cfg = {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 4, "GROUP_M": 8}
+        cfg = {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 4, "GROUP_M": 16}
     return {**cfg, **PREFILL_CFG}
 
 
@@ -173,11 +174,16 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         cfg = decode_config(m) if bm is None else {**decode_config(m), "BM": bm}
         part = torch.empty(nseg, m, n, dtype=torch.float32, device=dev) if nseg > 1 else a_amax
         n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
-        launch(decode_kernel, (triton.cdiv(n, cfg["BN"]), n_m, nseg),
-               w.dec, w.scales, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
-               m, n, k, wes // 2, wes // 16,
-               cfg["BN"], cfg["BM"], w.bkc, nseg, grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
-               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        args = (w.dec, w.scales, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
+                m, n, k, wes // 2, wes // 16, cfg["BN"], cfg["BM"], w.bkc, nseg)
+        grid = (triton.cdiv(n, cfg["BN"]), n_m, nseg)
+        if cfg.get("SWAP", True):
+            launch(decode_kernel, grid, *args, grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
+                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        else:
+            cpi = cfg.get("CPI", 1) if (k // w.bkc // nseg) % cfg.get("CPI", 1) == 0 else 1
+            launch(decode_ns_kernel, grid, *args, cpi, grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
+                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if nseg > 1:
             blk = 1024
             launch(reduce_kernel, (triton.cdiv(m * n, blk),), part, a_amax, w.amax,
