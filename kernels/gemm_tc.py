@@ -106,10 +106,27 @@ def _tile_rows(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pid_m, M, BM: tl.constexpr,
 
 
 @kjit
+def _dec_ptrs(dec_ptr, dsc_ptr, eb, pid_n, N, K, BN: tl.constexpr, BKC: tl.constexpr):
+    """Pointers of chunk 0 of this program's BN weight rows in the tiled decode layout
+    [(E,) N/64, K/BKC, 64, BKC/2] (scales [(E,) N/64, K/BKC, 64, BKC/16]): each (64-row tile,
+    chunk) is one contiguous block, so every pipeline stage streams contiguous bytes."""
+    nt_count = (N + 63) // 64
+    chunks = K // BKC
+    row0 = pid_n * BN
+    tile = (eb * nt_count + row0 // 64) * chunks
+    r = row0 % 64 + tl.arange(0, BN)
+    b3 = tl.arange(0, BKC // 32)
+    j16 = tl.arange(0, 16)
+    wp = dec_ptr + tile * (64 * (BKC // 2)) + r[:, None, None] * (BKC // 2) + b3[None, :, None] * 16 + j16[None, None, :]
+    sp = dsc_ptr + tile * (64 * (BKC // 16)) + r[:, None] * (BKC // 16) + b3[None, :]
+    return wp, sp
+
+
+@kjit
 def decode_kernel(
     w_ptr, wsf_ptr, w_amax_ptr, a_ptr, a_amax_ptr, out_ptr, part_ptr,
     tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
-    M, N, K, w_estride, wsf_estride,
+    M, N, K,
     BN: tl.constexpr, BM: tl.constexpr, BKC: tl.constexpr, NSEG: tl.constexpr,
     GROUPED: tl.constexpr, W_AMAX_ROW: tl.constexpr, USE_ASM: tl.constexpr, F32: tl.constexpr,
 ):
@@ -123,18 +140,15 @@ def decode_kernel(
         nmask = rn < N
         rm = (r0 + tl.arange(0, BM)).to(tl.int64)
         mmask = rm < r1
-        b3 = tl.arange(0, BKC // 32)
-        j16 = tl.arange(0, 16)
         kk = tl.arange(0, BKC // 2)
-        wrow = w_ptr + eb * w_estride + rn[:, None, None] * (K // 2) + b3[None, :, None] * 16 + j16[None, None, :]
-        srow = wsf_ptr + eb * wsf_estride + rn[:, None] * (K // 16) + b3[None, :]
+        wrow, srow = _dec_ptrs(w_ptr, wsf_ptr, eb, pid_n, N, K, BN, BKC)
         arow = a_ptr + rm[None, :] * K + kk[:, None]
         cps = (K // BKC) // NSEG
         acc = tl.full([BN, BM], 0.0, tl.float32)
         for c in range(seg * cps, seg * cps + cps):
-            p = tl.load(wrow + c * (BKC // 2), mask=nmask[:, None, None], other=0)
-            sl = _scale_f(tl.load(srow + c * (BKC // 16), mask=nmask[:, None], other=0), F32)
-            sh = _scale_f(tl.load(srow + c * (BKC // 16) + BKC // 32, mask=nmask[:, None], other=0), F32)
+            p = tl.load(wrow + c * (64 * (BKC // 2)))
+            sl = _scale_f(tl.load(srow + c * (64 * (BKC // 16))), F32)
+            sh = _scale_f(tl.load(srow + c * (64 * (BKC // 16)) + BKC // 32), F32)
             lo, hi = decode_pair(p, sl[:, :, None], sh[:, :, None], USE_ASM, F32)
             lo = tl.reshape(lo, (BN, BKC // 2))
             hi = tl.reshape(hi, (BN, BKC // 2))
@@ -163,7 +177,7 @@ def decode_kernel(
 def decode_ns_kernel(
     w_ptr, wsf_ptr, w_amax_ptr, a_ptr, a_amax_ptr, out_ptr, part_ptr,
     tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
-    M, N, K, w_estride, wsf_estride,
+    M, N, K,
     BN: tl.constexpr, BM: tl.constexpr, BKC: tl.constexpr, NSEG: tl.constexpr, CPI: tl.constexpr,
     GROUPED: tl.constexpr, W_AMAX_ROW: tl.constexpr, USE_ASM: tl.constexpr, F32: tl.constexpr,
 ):
@@ -179,20 +193,17 @@ def decode_ns_kernel(
         nmask = rn < N
         rm = (r0 + tl.arange(0, BM)).to(tl.int64)
         mmask = rm < r1
-        b3 = tl.arange(0, BKC // 32)
-        j16 = tl.arange(0, 16)
         kk = tl.arange(0, BKC // 2)
-        wrow = w_ptr + eb * w_estride + rn[:, None, None] * (K // 2) + b3[None, :, None] * 16 + j16[None, None, :]
-        srow = wsf_ptr + eb * wsf_estride + rn[:, None] * (K // 16) + b3[None, :]
+        wrow, srow = _dec_ptrs(w_ptr, wsf_ptr, eb, pid_n, N, K, BN, BKC)
         arow = a_ptr + rm[:, None] * K + kk[None, :]
         cps = (K // BKC) // NSEG
         acc = tl.full([BM, BN], 0.0, tl.float32)
         for c0 in range(seg * cps, seg * cps + cps, CPI):
             for ci in tl.static_range(CPI):
                 c = c0 + ci
-                p = tl.load(wrow + c * (BKC // 2), mask=nmask[:, None, None], other=0)
-                sl = _scale_f(tl.load(srow + c * (BKC // 16), mask=nmask[:, None], other=0), F32)
-                sh = _scale_f(tl.load(srow + c * (BKC // 16) + BKC // 32, mask=nmask[:, None], other=0), F32)
+                p = tl.load(wrow + c * (64 * (BKC // 2)))
+                sl = _scale_f(tl.load(srow + c * (64 * (BKC // 16))), F32)
+                sh = _scale_f(tl.load(srow + c * (64 * (BKC // 16)) + BKC // 32), F32)
                 lo, hi = decode_pair(p, sl[:, :, None], sh[:, :, None], USE_ASM, F32)
                 lo = tl.reshape(lo, (BN, BKC // 2))
                 hi = tl.reshape(hi, (BN, BKC // 2))

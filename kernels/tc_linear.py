@@ -62,6 +62,7 @@ class TCWeight:
     amax: torch.Tensor
     per_row: bool
     dec: torch.Tensor | None
+    dsc: torch.Tensor | None
     bkc: int
     nseg: int
     grouped: bool
@@ -89,8 +90,8 @@ class TCWeight:
         if not self.grouped:
             raise ValueError("not an expert weight")
         return TCWeight(self.codes[e], self.scales[e], self.amax[e : e + 1], False,
-                        None if self.dec is None else self.dec[e], self.bkc, self.nseg, False,
-                        None if self._op is None else self._op[e])
+                        None if self.dec is None else self.dec[e : e + 1], None if self.dsc is None else self.dsc[e : e + 1],
+                        self.bkc, self.nseg, False, None if self._op is None else self._op[e])
 
 
 def weight_operand(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -100,14 +101,28 @@ def weight_operand(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (vals * sf * (1.0 / 128.0)).to(OP_DTYPE)
 
 
-def decode_layout(codes: torch.Tensor, bkc: int) -> torch.Tensor:
-    """Standard packing (byte j = codes 2j, 2j+1) -> decode layout: per bkc-wide K chunk, byte j =
-    code[j] | code[j + bkc/2] << 4."""
-    lead = codes.shape[:-1]
+TILE_ROWS = 64  # rows per tile of the decode layout (the kernels' BN divides it)
+
+
+def _tile(t: torch.Tensor, e: int, n: int, chunks: int) -> torch.Tensor:
+    """[E*N, chunks*w] -> [E, ceil(N/64), chunks, 64, w] (zero rows pad the last tile)."""
+    w = t.shape[1] // chunks
+    nt = -(-n // TILE_ROWS)
+    out = torch.zeros(e, nt * TILE_ROWS, chunks, w, dtype=t.dtype, device=t.device)
+    out[:, :n] = t.reshape(e, n, chunks, w)
+    return out.reshape(e, nt, TILE_ROWS, chunks, w).transpose(2, 3).contiguous()
+
+
+def decode_layout(codes: torch.Tensor, scales: torch.Tensor, bkc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard packing (byte j = codes 2j, 2j+1) -> the decode layout: per bkc-wide K chunk, byte
+    j = code[j] | code[j + bkc/2] << 4, stored tile by tile ([(E,) N/64, K/bkc, 64, bkc/2]: one
+    contiguous block per 64 rows x chunk); scales likewise [(E,) N/64, K/bkc, 64, bkc/16]."""
+    n = codes.shape[-2]
     k = codes.shape[-1] * 2
+    e = codes.numel() // (n * k // 2)
     flat = unpack_codes(codes.reshape(-1, k // 2)).reshape(-1, k // bkc, 2, bkc // 2)
-    out = flat[:, :, 0, :] | (flat[:, :, 1, :] << 4)
-    return out.reshape(*lead, k // 2).contiguous()
+    arranged = (flat[:, :, 0, :] | (flat[:, :, 1, :] << 4)).reshape(-1, k // 2)
+    return _tile(arranged, e, n, k // bkc), _tile(scales.reshape(-1, k // 16), e, n, k // bkc)
 
 
 def prepare(w: Any) -> TCWeight:
@@ -118,9 +133,9 @@ def prepare(w: Any) -> TCWeight:
     k = w.codes.shape[-1] * 2
     n = w.codes.shape[-2]
     bkc = chunk_for(k)
-    dec = decode_layout(w.codes, bkc) if bkc else None
+    dec, dsc = decode_layout(w.codes, w.scales, bkc) if bkc else (None, None)
     return TCWeight(w.codes.contiguous(), w.scales.contiguous(), w.amax.reshape(-1).float().contiguous(), per_row,
-                    dec, bkc, nseg_for(n, k, grouped), grouped)
+                    dec, dsc, bkc, nseg_for(n, k, grouped), grouped)
 
 
 def choose(m: int, w: TCWeight, path: str = "auto") -> str:
@@ -174,8 +189,8 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         cfg = decode_config(m) if bm is None else {**decode_config(m), "BM": bm}
         part = torch.empty(nseg, m, n, dtype=torch.float32, device=dev) if nseg > 1 else a_amax
         n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
-        args = (w.dec, w.scales, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
-                m, n, k, wes // 2, wes // 16, cfg["BN"], cfg["BM"], w.bkc, nseg)
+        args = (w.dec, w.dsc, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
+                m, n, k, cfg["BN"], cfg["BM"], w.bkc, nseg)
         grid = (triton.cdiv(n, cfg["BN"]), n_m, nseg)
         if cfg.get("SWAP", True):
             launch(decode_kernel, grid, *args, grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
