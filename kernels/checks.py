@@ -306,6 +306,115 @@ def _swizzle_check(dev: torch.device, big: bool) -> str:
     return "formula == blocked permute; round trip exact"
 
 
+
+TC_BOUND = "bf16 out: |got - ref| <= alpha * 2(K/16) 2^-23 sum|a*b| + 1 ulp, >= 99% of elements bit-equal"
+TC_MS = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4096, 8192)
+
+
+def _to(q: R.NVFP4Tensor, dev: torch.device) -> R.NVFP4Tensor:
+    return R.NVFP4Tensor(q.codes.to(dev), q.scales.to(dev), q.amax.to(dev), q.per_token, q.tile16)
+
+
+def tc_within_bound(got: torch.Tensor, a: R.NVFP4Tensor, w: R.NVFP4Tensor) -> str:
+    """The GEMM tolerance of NVFP4.md against the exact per-block reference (raises AssertionError)."""
+    a_op, b_op = R.block_dequant_operand(a), R.block_dequant_operand(w)
+    alpha = R.gemm_alpha(a.row_amax()[:, None], w.row_amax()[None, :])
+    ref = R.w4a4_gemm_ref(a, w)
+    k = a_op.shape[1]
+    bound = alpha * (2 * (k // 16) * 2.0**-23) * (a_op.abs() @ b_op.abs().t())
+    rf = ref.float()
+    ulp = torch.where(rf == 0, torch.full_like(rf, 2.0**-133), 2.0 ** (torch.floor(torch.log2(rf.abs())) - 7))
+    d = (got.float() - rf).abs()
+    worst = float((d - bound - ulp).max())
+    same = float((got.view(torch.int16) == ref.view(torch.int16)).float().mean())
+    if worst > 0 or same < 0.99:
+        raise AssertionError(f"outside the GEMM tolerance: worst excess {worst:.3g}, {same * 100:.2f}% bit-equal")
+    return f"within the bound, {same * 100:.2f}% bit-equal to the per-block reference"
+
+
+def _tc_gemm_check(path: str, m: int, n: int, k: int):
+    def run(dev: torch.device, big: bool) -> str:
+        from .tc_linear import prepare, tc_matmul
+
+        nn_, kk_ = (n * 16, k * 8) if big else (n, k)
+        w = _to(_weights(nn_, kk_, 31), dev)
+        a = R.nvfp4_quantize_ref(torch.randn(m, kk_, generator=_gen(32)).to(torch.bfloat16).to(dev), per_token=True)
+        tw = prepare(w)
+        return f"M={m} N={nn_} K={kk_} path={path} nseg={tw.nseg}: " + tc_within_bound(tc_matmul(a, tw, path=path), a, w)
+
+    return run
+
+
+def _tc_grouped_check(dev: torch.device, big: bool) -> str:
+    from .grouped_gemm import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
+    from .tc_linear import prepare, tc_grouped
+
+    e, n, k, top, t = (16, 256, 512, 4, 300) if big else (4, 32, 64, 2, 9)
+    wq = quantize_expert_weights(torch.randn(e, n, k, generator=_gen(33)), use_ref=True)
+    wq = GroupedNVFP4Weights(wq.codes.to(dev), wq.scales.to(dev), wq.amax.to(dev))
+    g = _gen(34)
+    x = torch.randn(t, k, generator=g).to(torch.bfloat16).to(dev)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(t)]).to(dev)
+    perm, off = moe_route(ids, e)
+    a = gather_rows(R.nvfp4_quantize_ref(x, per_token=True), perm // top)
+    tw = prepare(wq)
+    msgs = []
+    for path in ("decode", "prefill"):
+        y = tc_grouped(a, off, tw, path=path)
+        ol = off.tolist()
+        for ex in range(e):
+            if ol[ex + 1] > ol[ex]:
+                sub = R.NVFP4Tensor(a.codes[ol[ex]:ol[ex + 1]], a.scales[ol[ex]:ol[ex + 1]], a.amax[ol[ex]:ol[ex + 1]], True)
+                tc_within_bound(y[ol[ex]:ol[ex + 1]], sub, wq.expert(ex))
+        msgs.append(path)
+    return f"{t} tokens, {e} experts, paths {msgs}: every expert's rows within the bound"
+
+
+def _tc_rows_identical(dev: torch.device, big: bool) -> str:
+    """Rows identical for every M in TC_MS at two row offsets, decode and prefill paths, vs the
+    full-M prefill output (and repeated runs identical)."""
+    from .tc_linear import prepare, tc_matmul
+
+    n, k = 1024, 1024
+    w = _to(_weights(n, k, 35), dev)
+    tw = prepare(w)
+    x = torch.randn(max(TC_MS) + 64, k, generator=_gen(36)).to(torch.bfloat16).to(dev)
+    a = R.nvfp4_quantize_ref(x, per_token=True)
+    full = tc_matmul(a, tw, path="prefill")
+    assert_equal_bits(tc_matmul(a, tw, path="prefill"), full, "repeated run")
+    for m in TC_MS:
+        for off in (0, 37):
+            sub = R.NVFP4Tensor(a.codes[off:off + m], a.scales[off:off + m], a.amax[off:off + m], True)
+            for path in ("decode", "prefill") if m <= 64 else ("prefill",):
+                assert_equal_bits(tc_matmul(sub, tw, path=path), full[off:off + m], f"M={m} at row {off}, {path}")
+    return f"N=K={n} (nseg {tw.nseg}): {len(TC_MS)} values of M x 2 offsets, decode and prefill: identical rows"
+
+
+def _tc_grouped_eq_per_expert(dev: torch.device, big: bool) -> str:
+    from .grouped_gemm import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
+    from .tc_linear import prepare, tc_grouped, tc_matmul
+
+    e, n, k, top, t = 16, 256, 512, 4, 300
+    wq = quantize_expert_weights(torch.randn(e, n, k, generator=_gen(37)), use_ref=True)
+    wq = GroupedNVFP4Weights(wq.codes.to(dev), wq.scales.to(dev), wq.amax.to(dev))
+    g = _gen(38)
+    x = torch.randn(t, k, generator=g).to(torch.bfloat16).to(dev)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(t)]).to(dev)
+    perm, off = moe_route(ids, e)
+    a = gather_rows(R.nvfp4_quantize_ref(x, per_token=True), perm // top)
+    tw = prepare(wq)
+    ol = off.tolist()
+    y0 = tc_grouped(a, off, tw, path="prefill")
+    for path in ("decode", "prefill"):
+        y = tc_grouped(a, off, tw, path=path)
+        assert_equal_bits(y, y0, f"grouped {path} vs grouped prefill")
+        for ex in range(e):
+            if ol[ex + 1] > ol[ex]:
+                sub = R.NVFP4Tensor(a.codes[ol[ex]:ol[ex + 1]], a.scales[ol[ex]:ol[ex + 1]], a.amax[ol[ex]:ol[ex + 1]], True)
+                assert_equal_bits(tc_matmul(sub, tw.expert(ex), path=path), y[ol[ex]:ol[ex + 1]], f"expert {ex} {path}")
+    return f"{t} tokens x top-{top}, {e} experts: grouped == per-expert calls, decode == prefill"
+
+
 CHECKS: list[Check] = [
     Exact("quant_bf16_per_tensor_1x16", "bf16 randn 33x256, per-tensor", _q_check(_randn(33, 256, torch.bfloat16))),
     Exact("quant_fp16_per_tensor_1x16", "fp16 randn 17x128, per-tensor", _q_check(_randn(17, 128, torch.float16, 1))),
@@ -362,6 +471,17 @@ CHECKS: list[Check] = [
     Exact("swizzle_layout", "swizzled scale layout == blocked-permute form; round trip", _swizzle_check),
     Exact("gemm_large_m4096", "aligned_linear M=4096 K=2048 (bf16 tensor cores)", _gemm_check(4096, "auto", k=2048, n=256),
           gpu_only=True),
+    # the default (tensor-core) GEMM of tc_linear: tolerance vs the per-block reference, bitwise properties
+    Tolerance("tc_gemm_decode_vs_reference", "tensor-core GEMM, decode path, M=16 (K split in segments)",
+              _tc_gemm_check("decode", 16, 48, 256), TC_BOUND),
+    Tolerance("tc_gemm_prefill_vs_reference", "tensor-core GEMM, prefill path, M=70",
+              _tc_gemm_check("prefill", 70, 40, 96), TC_BOUND),
+    Tolerance("tc_grouped_vs_reference", "tensor-core grouped MoE GEMM, decode and prefill paths, per expert",
+              _tc_grouped_check, TC_BOUND),
+    Exact("tc_rows_identical_every_m_and_path", "tensor-core GEMM: rows identical for M in 1..8192 at two offsets, "
+          "decode vs prefill, repeated runs", _tc_rows_identical, gpu_only=True),
+    Exact("tc_grouped_eq_per_expert", "tensor-core grouped GEMM == per-expert calls, decode == prefill",
+          _tc_grouped_eq_per_expert, gpu_only=True),
 ]
 
 

@@ -10,9 +10,14 @@ The three activation-scaling schemes of shared/NVFP4.md "Scaling schemes":
 * ``nvfp4-per-token``: one amax per token row (batch-invariant by construction), 1x16 blocks,
   one weight amax per logical weight (q, k, v, gate, up, down each): the aligned scheme.
 
-Numerics are the kernels package's spec: :func:`nvfp4_quantize_ref` and :func:`w4a4_gemm_ref`
-(exact block products, blocks accumulated in K order in fp32, alpha in the epilogue). That GEMM is
-batch invariant, so only the activation scale decides whether a row's bits depend on its batch.
+Backends (:func:`use_kernels`): on the CPU, and for non-bf16 activations, the pure-torch
+reference (:func:`nvfp4_quantize_ref` + :func:`w4a4_gemm_ref`: exact block products, blocks
+accumulated in K order in fp32, alpha in the epilogue); it is also the checker. On a CUDA GPU with
+bf16 activations, the Triton kernels: the quantizer (bitwise equal to the reference) and the
+tensor-core GEMM of :mod:`tc_linear` (weights prepared once per weight version; decode path for
+M <= 64, prefill path above, identical rows either way; within the GEMM tolerance of NVFP4.md of
+the per-block reference). Both GEMMs are batch invariant, so only the activation scale decides
+whether a row's bits depend on its batch. :meth:`NVFP4Linear.kernel_summary` says what ran.
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ def qdq(x: torch.Tensor, mode: str, amax: torch.Tensor | None = None) -> torch.T
     return nvfp4_dequantize_ref(q, torch.float32).to(x.dtype)
 
 
+def use_kernels(x: torch.Tensor) -> bool:
+    """The Triton kernels run for bf16 activations on a CUDA device (else the reference)."""
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
 def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:
     return (w.data_ptr(), w._version, tuple(w.shape), w.device.type)
 
@@ -78,6 +88,9 @@ class NVFP4Linear:
         self.partitions = list(partitions) if partitions else None
         self.static_amax: torch.Tensor | None = None
         self._wcache: dict[Any, tuple[tuple[Any, ...], list[NVFP4Tensor]]] = {}
+        self._tcache: dict[Any, tuple[tuple[Any, ...], list[Any]]] = {}
+        self.paths_used: dict[str, int] = {}  # "reference" | "triton:decode" | "triton:prefill" -> calls
+        self.kernel: dict[str, Any] | None = None  # the last Triton kernel record (config, versions)
 
     def weight(self, w: torch.Tensor, key: Any = None) -> list[NVFP4Tensor]:
         """Quantized shards of ``w [N, K]`` (computed once per weight version)."""
@@ -95,6 +108,36 @@ class NVFP4Linear:
         self._wcache[key] = (wk, shards)
         return shards
 
+    def prepared(self, w: torch.Tensor, key: Any = None) -> list[Any]:
+        """The shards as :class:`tc_linear.TCWeight` (decode layout, fp16 operand), once per weight
+        version."""
+        from .tc_linear import prepare
+
+        wk = _weight_key(w)
+        hit = self._tcache.get(key)
+        if hit is not None and hit[0] == wk:
+            return hit[1]
+        tws = [prepare(q) for q in self.weight(w, key)]
+        self._tcache[key] = (wk, tws)
+        return tws
+
+    def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any) -> torch.Tensor:
+        from .tc_linear import kernel_record, tc_linear, tc_matmul
+        from .triton_nvfp4 import nvfp4_quantize
+
+        tws = self.prepared(w, key)
+        x2 = x2.detach().contiguous()
+        if self.scheme.per_token:
+            ys = [tc_linear(x2, tw) for tw in tws]
+        else:
+            qa = nvfp4_quantize(x2, per_token=False, amax=amax)
+            ys = [tc_matmul(qa, tw) for tw in tws]
+        rec = kernel_record(x2.shape[0], tws[0])
+        tag = f"triton:{rec['path']}"
+        self.paths_used[tag] = self.paths_used.get(tag, 0) + 1
+        self.kernel = rec
+        return torch.cat(ys, dim=-1)
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, key: Any = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -107,16 +150,26 @@ class NVFP4Linear:
             if s.static and self.static_amax is None:
                 raise RuntimeError("nvfp4-static: no calibrated input scale (run the calibration pass first)")
             amax = self.static_amax.to(x2.device) if s.static else None
-            qa = nvfp4_quantize_ref(x2.detach(), per_token=s.per_token, amax=amax)
-            y = torch.cat([w4a4_gemm_ref(qa, qw, out_dtype=torch.float32) for qw in self.weight(w, key)], dim=-1)
+            if use_kernels(x2) and x2.shape[0] > 0:
+                y = self._kernel_matmul(x2, w, amax, key)
+            else:
+                qa = nvfp4_quantize_ref(x2.detach(), per_token=s.per_token, amax=amax)
+                y = torch.cat([w4a4_gemm_ref(qa, qw, out_dtype=torch.float32) for qw in self.weight(w, key)], dim=-1)
+                self.paths_used["reference"] = self.paths_used.get("reference", 0) + 1
             y = y.to(x.dtype)
         if bias is not None:
             y = (y.float() + bias.float()).to(x.dtype)
         return y.reshape(*shape[:-1], w.shape[0])
 
+    def kernel_summary(self) -> dict[str, Any]:
+        """What computed this linear so far: backend per path with call counts, the last Triton
+        kernel's config, Triton / torch / CUDA versions (for the run manifest)."""
+        return {"paths_used": dict(sorted(self.paths_used.items())), "kernel": self.kernel}
+
     def describe(self) -> dict[str, Any]:
         s = self.scheme
         return {
+            "kernels": self.kernel_summary(),
             "scheme": s.name,
             "activation_amax": "per-token" if s.per_token else ("static" if s.static else "dynamic per-tensor"),
             "weight_blocks": "16x16" if s.weight_tile16 else "1x16",

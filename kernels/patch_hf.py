@@ -73,6 +73,7 @@ class PatchHandle:
             "layers": None if self.layers is None else sorted(self.layers),
             "n_modules_patched": len(self.patched),
             "nvfp4": next(iter(self.nvfp4.values())).describe() if self.nvfp4 else None,
+            "nvfp4_kernels": {name: st.kernel_summary() for name, st in self.nvfp4.items()} or None,
         }
 
 

@@ -219,8 +219,6 @@ def _check(a: NVFP4Tensor, w: TCWeight) -> None:
     kernel_device_ok(a.codes, w.codes)
     if a.shape[1] != w.k:
         raise ValueError(f"K mismatch: activations have K={a.shape[1]}, weights have K={w.k}")
-    if not a.per_token:
-        raise ValueError("the tensor-core NVFP4 GEMM needs per-token activations (per_token=True)")
 
 
 def tc_matmul(a: NVFP4Tensor, w: TCWeight, *, path: str = "auto", a_op: torch.Tensor | None = None) -> torch.Tensor:
@@ -231,7 +229,8 @@ def tc_matmul(a: NVFP4Tensor, w: TCWeight, *, path: str = "auto", a_op: torch.Te
         raise ValueError("expert weights: use tc_grouped")
     m = a.shape[0]
     p = choose(m, w, path)
-    return _run(a.amax, a_op if a_op is not None else act_operand(a), w, m, p, None, None)
+    amax = a.amax if a.per_token else a.row_amax().contiguous()  # per-tensor amax: one alpha per row
+    return _run(amax, a_op if a_op is not None else act_operand(a), w, m, p, None, None)
 
 
 def tc_linear(x: torch.Tensor, w: TCWeight, *, path: str = "auto") -> torch.Tensor:
@@ -266,7 +265,8 @@ def tc_grouped(a: NVFP4Tensor, offsets: torch.Tensor, w: TCWeight, *, path: str 
     row_e = None
     if p == "decode" and w.nseg > 1:
         row_e = torch.searchsorted(offsets[1:], torch.arange(m, device=offsets.device), right=True).to(torch.int32)
-    return _run(a.amax, a_op if a_op is not None else act_operand(a), w, m, p, tiles, row_e, bm)
+    amax = a.amax if a.per_token else a.row_amax().contiguous()
+    return _run(amax, a_op if a_op is not None else act_operand(a), w, m, p, tiles, row_e, bm)
 
 
 def kernel_record(m: int, w: TCWeight, path: str = "auto") -> dict[str, Any]:

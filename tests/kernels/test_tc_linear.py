@@ -1,0 +1,90 @@
+"""The tensor-core NVFP4 GEMM (kernels/tc_linear.py) on the CPU: layout, dispatch, tolerance.
+
+The Triton interpreter runs the same kernels on CPU tensors (fp32 dot operands there), so these
+tests check the logic and the GEMM tolerance of NVFP4.md; the bitwise properties (rows identical
+for every M, decode == prefill, grouped == per-expert) are GPU checks (``tc_rows_identical_*``,
+``tc_grouped_eq_per_expert``, run by test_kernels_gpu.py and bench/bench_kernels.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mismatch_probe.kernels import nvfp4_linear as NL
+from mismatch_probe.kernels import nvfp4_ref as R
+from mismatch_probe.kernels import tc_linear as T
+from mismatch_probe.kernels.checks import tc_within_bound
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("n,k", [(48, 256), (70, 96), (5, 64)])
+def test_decode_layout_holds_every_code(n, k):
+    q = R.nvfp4_quantize_ref(torch.randn(n, k, generator=_g(1)))
+    bkc = T.chunk_for(k)
+    dec, dsc = T.decode_layout(q.codes, q.scales, bkc)
+    nt = -(-n // 64)
+    assert dec.shape == (1, nt, k // bkc, 64, bkc // 2) and dsc.shape == (1, nt, k // bkc, 64, bkc // 16)
+    rows = dec.transpose(2, 3).reshape(nt * 64, k // bkc, bkc // 2)[:n]
+    codes = torch.cat([rows & 15, rows >> 4], dim=2).reshape(n, k)  # chunk: low nibbles, then high
+    assert torch.equal(codes, R.unpack_codes(q.codes))
+    assert torch.equal(dsc.transpose(2, 3).reshape(nt * 64, k // 16)[:n], q.scales)
+    assert not dec.transpose(2, 3).reshape(nt * 64, -1)[n:].any()  # padding rows are zero
+
+
+def test_nseg_depends_on_n_k_only():
+    assert T.nseg_for(8192, 8192) == 1 and T.nseg_for(1024, 1024) == 8 and T.nseg_for(3072, 1024) == 4
+    assert T.nseg_for(1536, 2048, grouped=True) == 1 and T.nseg_for(64, 48) == 1  # K % 32 != 0: no decode path
+    assert T.chunk_for(48) == 0 and T.chunk_for(96) == 32 and T.chunk_for(768) == 128
+
+
+@pytest.mark.parametrize("m,n,k,path", [(3, 48, 256, "decode"), (3, 48, 256, "prefill"), (20, 40, 96, "decode"),
+                                        (70, 64, 128, "prefill"), (5, 16, 48, "auto")])
+def test_tc_matmul_within_gemm_tolerance(m, n, k, path):
+    w = R.nvfp4_quantize_ref(torch.randn(n, k, generator=_g(2)))
+    a = R.nvfp4_quantize_ref(torch.randn(m, k, generator=_g(3)).to(torch.bfloat16), per_token=True)
+    tc_within_bound(T.tc_matmul(a, T.prepare(w), path=path), a, w)
+
+
+def test_tc_linear_equals_quantize_then_matmul():
+    w = R.nvfp4_quantize_ref(torch.randn(32, 128, generator=_g(4)))
+    x = torch.randn(6, 128, generator=_g(5)).to(torch.bfloat16)
+    tw = T.prepare(w)
+    want = T.tc_matmul(R.nvfp4_quantize_ref(x, per_token=True), tw)
+    assert torch.equal(T.tc_linear(x, tw).view(torch.int16), want.view(torch.int16))
+
+
+def test_bad_calls_are_one_line_errors():
+    w = T.prepare(R.nvfp4_quantize_ref(torch.randn(16, 48, generator=_g(6))))
+    a = R.nvfp4_quantize_ref(torch.randn(2, 64, generator=_g(7)), per_token=True)
+    with pytest.raises(ValueError, match="K mismatch"):
+        T.tc_matmul(a, w)
+    a48 = R.nvfp4_quantize_ref(torch.randn(2, 48, generator=_g(7)), per_token=True)
+    with pytest.raises(ValueError, match="no decode path"):
+        T.tc_matmul(a48, w, path="decode")
+    with pytest.raises(ValueError, match="path must be one of"):
+        T.tc_matmul(a48, w, path="fast")
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4-per-token", "nvfp4-dynamic-tensor"])
+def test_nvfp4_linear_runs_the_kernels_when_selected(monkeypatch, scheme):
+    """The recipes' linear calls the tensor-core kernels where use_kernels() says so (CUDA + bf16;
+    forced here onto the interpreter), within the GEMM tolerance of its reference path, and says
+    which path ran."""
+    x = torch.randn(2, 5, 64, generator=_g(8)).to(torch.bfloat16)
+    w = torch.randn(48, 64, generator=_g(9)).to(torch.bfloat16)
+    ref_lin = NL.NVFP4Linear(scheme)
+    y_ref = ref_lin(x, w)
+    assert ref_lin.kernel_summary()["paths_used"] == {"reference": 1}
+    monkeypatch.setattr(NL, "use_kernels", lambda t: True)
+    lin = NL.NVFP4Linear(scheme)
+    y = lin(x, w)
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    summary = lin.kernel_summary()
+    assert summary["paths_used"] == {"triton:decode": 1} and summary["kernel"]["path"] == "decode"
+    assert summary["kernel"]["config"]["NSEG"] == T.nseg_for(48, 64)
+    same = (y.view(torch.int16) == y_ref.view(torch.int16)).float().mean().item()
+    assert same >= 0.99 and (y.float() - y_ref.float()).abs().max().item() <= 2 ** -6 * y_ref.float().abs().max().item()
+    assert lin.describe()["kernels"] == summary
