@@ -1,11 +1,25 @@
 # ruff: noqa: B023
-"""NVFP4 kernel benchmarks (H200): quantize vs copy bandwidth, aligned W4A4 linear vs cuBLAS BF16,
-MoE grouped GEMM vs torch._grouped_mm. Also runs the bitwise checks on the GPU first.
+"""NVFP4 kernel benchmarks on the H200, in one call: the bitwise checks, the issue's table, an HF forward.
 
-    python bench/bench_kernels.py [--out DIR] [--skip-checks] [--quick]
+    python bench/bench_kernels.py [--out DIR] [--skip-checks] [--only checks,quantize,linear,sweep,moe,e2e]
 
-Prints a table last; writes ``results.json`` under ``--out``. Timings: triton.testing.do_bench
-median (ms). Never used as a test assertion.
+1. ``checks``: every named check of ``mismatch_probe.kernels.checks`` on the GPU (bitwise ones and
+   the GEMM tolerance ones, each labelled).
+2. ``quantize``: bf16 8192x8192 per-token 1x16 vs a device copy (bandwidth share).
+3. ``linear``: N = K = 8192, M = 1, 16, 64, 8192: cuBLAS bf16, FP8 ``torch._scaled_mm`` (per-tensor
+   scales), the tensor-core NVFP4 GEMM (auto path, A pre-quantized), decode-path variants, the
+   linear with its per-token quantize; each variant's rows compared with the prefill path's.
+4. ``sweep``: rows identical for M in {1..3, 7..9, ..., 1000, 4096, 8192} at two row offsets, decode and
+   prefill paths, repeated runs (N = K = 8192).
+5. ``moe``: Qwen3-30B-A3B experts (128, top-8, hidden 2048, intermediate 768), 16384 and 64 tokens:
+   ``torch._grouped_mm`` bf16 vs the grouped NVFP4 GEMM; grouped == per-expert calls.
+6. ``e2e``: HF forward of a Qwen3-0.6B-shaped model (random weights, built in memory) on 4 x 1024
+   tokens: bf16, ``nvfp4-per-token`` linears only, the whole ``nvfp4-per-token`` recipe.
+
+Kernel timings: ``triton.testing.do_bench_cudagraph`` medians (launch overhead excluded, as under
+CUDA graphs in a serving engine); a few rows also without graphs. The HF forward: wall time of
+``model(ids)`` with a synchronize, median of 5 after 2 warm-ups. Prints a table last; writes
+``results.json`` under ``--out``. Timings are never test assertions.
 """
 
 from __future__ import annotations
@@ -16,301 +30,324 @@ import os
 import platform
 import sys
 import time
+import traceback
 from typing import Any
 
-# Sizes and device; ``--dry-run`` shrinks them and runs each function once on CPU (interpreter)
-# to catch script errors before a GPU run.
-DEV = "cuda"
-S: dict[str, Any] = {"quant": 8192, "nk": 8192, "ms": (1, 16, 64, 8192), "big_m": 8192,
-                     "moe": (128, 8, 2048, 768), "tokens": (16384, 64)}
-DRY = False
+import torch
+import triton
+
+ROWS: list[dict[str, Any]] = []
+NOTES: list[str] = []
+GRAPH = {"on": True}
 
 
-def _bench(fn, rep: int = 200) -> float:  # noqa: ANN001
-    if DRY:
-        fn()
-        return 1.0
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median"))
+def bench(fn, rep: int = 100) -> float:  # noqa: ANN001
+    if GRAPH["on"]:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
-def _safe(rows: list[dict[str, Any]], name: str, fn, **meta) -> float | None:  # noqa: ANN001
+def rec(name: str, fn, **meta) -> float | None:  # noqa: ANN001
     try:
-        ms = _bench(fn)
-    except Exception as e:  # keep going: one failure should not lose the whole run
-        rows.append({"name": name, "ms": None, "error": f"{type(e).__name__}: {str(e)[:200]}", **meta})
-        print(f"[bench] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        ms = bench(fn)
+    except Exception as e:
+        ROWS.append({"name": name, "ms": None, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(f"[bench] {name}: FAILED {type(e).__name__}: {str(e)[:1000]}", flush=True)
         return None
-    rows.append({"name": name, "ms": ms, **meta})
+    ROWS.append({"name": name, "ms": ms, "graph": GRAPH["on"], **meta})
     print(f"[bench] {name}: {ms * 1e3:.1f} us", flush=True)
     return ms
 
 
-def bench_quantize(rows: list[dict[str, Any]], quick: bool) -> None:
-    import torch
+def note(s: str) -> None:
+    NOTES.append(s)
+    print(f"[note] {s}", flush=True)
 
-    from mismatch_probe.kernels import nvfp4_quantize, nvfp4_quantize_ref
 
-    m = k = S["quant"]
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    cbytes = 2 * x.numel() * 2
-    copy_ms = _safe(rows, f"copy bf16 {m}x{k} (read+write)", lambda: y.copy_(x), bytes=cbytes)
-    qbytes = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + m * 4
-    from mismatch_probe.kernels import triton_nvfp4 as tq
+def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
-    amax1 = torch.tensor([float(x.float().abs().max())], device=DEV)
-    for impl in ("v2", "v1"):
-        tq.QUANT_IMPL = impl
-        _safe(rows, f"quantize per-token 1x16: Triton {impl}", lambda: nvfp4_quantize(x, per_token=True), bytes=qbytes,
-              copy_ms=copy_ms, copy_bytes=cbytes)
-        _safe(rows, f"quantize per-tensor 1x16, amax given: Triton {impl}", lambda: nvfp4_quantize(x, amax=amax1),
-              bytes=qbytes, copy_ms=copy_ms, copy_bytes=cbytes)
-    tq.QUANT_IMPL = "v1"
-    _safe(rows, "quantize per-tensor 1x16 incl. Triton amax pass", lambda: nvfp4_quantize(x), bytes=qbytes,
-          copy_ms=copy_ms, copy_bytes=cbytes)
-    _safe(rows, "quantize per-token 1x16: reference eager torch", lambda: nvfp4_quantize_ref(x, per_token=True),
-          bytes=qbytes, copy_ms=copy_ms, copy_bytes=cbytes)
-    if not quick and not DRY:
+
+def section(fn):  # noqa: ANN001, ANN201
+    def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        t0 = time.time()
         try:
-            comp = torch.compile(lambda t: nvfp4_quantize_ref(t, per_token=True))
-            comp(x)
-            _safe(rows, "quantize per-token 1x16: reference torch.compile", lambda: comp(x), bytes=qbytes,
-                  copy_ms=copy_ms, copy_bytes=cbytes)
-        except Exception as e:
-            rows.append({"name": "quantize reference torch.compile", "ms": None, "error": str(e)[:200]})
+            fn(*a, **k)
+        except Exception:
+            note(f"SECTION {fn.__name__} CRASHED: {traceback.format_exc()[-1500:]}")
+        print(f"[bench] section {fn.__name__}: {time.time() - t0:.0f}s", flush=True)
+
+    return run
 
 
-def bench_linear(rows: list[dict[str, Any]], quick: bool) -> None:
-    import torch
+@section
+def checks() -> None:
+    from mismatch_probe.kernels.checks import kind_label, run_checks
 
-    from mismatch_probe.kernels import (
-        aligned_linear,
-        nvfp4_dequantize_ref,
-        nvfp4_quantize,
-        nvfp4_quantize_ref,
-        w4a4_gemm_ref,
-        w4a4_matmul,
-    )
-    from mismatch_probe.kernels.aligned_linear import choose_path
-    from mismatch_probe.kernels.nvfp4_ref import NVFP4Tensor
-
-    n = k = S["nk"]
-    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-    wq = nvfp4_quantize(w)
-    w_deq = nvfp4_dequantize_ref(wq, torch.bfloat16)
-    for m in S["ms"]:
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        xq = nvfp4_quantize(x, per_token=True)
-        flops = 2 * m * n * k
-        cub = _safe(rows, f"M={m}: cuBLAS bf16 x @ w.t()", lambda: x @ w.t(), m=m, flops=flops)
-        r = min(m, 64)
-        ref = w4a4_gemm_ref(NVFP4Tensor(xq.codes[:r], xq.scales[:r], xq.amax[:r], True), wq).view(torch.int16)
-
-        def same(p: str) -> bool:
-            try:
-                return bool(torch.equal(w4a4_matmul(xq, wq, path=p)[:r].view(torch.int16), ref))
-            except Exception:
-                return False
-
-        _safe(rows, f"M={m}: W4A4 GEMM (auto path = {choose_path(m)}, A pre-quantized)", lambda: w4a4_matmul(xq, wq),
-              m=m, flops=flops, cublas_ms=cub, bits_equal_ref=same("auto"), max_abs_diff_ref=-1.0)
-        for alt in ("fma", "fp4", "fp4w", "fp4w-swap", "bf16"):
-            if alt != choose_path(m) and (m < S["big_m"] or alt == "fp4w"):
-                _safe(rows, f"M={m}: W4A4 GEMM ({alt} path)", lambda: w4a4_matmul(xq, wq, path=alt), m=m,
-                      flops=flops, cublas_ms=cub, bits_equal_ref=same(alt), max_abs_diff_ref=-1.0)
-        _safe(rows, f"M={m}: aligned_linear incl. per-token quantize", lambda: aligned_linear(x, wq), m=m, flops=flops,
-              cublas_ms=cub)
-        _safe(
-            rows, f"M={m}: naive path (ref quantize->dequantize->bf16 matmul)",
-            lambda: nvfp4_dequantize_ref(nvfp4_quantize_ref(x, per_token=True), torch.bfloat16) @ w_deq.t(),
-            m=m, flops=flops, cublas_ms=cub,
-        )
+    res = run_checks(device="cuda")
+    for r in res:
+        print(f"[check] {r.status:4s} {r.seconds:6.2f}s {r.name} [{kind_label(r.exact, r.bound)}]: {r.detail[:200]}")
+    ran = [r for r in res if r.status != "skip"]
+    bad = [f"{r.name}: {r.detail[:300]}" for r in ran if r.status != "pass"]
+    ex = [r for r in ran if r.exact]
+    note(f"named checks on the H200: {sum(r.status == 'pass' for r in ran)}/{len(ran)} pass "
+         f"({sum(r.status == 'pass' for r in ex)}/{len(ex)} bitwise, "
+         f"{sum(r.status == 'pass' for r in ran if not r.exact)}/{len(ran) - len(ex)} tolerance); failures: {bad}")
 
 
-def bench_sweep(rows: list[dict[str, Any]], quick: bool) -> None:
-    """Config sweep of the W4A4 GEMM and the quantizer. Every GEMM config's output is compared
-    bitwise with the pure-torch reference (first 64 rows at M=8192)."""
-    import torch
-
-    from mismatch_probe.kernels import nvfp4_quantize, w4a4_gemm_ref, w4a4_matmul
+@section
+def quantize() -> None:
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels import quant_fast as qf
     from mismatch_probe.kernels import triton_nvfp4 as tq
-    from mismatch_probe.kernels.nvfp4_ref import NVFP4Tensor
 
-    n = k = S["nk"]
-    x = torch.randn(S["big_m"], k, device=DEV, dtype=torch.bfloat16)
-    qbytes = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + x.shape[0] * 4
-    for nw in (4, 8, 16):
-        tq.QUANT_NUM_WARPS = nw
-        _safe(rows, f"sweep quantize per-token v2 num_warps={nw}", lambda: nvfp4_quantize(x, per_token=True),
-              bytes=qbytes)
-    tq.QUANT_NUM_WARPS = None
-    wq = nvfp4_quantize(torch.randn(n, k, device=DEV, dtype=torch.bfloat16))
+    m = k = 8192
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    cb = 2 * x.numel() * 2
+    copy = rec("copy bf16 8192x8192 (read + write)", lambda: y.copy_(x), bytes=cb)
+    qb = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + m * 4
+    kw = {"copy_ms": copy, "copy_bytes": cb}
+    rec("quantize per-token 1x16 (default kernel)", lambda: nvfp4_quantize(x, per_token=True), bytes=qb, **kw)
+    a1 = torch.tensor([float(x.float().abs().max())], device="cuda")
+    rec("quantize per-tensor 1x16, amax given (static)", lambda: nvfp4_quantize(x, amax=a1), bytes=qb, **kw)
+    rec("quantize per-token + fp16 GEMM operand (tc_linear's A)", lambda: qf.quantize_rows(x, None, True, emit_op=torch.float16),
+        bytes=qb + x.numel() * 2, **kw)
+    wt = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    rec("fused RMSNorm + per-token quantize (writes y too)", lambda: qf.rmsnorm_quantize_rows(x, wt, 1e-6),
+        bytes=qb + x.numel() * 2, **kw)
+    tq.QUANT_IMPL = "v1"
+    rec("quantize per-token, previous kernel (v1)", lambda: nvfp4_quantize(x, per_token=True), bytes=qb, **kw)
+    tq.QUANT_IMPL = "fast"
 
-    def cfg(p: str, bm: int, bn: int, nw: int, ns: int, ks: int = 8) -> tuple[str, dict[str, int]]:
-        return p, {"BM": bm, "BN": bn, "num_warps": nw, "num_stages": ns, "KSTEP": ks}
 
-    bm = S["big_m"]
-    sweeps = {
-        1: [cfg("fma", 1, bn, nw, 3) for bn in (16, 32, 64) for nw in (2, 4)],
-        16: [cfg("fma", 16, bn, nw, 3) for bn in (16, 32, 64) for nw in (2, 4)]
-        + [cfg("fp4w-swap", 16, bn, 4, 3, ks) for bn in (64, 128) for ks in (2, 8)]
-        # diagnostics: mma.sync (BM or BN < 64) variants, wrong on the 2026-11-29 run
-        + [cfg("fp4w", 16, 32, 4, 4), cfg("bf16", 16, 32, 4, 4), cfg("fp4w-swap", 16, 32, 4, 4)],
-        bm: [cfg("bf16", *c) for c in ((128, 128, 8, 3, 8), (128, 128, 8, 3, 2), (128, 128, 8, 4, 1),
-                                         (64, 128, 4, 3, 2), (128, 64, 4, 3, 2), (128, 256, 8, 3, 1))],
-    }
-    for m, cfgs in sweeps.items():
-        xq = nvfp4_quantize(x[:m], per_token=True)
-        r = min(m, 64)
-        ref = w4a4_gemm_ref(NVFP4Tensor(xq.codes[:r], xq.scales[:r], xq.amax[:r], True), wq).view(torch.int16)
-        for p, c in cfgs:
-            name = f"sweep M={m} {p} BM={c['BM']} BN={c['BN']} w={c['num_warps']} s={c['num_stages']} k={c['KSTEP']}"
-            try:
-                got = w4a4_matmul(xq, wq, path=p, config=c)
-                same = torch.equal(got[:r].view(torch.int16), ref)
-                diff = float((got[:r].float() - ref.view(torch.bfloat16).float()).abs().max())
-            except Exception as e:
-                rows.append({"name": name, "ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"})
-                print(f"[bench] {name}: FAILED {e}", flush=True)
+@section
+def linear() -> None:
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels import tc_linear as T
+
+    n = k = 8192
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    tw = T.prepare(nvfp4_quantize(w))
+    X = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
+    aq = nvfp4_quantize(X, per_token=True)
+    aop = T.act_operand(aq)
+    full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
+    w8 = w.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    for m in (1, 16, 64, 8192):
+        x = X[:m]
+        a = type(aq)(aq.codes[:m], aq.scales[:m], aq.amax[:m], True)
+        op = aop[:m]
+        tag = f"N=K=8192 M={m}"
+        cub = rec(f"{tag} cuBLAS bf16", lambda: x @ w.t(), m=m)
+        x8 = x.to(torch.float8_e4m3fn)
+        rec(f"{tag} FP8 _scaled_mm", lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+            m=m, cublas_ms=cub)
+        p = T.choose(m, tw)
+        rec(f"{tag} NVFP4 GEMM auto ({p}), A quantized", lambda: T.tc_matmul(a, tw, a_op=op), m=m, cublas_ms=cub,
+            rows_eq_prefill=eq(T.tc_matmul(a, tw, a_op=op), full[:m]))
+        rec(f"{tag} NVFP4 linear incl. per-token quantize", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub)
+        if m <= 64:
+            bm = 16 if m <= 16 else 64
+            for name, cfg in (("decode swap (weights on MMA M)", {"SWAP": True, "BN": 64, "BM": bm}),
+                              ("decode ns BN32", {"BN": 32, "BM": bm}),
+                              ("decode ns BN64 s3", {"BN": 64, "BM": bm, "num_stages": 3}),
+                              ("decode ns BN64 cpi2", {"BN": 64, "BM": bm, "CPI": 2}), ("decode no-asm", {"USE_ASM": False})):
+                T.DECODE_CFG.clear()
+                T.DECODE_CFG.update(cfg)
+                try:
+                    ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
+                except Exception as e:
+                    note(f"{tag} {name} failed: {type(e).__name__}: {str(e)[:800]}")
+                    continue
+                rec(f"{tag} NVFP4 {name}", lambda: T.tc_matmul(a, tw, path="decode", a_op=op), m=m, cublas_ms=cub,
+                    rows_eq_prefill=ok)
+            T.DECODE_CFG.clear()
+            rec(f"{tag} NVFP4 prefill path", lambda: T.tc_matmul(a, tw, path="prefill", a_op=op), m=m, cublas_ms=cub)
+        GRAPH["on"] = False
+        rec(f"{tag} cuBLAS bf16, no CUDA graph", lambda: x @ w.t(), m=m)
+        rec(f"{tag} NVFP4 linear incl. quantize, no CUDA graph", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub)
+        GRAPH["on"] = True
+    note(f"N=K=8192: nseg={tw.nseg}, decode chunk {tw.bkc}; default decode config M=16: {T.decode_config(16)}; "
+         f"prefill: {T.prefill_config(tw.nseg, k // tw.nseg)}")
+
+
+@section
+def sweep() -> None:
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels import tc_linear as T
+    from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
+
+    n = k = 8192
+    wq = nvfp4_quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    tw = T.prepare(wq)
+    X = torch.randn(8192 + 64, k, device="cuda", dtype=torch.bfloat16)
+    aq = nvfp4_quantize(X, per_token=True)
+    full = T.tc_matmul(aq, tw, path="prefill")
+    bad = [] if eq(T.tc_matmul(aq, tw, path="prefill"), full) else ["repeat"]
+    n_cmp = 0
+    for m in TC_MS:
+        for off in (0, 37):
+            if off + m > aq.shape[0]:
                 continue
-            _safe(rows, name, lambda: w4a4_matmul(xq, wq, path=p, config=c), flops=2 * m * n * k,
-                  bits_equal_ref=same, max_abs_diff_ref=diff)
+            sub = type(aq)(aq.codes[off:off + m], aq.scales[off:off + m], aq.amax[off:off + m], True)
+            for p in ("decode", "prefill") if m <= 64 else ("prefill",):
+                n_cmp += 1
+                if not eq(T.tc_matmul(sub, tw, path=p), full[off:off + m]):
+                    bad.append((m, off, p))
+            if m <= 64:
+                n_cmp += 1
+                if not eq(T.tc_linear(X[off:off + m], tw), full[off:off + m]):
+                    bad.append((m, off, "tc_linear"))
+    sub = type(aq)(aq.codes[:64], aq.scales[:64], aq.amax[:64], True)
+    tol = tc_within_bound(full[:64], sub, wq)
+    note(f"sweep N=K=8192, M in {TC_MS} at offsets 0 and 37: {n_cmp} comparisons, "
+         f"{'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad}'}; repeat identical; vs per-block reference: {tol}")
 
 
-def bench_moe(rows: list[dict[str, Any]], quick: bool) -> None:
-    import torch
-
-    from mismatch_probe.kernels import grouped_w4a4, moe_route, nvfp4_quantize, quantize_expert_weights
+@section
+def moe() -> None:
+    from mismatch_probe.kernels import moe_route, nvfp4_quantize, quantize_expert_weights
+    from mismatch_probe.kernels import tc_linear as T
     from mismatch_probe.kernels.grouped_gemm import gather_rows
 
-    e, top, hidden, inter = S["moe"]
+    e, top, hidden, inter = 128, 8, 2048, 768
     for name, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
-        wb = torch.randn(e, n, k, device=DEV, dtype=torch.bfloat16) * 0.05
-        wq = quantize_expert_weights(wb)
-        wt = wb.transpose(1, 2)  # [E, K, N] view (column-major per expert) for torch._grouped_mm
-        for t in S["tokens"]:
-            ids = torch.topk(torch.rand(t, e, device=DEV), top, dim=1).indices
+        wb = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+        tw = T.prepare(quantize_expert_weights(wb))
+        wt = wb.transpose(1, 2)
+        for t in (16384, 64):
+            ids = torch.topk(torch.rand(t, e, device="cuda"), top, dim=1).indices
             perm, offsets = moe_route(ids, e)
-            x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
             a = gather_rows(nvfp4_quantize(x, per_token=True), perm // top)
+            aop = T.act_operand(a)
             xa = x[perm // top].contiguous()
             offs32 = offsets[1:].to(torch.int32)
-            off = offsets.tolist()
-            flops = 2 * t * top * n * k
-            tag = f"MoE {name} E={e} top{top} N={n} K={k} T={t}"
-            gm = None
-            if hasattr(torch, "_grouped_mm"):
-                gm = _safe(rows, f"{tag}: torch._grouped_mm bf16", lambda: torch._grouped_mm(xa, wt, offs=offs32),
-                           flops=flops)
+            tag = f"MoE {name} E=128 top8 N={n} K={k} T={t}"
+            gm = rec(f"{tag} torch._grouped_mm bf16", lambda: torch._grouped_mm(xa, wt, offs=offs32))
+            y = T.tc_grouped(a, offsets, tw, a_op=aop)
+            ol = offsets.tolist()
+            bad = []
+            for ex in range(0, e, 9):
+                if ol[ex + 1] > ol[ex]:
+                    sub = type(a)(a.codes[ol[ex]:ol[ex + 1]], a.scales[ol[ex]:ol[ex + 1]], a.amax[ol[ex]:ol[ex + 1]], True)
+                    if not eq(T.tc_matmul(sub, tw.expert(ex)), y[ol[ex]:ol[ex + 1]]):
+                        bad.append(ex)
+            p = T.choose(max(1, t * top // e), tw)
+            rec(f"{tag} NVFP4 grouped auto ({p})", lambda: T.tc_grouped(a, offsets, tw, a_op=aop), grouped_mm_ms=gm,
+                grouped_eq_per_expert=not bad)
+            other = "prefill" if p == "decode" else None
+            if other:
+                rec(f"{tag} NVFP4 grouped {other}", lambda: T.tc_grouped(a, offsets, tw, path=other, a_op=aop),
+                    grouped_mm_ms=gm, rows_eq_auto=eq(T.tc_grouped(a, offsets, tw, path=other, a_op=aop), y))
+                T.DECODE_CFG.update({"SWAP": True})
+                rec(f"{tag} NVFP4 grouped decode swap", lambda: T.tc_grouped(a, offsets, tw, path="decode", a_op=aop),
+                    grouped_mm_ms=gm, rows_eq_auto=eq(T.tc_grouped(a, offsets, tw, path="decode", a_op=aop), y))
+                T.DECODE_CFG.clear()
+            rec(f"{tag} NVFP4 grouped incl. per-token quantize + gather",
+                lambda: T.tc_grouped(gather_rows(nvfp4_quantize(x, per_token=True), perm // top), offsets, tw),
+                grouped_mm_ms=gm)
 
-            def loop() -> None:
-                for j in range(e):
-                    if off[j + 1] > off[j]:
-                        xa[off[j] : off[j + 1]] @ wb[j].t()
 
-            _safe(rows, f"{tag}: per-expert bf16 loop", loop, flops=flops)
-            _safe(rows, f"{tag}: grouped W4A4 (auto path)", lambda: grouped_w4a4(a, offsets, wq), flops=flops,
-                  grouped_mm_ms=gm)
-            for alt in (("fp4w", "fp4w-swap") if t <= 64 else ("fp4w",)):  # noqa: B007
-                _safe(rows, f"{tag}: grouped W4A4 ({alt} path)", lambda: grouped_w4a4(a, offsets, wq, path=alt),
-                      flops=flops, grouped_mm_ms=gm)
+@section
+def e2e() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mismatch_probe.kernels.patch_hf import patch
+
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (4, 1024), device="cuda")
+
+    def timed(label: str, inp: torch.Tensor, runs: int = 5, warm: int = 2) -> tuple[float, torch.Tensor]:
+        with torch.no_grad():
+            for _ in range(warm):
+                model(inp)
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                out = model(inp).logits
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+        ms = sorted(ts)[len(ts) // 2] * 1e3
+        b, t = inp.shape
+        ROWS.append({"name": f"HF forward Qwen3-0.6B-shaped, {b} x {t} tokens: {label}", "ms": ms, "graph": False,
+                     "e2e": True})
+        print(f"[bench] e2e {label} {b}x{t}: {ms:.1f} ms", flush=True)
+        return ms, out.float()
+
+    small = ids[:1, :256]
+    for inp, label, ops, runs in ((ids, "nvfp4-per-token, linears only", ["linear"], 5),
+                                  (small, "nvfp4-per-token, whole recipe (strict norm/act/rope/attention too)", None, 1)):
+        base, lb = timed("bf16 (engine)", inp, runs=runs)
+        with patch(model, "nvfp4-per-token", ops=ops) as h:
+            t, lo = timed(label, inp, runs=runs, warm=1 if ops is None else 2)
+            ROWS[-1]["vs_bf16"] = base / t
+            summ = h.describe().get("nvfp4_kernels") or {}
+            paths = sorted({p for s in summ.values() for p in s["paths_used"]})
+            note(f"e2e {label}: {len(summ)} NVFP4 linears, paths used {paths}; logits vs bf16 max |d| "
+                 f"{float((lo - lb).abs().max()):.3g}")
 
 
-def run_gpu_checks() -> tuple[int, int, list[dict[str, Any]]]:
-    from mismatch_probe.kernels import triton_nvfp4 as tq
-    from mismatch_probe.kernels.checks import run_checks
-
-    res = run_checks()
-    default = tq.QUANT_IMPL
-    other = "v2" if default == "v1" else "v1"
-    tq.QUANT_IMPL = other  # the alternative quantize kernel passes the same checks
-    names = [r.name for r in res if r.name.startswith(("quant_", "rmsnorm")) and "tile16" not in r.name]
-    for r in run_checks(names):
-        r.name = r.name + f" [quantize {other}]"
-        res.append(r)
-    tq.QUANT_IMPL = default
-    out = [r.__dict__ for r in res]
-    for r in res:
-        print(f"[check] {r.status:4s} {r.seconds:7.2f}s {r.name}: {r.detail[:160]}", flush=True)
-    ran = [r for r in res if r.status != "skip"]
-    return sum(r.status == "pass" for r in ran), len(ran), out
+def table() -> None:
+    print("\n| workload | median | derived |")
+    print("|---|---:|---|")
+    for r in ROWS:
+        if r.get("ms") is None:
+            print(f"| {r['name']} | failed | {r.get('error', '')[:100]} |")
+            continue
+        ms = r["ms"]
+        val = f"{ms:.1f} ms" if r.get("e2e") else f"{ms * 1e3:.1f} us"
+        d = []
+        if "bytes" in r:
+            d.append(f"{r['bytes'] / ms / 1e6:.0f} GB/s")
+            if r.get("copy_ms"):
+                d.append(f"{(r['bytes'] / ms) / (r['copy_bytes'] / r['copy_ms']) * 100:.0f}% of copy bandwidth")
+        for key, lab in (("cublas_ms", "cuBLAS bf16"), ("grouped_mm_ms", "_grouped_mm")):
+            if r.get(key):
+                d.append(f"{r[key] / ms:.2f}x speed of {lab}")
+        if r.get("vs_bf16"):
+            d.append(f"{r['vs_bf16']:.2f}x speed of bf16")
+        for key in ("rows_eq_prefill", "rows_eq_auto", "grouped_eq_per_expert"):
+            if key in r:
+                d.append(f"{key}={r[key]}")
+        if not r.get("graph", True) and not r.get("e2e"):
+            d.append("no CUDA graph")
+        print(f"| {r['name']} | {val} | {', '.join(d)} |")
+    print("\nnotes:")
+    for s in NOTES:
+        print(" -", s[:900])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="quantize,linear,moe,sweep")
-    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU, each function once")
+    ap.add_argument("--only", default="checks,quantize,linear,sweep,moe,e2e")
     args = ap.parse_args()
-    import torch
-    import triton
-
-    global DEV, DRY
-    if args.dry_run:
-        DEV, DRY = "cpu", True
-        S.update(quant=64, nk=64, ms=(1, 16, 40), big_m=40, moe=(4, 2, 32, 16), tokens=(9, 3))
-    elif not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         print("error: the benchmarks need a CUDA GPU (none found)", file=sys.stderr)
         return 2
-    info = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "gpu": torch.cuda.get_device_name(0) if not DRY else "cpu (dry run)",
-        "cc": list(torch.cuda.get_device_capability(0)) if not DRY else None,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
-    }
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "command": " ".join(sys.argv)}
     print(info, flush=True)
-    result: dict[str, Any] = {"info": info}
-    if not args.skip_checks:
-        t0 = time.time()
-        passed, total, checks = run_gpu_checks()
-        result["checks"] = {"passed": passed, "total": total, "seconds": time.time() - t0, "results": checks}
-        print(f"[check] {passed}/{total} passed in {time.time() - t0:.0f}s", flush=True)
-    rows: list[dict[str, Any]] = []
-    for part in args.only.split(","):
-        {"quantize": bench_quantize, "linear": bench_linear, "moe": bench_moe, "sweep": bench_sweep}[part](rows, args.quick)
+    parts = [p for p in args.only.split(",") if not (args.skip_checks and p == "checks")]
+    fns = {"checks": checks, "quantize": quantize, "linear": linear, "sweep": sweep, "moe": moe, "e2e": e2e}
+    for part in parts:
+        fns[part]()
         os.makedirs(args.out, exist_ok=True)
-        result["bench"] = rows
         with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    print_table(result)
+            json.dump({"info": info, "rows": ROWS, "notes": NOTES}, f, indent=1)
+    table()
     return 0
-
-
-def print_table(result: dict[str, Any]) -> None:
-    rows = result.get("bench", [])
-    print("\n| benchmark | median us | derived |")
-    print("|---|---:|---|")
-    for r in rows:
-        ms = r.get("ms")
-        if ms is None:
-            print(f"| {r['name']} | failed | {r.get('error', '')[:80]} |")
-            continue
-        d = []
-        if "bytes" in r:
-            d.append(f"{r['bytes'] / ms / 1e6:.0f} GB/s")
-            if r.get("copy_ms") and r.get("copy_bytes"):
-                d.append(f"{(r['bytes'] / ms) / (r['copy_bytes'] / r['copy_ms']) * 100:.0f}% of copy bandwidth")
-        if "flops" in r:
-            d.append(f"{r['flops'] / ms / 1e9:.1f} TFLOP/s")
-        if "bits_equal_ref" in r:
-            d.append("bits == ref" if r["bits_equal_ref"] else f"BITS DIFFER (max {r['max_abs_diff_ref']:.3g})")
-        for key, lab in (("cublas_ms", "cuBLAS"), ("grouped_mm_ms", "_grouped_mm")):
-            if r.get(key):
-                d.append(f"{r[key] / ms:.2f}x vs {lab}")
-        print(f"| {r['name']} | {ms * 1e3:.1f} | {', '.join(d)} |")
-    c = result.get("checks")
-    if c:
-        print(f"\nbitwise checks on GPU: {c['passed']}/{c['total']} passed")
-        for r in c["results"]:
-            if r["status"] == "fail":
-                print(f"  FAIL {r['name']}: {r['detail'][:200]}")
 
 
 if __name__ == "__main__":

@@ -149,11 +149,15 @@ def choose(m: int, w: TCWeight, path: str = "auto") -> str:
 
 
 def decode_config(m: int) -> dict[str, Any]:
+    """Tokens on the MMA's M side (16 rows: mma.sync) and 64 weight rows per program by default;
+    ``SWAP`` puts the weight rows on the M side instead (wgmma m64, tokens on N). Measured on the
+    H200 (bench/bench_kernels.py): see BENCHMARKS.md."""
     if INTERPRET:
         keep = {key: v for key, v in DECODE_CFG.items() if key in ("SWAP", "CPI", "NSEG")}
         return {"BN": 16, "BM": 16, "num_warps": 4, "num_stages": 1, "USE_ASM": False, **keep}
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    return {"BN": 64, "BM": bm, "num_warps": 4, "num_stages": 4, "USE_ASM": True, **DECODE_CFG}
+    return {"SWAP": False, "BN": 64 if bm < 64 else 32, "BM": bm, "num_warps": 4, "num_stages": 4, "USE_ASM": True,
+            **DECODE_CFG}
 
 
 def prefill_config(nseg: int, kseg: int) -> dict[str, Any]:
@@ -192,7 +196,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         args = (w.dec, w.dsc, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
                 m, n, k, cfg["BN"], cfg["BM"], w.bkc, nseg)
         grid = (triton.cdiv(n, cfg["BN"]), n_m, nseg)
-        if cfg.get("SWAP", True):
+        if cfg.get("SWAP", False):
             launch(decode_kernel, grid, *args, grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         else:

@@ -48,6 +48,14 @@ def test_tc_matmul_within_gemm_tolerance(m, n, k, path):
     tc_within_bound(T.tc_matmul(a, T.prepare(w), path=path), a, w)
 
 
+@pytest.mark.parametrize("cfg", [{"SWAP": True}, {"SWAP": True, "NSEG": 2}, {"CPI": 2}])
+def test_decode_variants_within_gemm_tolerance(monkeypatch, cfg):
+    monkeypatch.setattr(T, "DECODE_CFG", dict(cfg))
+    w = R.nvfp4_quantize_ref(torch.randn(48, 512, generator=_g(10)))
+    a = R.nvfp4_quantize_ref(torch.randn(5, 512, generator=_g(11)).to(torch.bfloat16), per_token=True)
+    tc_within_bound(T.tc_matmul(a, T.prepare(w), path="decode"), a, w)
+
+
 def test_tc_linear_equals_quantize_then_matmul():
     w = R.nvfp4_quantize_ref(torch.randn(32, 128, generator=_g(4)))
     x = torch.randn(6, 128, generator=_g(5)).to(torch.bfloat16)
