@@ -5,17 +5,22 @@ Backends:
 * ``triton``: the Triton kernels on a CUDA GPU (compute capability >= 8.0: bf16 tensor cores).
 * ``triton-interpreter``: the same kernels on CPU tensors through Triton's interpreter (CI).
 * ``torch-reference``: the pure-torch spec (any device; slow; the fallback for other GPUs).
-* ``cutlass``: NOT implemented. The issue asks for one where it beats Triton (e.g. a Hopper GEMM
-  with FP4 dequantization in the mainloop for decode shapes); it would need the
-  ``nvidia-cutlass`` wheel and its Python emitter compiled with nvcc on the GPU machine, and a
-  proof of the same bitwise checks. Not built in this pass: selection never returns it.
+* ``cutlass``: NOT implemented; selection never returns it. On the H200 (BENCHMARKS.md) the
+  Triton prefill GEMM is within 1.07x of cuBLAS bf16 and the grouped GEMM within 1.17x of
+  ``torch._grouped_mm``, so CUTLASS would only pay for the decode GEMM, where the Triton kernel
+  (register decode of FP4 into mma.sync operands) is 0.8x of cuBLAS bf16 instead of the 2.5x
+  goal: a warp-specialized CUTLASS/Gluon mainloop (producer warps decoding into shared memory
+  while the MMA warps consume) is the route there; not built in this pass.
+
+``tc_linear`` (the recipes' NVFP4 GEMM on CUDA) reports its path as ``decode`` (M <= 64, FP4
+weights streamed and decoded in registers) or ``prefill``; both give identical rows.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-KERNELS = ("quantize", "dequantize", "rmsnorm_quantize", "aligned_linear", "grouped_gemm")
+KERNELS = ("quantize", "dequantize", "rmsnorm_quantize", "aligned_linear", "grouped_gemm", "tc_linear")
 
 
 def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> dict[str, Any]:
@@ -52,6 +57,10 @@ def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> d
         from .aligned_linear import choose_path
 
         rec["path"] = choose_path(m)
+    if kernel == "tc_linear" and m is not None:
+        from .tc_linear import DECODE_MAX_M
+
+        rec["path"] = "decode" if m <= DECODE_MAX_M else "prefill"
     if kernel == "grouped_gemm" and m is not None:  # m: average rows per expert
         from .grouped_gemm import choose_grouped_path
 

@@ -148,16 +148,17 @@ def choose(m: int, w: TCWeight, path: str = "auto") -> str:
     return "decode" if m <= DECODE_MAX_M and w.dec is not None else "prefill"
 
 
-def decode_config(m: int) -> dict[str, Any]:
-    """Tokens on the MMA's M side (16 rows: mma.sync) and 64 weight rows per program by default;
-    ``SWAP`` puts the weight rows on the M side instead (wgmma m64, tokens on N). Measured on the
-    H200 (bench/bench_kernels.py): see BENCHMARKS.md."""
+def decode_config(m: int, grouped: bool = False) -> dict[str, Any]:
+    """Tokens on the MMA's M side (16 rows: mma.sync) and 64 weight rows per program by default,
+    two decode chunks per loop step for M <= 16 (dense); ``SWAP`` puts the weight rows on the M
+    side instead (wgmma m64, tokens on N). Chosen from the H200 run in BENCHMARKS.md (every
+    variant gave the same bits; only the speed differs)."""
     if INTERPRET:
         keep = {key: v for key, v in DECODE_CFG.items() if key in ("SWAP", "CPI", "NSEG")}
         return {"BN": 16, "BM": 16, "num_warps": 4, "num_stages": 1, "USE_ASM": False, **keep}
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     return {"SWAP": False, "BN": 64 if bm < 64 else 32, "BM": bm, "num_warps": 4, "num_stages": 4, "USE_ASM": True,
-            **DECODE_CFG}
+            "CPI": 2 if bm == 16 and not grouped else 1, **DECODE_CFG}
 
 
 def prefill_config(nseg: int, kseg: int) -> dict[str, Any]:
@@ -190,7 +191,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
     te, tr0, tr1 = tiles if grouped else (a_amax, a_amax, a_amax)
     wes = (n * k) if grouped else 0
     if p == "decode":
-        cfg = decode_config(m) if bm is None else {**decode_config(m), "BM": bm}
+        cfg = decode_config(m) if bm is None else {**decode_config(m, grouped=True), "BM": bm}
         part = torch.empty(nseg, m, n, dtype=torch.float32, device=dev) if nseg > 1 else a_amax
         n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
         args = (w.dec, w.dsc, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
@@ -263,7 +264,7 @@ def tc_grouped(a: NVFP4Tensor, offsets: torch.Tensor, w: TCWeight, *, path: str 
         raise ValueError(f"offsets must have E+1 = {e_count + 1} entries, got {offsets.numel()}")
     m = a.shape[0]
     p = choose(max(1, m // e_count), w, path)
-    bm = decode_config(16)["BM"] if p == "decode" else prefill_config(w.nseg, w.k // w.nseg)["BM"]
+    bm = decode_config(16, grouped=True)["BM"] if p == "decode" else prefill_config(w.nseg, w.k // w.nseg)["BM"]
     offsets = offsets.to(a.codes.device)
     tiles = tile_schedule(offsets, bm, m)
     row_e = None
