@@ -118,18 +118,21 @@ def conformance_cmd(
 def bench_cmd(
     out: Path = typer.Option(Path("."), "--out", help="Folder for results.json."),
     skip_checks: bool = typer.Option(False, "--skip-checks", help="Do not run the bitwise checks first."),
-    only: str = typer.Option("quantize,linear,moe,sweep", "--only", help="Comma list: quantize,linear,moe,sweep."),
+    only: str = typer.Option("checks,quantize,linear,sweep,moe,e2e", "--only",
+                             help="Comma list: checks,quantize,linear,sweep,moe,e2e."),
 ) -> int:
-    """Benchmark the kernels on the GPU (quantize vs copy bandwidth, aligned W4A4 linear vs cuBLAS
-    BF16, MoE grouped GEMM vs torch._grouped_mm) and print the table. Needs CUDA."""
+    """Benchmark the kernels on the GPU (named checks, quantize vs copy bandwidth, the NVFP4 GEMM
+    paths vs cuBLAS BF16 and FP8, rows-identical sweep, MoE grouped GEMM vs torch._grouped_mm, an HF
+    forward) and print the table. Needs CUDA."""
     import torch
 
     if not torch.cuda.is_available():
         raise EngineUnavailable("kernels bench needs a CUDA GPU; none is available here")
     parts = [p for p in only.split(",") if p]
-    bad = [p for p in parts if p not in ("quantize", "linear", "moe", "sweep")]
+    known = ("checks", "quantize", "linear", "sweep", "moe", "e2e")
+    bad = [p for p in parts if p not in known]
     if bad:
-        raise UsageError(f"--only: unknown part(s) {', '.join(bad)}; use quantize,linear,moe,sweep")
+        raise UsageError(f"--only: unknown part(s) {', '.join(bad)}; use {','.join(known)}")
     root = Path(__file__).resolve().parents[1] / "bench" / "bench_kernels.py"
     if not root.exists():
         raise UsageError(f"benchmark script not found at {root} (run from a source checkout)")

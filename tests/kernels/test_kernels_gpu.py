@@ -29,3 +29,18 @@ def test_batch_invariance_every_path(path):
     full = aligned_linear(x, w, path=path)
     for m in (1, 3, 16, 128, 1000, 4096):
         assert torch.equal(aligned_linear(x[:m], w, path=path), full[:m]), m
+
+
+@needs_cuda
+def test_nvfp4_recipe_linear_runs_the_tensor_core_kernels_batch_invariant():
+    """The recipes' NVFP4 linear on CUDA: Triton decode/prefill paths, rows identical whatever M."""
+    from mismatch_probe.kernels.nvfp4_linear import NVFP4Linear
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(1536, 1024, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(300, 1024, device="cuda", generator=g).to(torch.bfloat16)
+    lin = NVFP4Linear("nvfp4-per-token", partitions=[1024, 512])
+    full = lin(x, w)
+    for m in (1, 16, 64, 65, 300):
+        assert torch.equal(lin(x[:m], w), full[:m]), m
+    assert set(lin.kernel_summary()["paths_used"]) == {"triton:decode", "triton:prefill"}
