@@ -276,6 +276,15 @@ def token_logprobs_fn(recipe: Recipe | str | None) -> Callable[[torch.Tensor, to
     return f
 
 
+def log_softmax_fn(recipe: Recipe | str | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``f(logits [..., V]) -> fp32 log-probabilities [..., V]``, the same function as
+    :func:`token_logprobs_fn` gathers from (the strict log-softmax under a strict recipe)."""
+    r = parse(recipe) if isinstance(recipe, str) else (recipe or Recipe())
+    if "logsoftmax" in r.ops():
+        return so.log_softmax_fp32
+    return lambda lg: torch.log_softmax(lg.float(), dim=-1)
+
+
 def calibrate(model: torch.nn.Module, handle: PatchHandle, vocab_size: int) -> int:
     """``nvfp4-static``: run the fixed calibration set (one sequence at a time, no padding) with
     the static linears recording input amax. Returns the number of calibrated linears."""

@@ -76,6 +76,11 @@ def compare(
     learner_recipe: str | None = typer.Option(None, "--learner-recipe", help="The learner's recipe (overrides --recipe)."),
     sampler_recipe: str | None = typer.Option(None, "--sampler-recipe", help="The sampler's recipe (overrides --recipe)."),
     capture: str = typer.Option("full", "--capture", help="Op capture: off | digest | stats | full."),
+    topk: int | None = typer.Option(
+        None,
+        "--topk",
+        help="Keep the top-K logprobs of every position on both sides (0: off) \\[default: 20 when capture is on].",
+    ),
     capture_rule: list[str] = typer.Option([], "--capture-rule", help="GLOB=MODE[@START:END] (repeatable; last match wins)."),
     nproc: int = typer.Option(2, "--nproc", help="--learner fsdp: number of ranks (gloo on CPU, NCCL on CUDA)."),
     fsdp_timeout: float = typer.Option(
@@ -120,6 +125,7 @@ def compare(
         learner_recipe=learner_recipe,
         sampler_recipe=sampler_recipe,
         capture=capture,
+        topk=topk,
         capture_rules=list(capture_rule),
         nproc=nproc,
         fsdp_timeout_s=fsdp_timeout,

@@ -126,3 +126,96 @@ def trainer_pairs(gaps: pd.DataFrame, trainer_tokens: pd.DataFrame) -> dict[str,
         sub = df[df[a].notna() & df[b].notna()]
         out[pair] = pair_metrics(sub[a].to_numpy(), sub[b].to_numpy(), sub["seq_id"].to_numpy()) if len(sub) else None
     return out
+
+
+# --------------------------------------------------------------------------- --topk
+
+
+def list_column(arr: np.ndarray, typ: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
+    """[N, K] numpy -> a Parquet list column (null rows where ``valid`` is False)."""
+    n, k = arr.shape
+    offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
+    lists = pa.ListArray.from_arrays(offsets, pa.array(arr.reshape(-1)).cast(typ.value_type))
+    if valid is None:
+        return lists
+    mask = pa.array(~np.asarray(valid, dtype=bool))
+    return pa.ListArray.from_arrays(offsets, lists.values, mask=mask).cast(typ)
+
+
+def with_topk(table: pa.Table, per_seq: dict[int, dict[str, np.ndarray]], columns: dict[str, pa.DataType]) -> pa.Table:
+    """Append per-position arrays (``per_seq[seq_id][name]``: [len-1] or [len-1, K]) to a tokens
+    table whose rows are (seq_id, pos >= 1) in any order. Rows without arrays get nulls."""
+    sid = table.column("seq_id").to_numpy()
+    pos = table.column("pos").to_numpy()
+    for name, typ in columns.items():
+        sample = next((v[name] for v in per_seq.values() if name in v), None)
+        if sample is None:
+            continue
+        shape = (len(sid),) + sample.shape[1:]
+        arr = np.zeros(shape, dtype=sample.dtype)
+        valid = np.zeros(len(sid), dtype=bool)
+        for s in np.unique(sid):
+            v = per_seq.get(int(s), {}).get(name)
+            if v is None:
+                continue
+            rows = np.flatnonzero(sid == s)
+            arr[rows] = v[pos[rows] - 1]
+            valid[rows] = True
+        if arr.ndim == 2:
+            col = list_column(arr, typ, valid)
+        else:
+            col = pa.array(arr, mask=~valid).cast(typ)
+        table = table.append_column(name, col)
+    return table
+
+
+def _rows(df: pd.DataFrame, col: str) -> np.ndarray:
+    return np.vstack(df[col].to_numpy()) if len(df) else np.zeros((0, 0))
+
+
+def full_vocab(sampler_tokens: pd.DataFrame, learner_tokens: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Top-K full-distribution metrics per pair over response tokens (see :mod:`mismatch_probe.topk`);
+    empty when the run has no top-K columns."""
+    from mismatch_probe.topk import lookup, topk_metrics
+
+    if "topk_ids" not in sampler_tokens or "topk_ids" not in learner_tokens:
+        return {}
+    key = ["seq_id", "pos"]
+    lrn = learner_tokens[learner_tokens.is_response & learner_tokens.topk_ids.notna()]
+    out: dict[str, dict[str, float]] = {}
+    views = {}
+    for src in ("decode", "prefill"):
+        v = sampler_tokens[(sampler_tokens.source == src) & sampler_tokens.is_response & sampler_tokens.topk_ids.notna()]
+        views[src] = v[key + ["token_id", "topk_ids", "topk_logprobs"]]
+    for pair, src in (("learner_vs_decode", "decode"), ("learner_vs_prefill", "prefill")):
+        col = f"lp_at_{src}_topk"
+        if col not in lrn:
+            continue
+        j = views[src].merge(lrn[key + ["topk_logprobs", "sampled_rank", "entropy", col]], on=key, suffixes=("", "_l"))
+        j = j[j[col].notna()]
+        if j.empty:
+            continue
+        ltop = _rows(j, "topk_logprobs_l")
+        out[pair] = topk_metrics(
+            _rows(j, "topk_ids").astype(np.int64),
+            _rows(j, "topk_logprobs"),
+            _rows(j, col),
+            ltop[:, 0],
+            ltop[:, -1],
+            j["token_id"].to_numpy(),
+            rank=j["sampled_rank"].to_numpy(),
+            entropy_learner=j["entropy"].to_numpy(),
+        )
+    j = views["decode"].merge(views["prefill"], on=key, suffixes=("", "_p"))
+    if not j.empty:
+        d_ids = _rows(j, "topk_ids").astype(np.int64)
+        p_lps = _rows(j, "topk_logprobs_p")
+        out["prefill_vs_decode"] = topk_metrics(
+            d_ids,
+            _rows(j, "topk_logprobs"),
+            lookup(d_ids, _rows(j, "topk_ids_p").astype(np.int64), p_lps),
+            p_lps[:, 0],
+            p_lps[:, -1],
+            j["token_id"].to_numpy(),
+        )
+    return out

@@ -57,6 +57,7 @@ class CompareConfig:
     sampler_recipe: str | None = None  # --sampler-recipe: overrides --recipe for the sampler
     sampler_args: list[str] = field(default_factory=list)  # --sampler-arg KEY=VALUE: vLLM engine arguments
     learner_args: list[str] = field(default_factory=list)  # --learner-arg KEY=VALUE: HF from_pretrained kwargs
+    topk: int | None = None  # --topk K: top-K logprobs of every position (None: 20 when capture is on, HF learner)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def side_recipe(self, side: str) -> str:
@@ -70,11 +71,21 @@ class CompareConfig:
         except ValueError as e:
             raise UsageError(str(e)) from None
 
+    def resolved_topk(self) -> int:
+        """--topk, or its default: 20 when op capture is on and the learner is HF, else 0 (off)."""
+        if self.topk is not None:
+            return self.topk
+        return 20 if self.capture != "off" and self.learner == "hf" else 0
+
     def validate(self) -> None:
         if self.rollouts is not None and self.prompts is not None:
             raise UsageError("give either --prompts or --rollouts, not both")
         if self.learner not in LEARNERS:
             raise UsageError(f"--learner must be one of {', '.join(LEARNERS)}, got {self.learner!r}")
+        if self.topk is not None and self.topk < 0:
+            raise UsageError("--topk must be >= 0 (0: off)")
+        if self.topk and self.learner == "fsdp":
+            raise UsageError("--topk needs --learner hf (the FSDP learner does not record top-K yet)")
         if self.nproc < 1:
             raise UsageError("--nproc must be >= 1")
         if self.fsdp_timeout_s <= 0:
@@ -223,6 +234,7 @@ def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, A
             "num_layers": prep.model.num_layers,
             "n_prompts": len(prep.specs),
             "recipes": {side: cfg.side_recipe(side) for side in ("learner", "sampler")},  # resolved, per side
+            "topk_resolved": cfg.resolved_topk(),
         }
         if prep.recorded is not None:
             run.manifest["rollouts"] = {

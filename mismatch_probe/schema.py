@@ -6,7 +6,8 @@ only version); a version newer than the reader, or one without an upgrade, is an
 Schema history is append-only: never edit a released version, add one.
 
 History:
-  v1  sequences, tokens, token_gaps, ops, op_errors (this release).
+  v1  sequences, tokens, token_gaps, ops, op_errors (this release). Optional tokens columns
+      (``TOKENS_OPTIONAL``) may be added within a version: readers keep the ones they know.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ TOKENS_OPTIONAL = {
     "topk_ids": pa.list_(pa.int32()),
     "topk_logprobs": pa.list_(pa.float64()),
     "entropy": pa.float64(),
+    # compare --topk, learner rows: rank of the scored token in the learner's distribution (1 = top),
+    # and the learner's logprobs at the sampler's top-K ids of the position (prefill's, decode's)
+    "sampled_rank": pa.int32(),
+    "lp_at_prefill_topk": pa.list_(pa.float64()),
+    "lp_at_decode_topk": pa.list_(pa.float64()),
 }
 
 TOKEN_GAPS_V1 = pa.schema(

@@ -9,7 +9,15 @@ import pyarrow.compute as pc
 from rich.progress import Progress
 
 from mismatch_probe import ops_stage
-from mismatch_probe.compare import decode_table, summarize, token_gaps, tokens_table, trainer_pairs
+from mismatch_probe.compare import (
+    decode_table,
+    full_vocab,
+    summarize,
+    token_gaps,
+    tokens_table,
+    trainer_pairs,
+    with_topk,
+)
 from mismatch_probe.probes.base import GenerateParams, Rollout
 from mismatch_probe.schema import atomic_write_json, read_table, write_table
 
@@ -44,6 +52,7 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
         llm_kwargs=prep.sampler_kwargs,
     )
     sampler.info.auto.update(prep.sampler_auto)
+    sampler.topk = cfg.resolved_topk()
     with step(progress, "loading vLLM sampler"):
         sampler.__enter__()
     try:
@@ -77,7 +86,10 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
     finally:
         _record(run, "sampler", sampler)
         sampler.__exit__(None, None, None)
-    table = pa.concat_tables([decode_table(rollouts), tokens_table(rollouts, prefill, "prefill")])
+    dec, pre = decode_table(rollouts), tokens_table(rollouts, prefill, "prefill")
+    if sampler.topk:
+        dec, pre = sampler_topk_tables(dec, pre, rollouts, sampler.prefill_topk or [])
+    table = pa.concat_tables([dec, pre])
     write_table(run.path("sampler/tokens.parquet"), table, "tokens")
     seqs = {
         "seq_id": [r.seq_id for r in rollouts],
@@ -89,6 +101,51 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
     write_trainer_tokens(run, prep, rollouts)
     run.manifest["config"]["n_sequences"] = len(rollouts)
     return rollouts
+
+
+TOPK_COLUMNS = {"topk_ids": pa.list_(pa.int32()), "topk_logprobs": pa.list_(pa.float64())}
+LEARNER_TOPK_COLUMNS = {
+    **TOPK_COLUMNS,
+    "entropy": pa.float64(),
+    "sampled_rank": pa.int32(),
+    "lp_at_prefill_topk": pa.list_(pa.float64()),
+    "lp_at_decode_topk": pa.list_(pa.float64()),
+}
+
+
+def sampler_topk_tables(
+    dec: pa.Table, pre: pa.Table, rollouts: list[Rollout], prefill_topk: list[tuple[Any, Any]]
+) -> tuple[pa.Table, pa.Table]:
+    """Attach the sampler's top-K ids and logprobs to its decode and prefill token tables."""
+    import numpy as np
+
+    per_pre = {r.seq_id: {"topk_ids": ids, "topk_logprobs": lps} for r, (ids, lps) in zip(rollouts, prefill_topk, strict=True)}
+    per_dec = {}
+    for r in rollouts:
+        if r.decode_topk is None:
+            continue
+        ids, lps = r.decode_topk
+        n, k = len(r.token_ids) - 1, ids.shape[1]
+        full_ids, full_lps = np.zeros((n, k), dtype=ids.dtype), np.zeros((n, k))
+        full_ids[len(r.prompt_ids) - 1 :], full_lps[len(r.prompt_ids) - 1 :] = ids, lps
+        per_dec[r.seq_id] = {"topk_ids": full_ids, "topk_logprobs": full_lps}
+    return with_topk(dec, per_dec, TOPK_COLUMNS), with_topk(pre, per_pre, TOPK_COLUMNS)
+
+
+def topk_support(run: RunWriter) -> dict[int, dict[str, Any]]:
+    """The sampler's top-K ids per sequence and view (prefill, decode) as [len-1, K] (-1: none),
+    read back from RUN/sampler/tokens.parquet, for the learner to score."""
+    import numpy as np
+
+    t = read_table(run.path("sampler/tokens.parquet"), "tokens").to_pandas()
+    t = t[t["topk_ids"].notna()]
+    out: dict[int, dict[str, Any]] = {}
+    for (sid, src), g in t.groupby(["seq_id", "source"]):
+        ids = np.vstack(g["topk_ids"].to_numpy())
+        arr = np.full((int(g["pos"].max()), ids.shape[1]), -1, dtype=np.int64)  # rows: pos 1 .. last
+        arr[g["pos"].to_numpy() - 1] = ids
+        out.setdefault(int(sid), {})[str(src)] = arr
+    return out
 
 
 def recorded_rollouts(prep: Prepared) -> list[Rollout]:
@@ -158,6 +215,9 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
     try:
         ops_stage.learner_preflight(prep, run, learner)
         learner.capture = ops_stage.capture_plan(cfg)
+        if cfg.resolved_topk() and cfg.learner == "hf":
+            learner.topk = cfg.resolved_topk()
+            learner.topk_support = topk_support(run)
         with step(progress, "learner forward (teacher-forced)", total=len(rollouts)) as advance:
             learner.progress = advance
             scores = learner.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts])
@@ -165,7 +225,10 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
     finally:
         _record(run, "learner", learner)
         learner.__exit__(None, None, None)
-    write_table(run.path("learner/tokens.parquet"), tokens_table(rollouts, scores, "learner"), "tokens")
+    table = tokens_table(rollouts, scores, "learner")
+    if getattr(learner, "topk_out", None):
+        table = with_topk(table, learner.topk_out, LEARNER_TOPK_COLUMNS)
+    write_table(run.path("learner/tokens.parquet"), table, "tokens")
 
 
 def compare_tokens(run: RunWriter, progress: Progress) -> dict[str, Any]:
@@ -181,6 +244,9 @@ def compare_tokens(run: RunWriter, progress: Progress) -> dict[str, Any]:
         trainer = run.path("rollouts/tokens.parquet")
         if trainer.exists():
             summary["pairs"].update(trainer_pairs(gaps, read_table(trainer, "tokens").to_pandas()))
+        for pair, fv in full_vocab(s, learner_df).items():
+            if summary["pairs"].get(pair):
+                summary["pairs"][pair]["full_vocab"] = fv
         atomic_write_json(run.path("compare/summary.json"), summary)
     with step(progress, "comparing captured ops"):
         ops_stage.compare_ops(run.dir, int(run.manifest["config"].get("num_layers", 10_000)))

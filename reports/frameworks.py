@@ -85,3 +85,34 @@ def training_run(data: RunData) -> str:
         "recorded); the others are what the engines give now on the same tokens.</p>"
         + table(["metric"] + [PAIR_TITLES[p] for p in pairs], rows, numeric=range(1, len(pairs) + 1), tid="training-run")
     )
+
+
+FULL_ROWS = (
+    ("n_positions", "positions"),
+    ("kl_fwd", "KL(sampler || other) on the sampler's top-K"),
+    ("kl_rev", "KL(other || sampler) on the sampler's top-K"),
+    ("top1_agree", "top-1 agreement"),
+    ("topk_overlap", "top-K overlap (Jaccard)"),
+    ("sampled_rank_mean", "mean rank of the sampled token (learner)"),
+    ("sampled_rank_max", "max rank of the sampled token (learner)"),
+    ("sampled_in_topk_frac", "sampled tokens inside the sampler's top-K"),
+    ("entropy_learner", "learner entropy (full vocabulary, nats)"),
+    ("entropy_sampler", "sampler entropy (top-K renormalized, nats)"),
+)
+
+
+def full_distribution(data: RunData) -> str:
+    """The top-K comparison of whole distributions (``compare --topk K``)."""
+    pairs = [p for p in PAIR_TITLES if isinstance((data.summary["pairs"].get(p) or {}).get("full_vocab"), dict)]
+    if not pairs:
+        return ""  # compare ran without --topk: no section
+    k = (data.manifest.get("config") or {}).get("topk_resolved", "K")
+    rows = [
+        [td(label)] + [td_num(data.summary["pairs"][p]["full_vocab"].get(key)) for p in pairs] for key, label in FULL_ROWS
+    ]
+    return (
+        f"<p>Each position's top-{esc(k)} tokens of the sampler, renormalized, against the other side's "
+        "logprobs of the same tokens. k3 on the sampled tokens estimates the full-vocabulary KL(sampler || learner); "
+        "the top-K KL is the same divergence on the sampler's most likely tokens, so the two should agree in size.</p>"
+        + table(["metric"] + [PAIR_TITLES[p] for p in pairs], rows, numeric=range(1, len(pairs) + 1), tid="full-distribution")
+    )

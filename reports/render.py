@@ -19,6 +19,7 @@ SECTIONS = (
     ("scatter", "Learner vs sampler logprobs", sections.scatter),
     ("histogram", "Histogram of |dlogp|", sections.histogram),
     ("decomposition", "Decomposition: learner vs sampler-prefill vs sampler-decode", sections.decomposition),
+    ("full-distribution", "Full distribution (top-K)", frameworks.full_distribution),
     ("frameworks", "RL frameworks' view", frameworks.convention_view),
     ("training-run", "Training-run gap", frameworks.training_run),
     ("worst", "Worst tokens", sections.worst_tokens),

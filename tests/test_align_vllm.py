@@ -121,6 +121,23 @@ def assert_per_token_nvfp4_closes_gap(run: Path) -> None:
         assert pairs[pair]["max_abs_dlogp"] <= PER_TOKEN_MAX_GAP, (pair, pairs[pair])
 
 
+def test_topk_strict_alignment_exact_zero_kl(runs: Runs) -> None:
+    """--topk 20 (the default with op capture on) on tiny Qwen3 under strict alignment: the learner's
+    and the sampler's distributions are equal, so the top-K KL is exactly 0 and top-1 agreement and
+    top-K overlap exactly 1; the learner's own top-K logprobs equal the sampler's, bitwise."""
+    run = runs["strict-tiny-qwen3"]
+    assert json.loads((run / "manifest.json").read_text())["config"]["topk_resolved"] == 20
+    pairs = _summary(run)["pairs"]
+    for pair in ("learner_vs_decode", "learner_vs_prefill", "prefill_vs_decode"):
+        fv = pairs[pair]["full_vocab"]
+        assert fv["n_positions"] == pairs[pair]["n_tokens"] > 0
+        assert (fv["kl_fwd"], fv["kl_rev"], fv["top1_agree"], fv["topk_overlap"]) == (0.0, 0.0, 1.0, 1.0), (pair, fv)
+    lrn = pd.read_parquet(run / "learner/tokens.parquet").set_index(["seq_id", "pos"])
+    pre = pd.read_parquet(run / "sampler/tokens.parquet").query("source == 'prefill'").set_index(["seq_id", "pos"])
+    for a, b in zip(lrn.loc[pre.index, "topk_logprobs"], pre["topk_logprobs"], strict=True):
+        assert list(a) == list(b)
+
+
 def test_nvfp4_story(runs: Runs, real_run_qwen3: Path) -> None:
     """dynamic-tensor (learner) vs static (sampler) >> bf16 engine baseline; per-token on both
     sides is at most 1e-6 (the README's 0 / 0); strict + per-token is exactly 0."""
