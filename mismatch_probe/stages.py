@@ -89,7 +89,7 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
     dec, pre = decode_table(rollouts), tokens_table(rollouts, prefill, "prefill")
     if sampler.topk:
         dec, pre = sampler_topk_tables(dec, pre, rollouts, sampler.prefill_topk or [])
-    table = pa.concat_tables([dec, pre])
+    table = pa.concat_tables([dec, pre], promote_options="default")  # --rollouts: no decode top-K
     write_table(run.path("sampler/tokens.parquet"), table, "tokens")
     seqs = {
         "seq_id": [r.seq_id for r in rollouts],

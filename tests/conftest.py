@@ -46,7 +46,7 @@ def real_run_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def rollouts_run(tmp_path_factory: pytest.TempPathFactory, real_run_qwen3: Path) -> Path:
     """``compare --rollouts`` on tiny-qwen3: real_run_qwen3's 16 rollouts (its decode logprobs as the
     recorded sampler logprobs, its learner logprobs as the trainer's), four of them cut to one
-    response token, written in verl's naming with padding and masks (Parquet). Op capture off."""
+    response token, written in verl's naming with padding and masks (Parquet). Op capture off, top-5."""
     from mismatch_probe.rollouts import rollouts_from_run, write_rollouts
 
     rows = rollouts_from_run(real_run_qwen3)
@@ -71,4 +71,5 @@ def rollouts_run(tmp_path_factory: pytest.TempPathFactory, real_run_qwen3: Path)
         )
     base = tmp_path_factory.mktemp("rollouts")
     write_rollouts(base / "verl_batch.parquet", verl)
-    return _compare(tmp_path_factory, "tiny-qwen3", "--rollouts", str(base / "verl_batch.parquet"), "--capture", "off")
+    path = str(base / "verl_batch.parquet")
+    return _compare(tmp_path_factory, "tiny-qwen3", "--rollouts", path, "--capture", "off", "--topk", "5")

@@ -92,3 +92,11 @@ def test_report_shows_the_training_run_gap(rollouts_run: Path, tmp_path: Path) -
     html = out.read_text()
     assert 'id="training-run"' in html and "trainer vs recorded sampler (training run)" in html
     assert 'id="convention-table"' in html and "train/token_mult_prob_error" in html
+
+
+def test_rollouts_with_topk_compare_the_prefill_distribution(rollouts_run: Path) -> None:
+    """The file holds no decode top-K: the full-distribution metrics exist for learner vs prefill only."""
+    pairs = load_json(rollouts_run / "compare/summary.json")["pairs"]
+    assert "full_vocab" not in pairs["learner_vs_decode"] and "full_vocab" not in pairs["prefill_vs_decode"]
+    fv = pairs["learner_vs_prefill"]["full_vocab"]
+    assert fv["n_positions"] == pairs["learner_vs_prefill"]["n_tokens"] and 0 <= fv["kl_fwd"] < 1e-2
