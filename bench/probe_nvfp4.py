@@ -279,6 +279,58 @@ def moe() -> None:
             note(f"{tag}: grouped decode == grouped prefill: {eq(y1, y2)}")
 
 
+@section
+def decode() -> None:
+    """Decode-path variants (bytes in flight per SM: chunks per step x stages; warps), rows vs prefill."""
+    from mismatch_probe.kernels import moe_route, nvfp4_quantize, quantize_expert_weights
+    from mismatch_probe.kernels import tc_linear as T
+    from mismatch_probe.kernels.grouped_gemm import gather_rows
+
+    n = k = 8192
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    tw = T.prepare(nvfp4_quantize(w))
+    X = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    aq = nvfp4_quantize(X, per_token=True)
+    aop = T.act_operand(aq)
+    full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
+    variants = [("w4 cpi1 s4", {"CPI": 1}), ("w4 cpi2 s4 (default)", {}), ("w4 cpi1 s8", {"CPI": 1, "num_stages": 8}),
+                ("w4 cpi2 s6", {"num_stages": 6}), ("w4 cpi4 s4", {"CPI": 4}), ("w4 cpi4 s3", {"CPI": 4, "num_stages": 3}),
+                ("w8 cpi4 s4", {"CPI": 4, "num_warps": 8}), ("w8 cpi2 s6", {"num_warps": 8, "num_stages": 6})]
+    for m in (1, 16):
+        x = X[:m]
+        a = type(aq)(aq.codes[:m], aq.scales[:m], aq.amax[:m], True)
+        op = aop[:m]
+        cub = rec(f"M={m} cuBLAS bf16", lambda: x @ w.t())
+        for name, cfg in variants:
+            T.DECODE_CFG.clear()
+            T.DECODE_CFG.update(cfg)
+            try:
+                ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
+            except Exception as e:
+                note(f"M={m} {name} failed: {type(e).__name__}: {str(e)[:600]}")
+                continue
+            rec(f"M={m} decode BN64 {name}", lambda: T.tc_matmul(a, tw, path="decode", a_op=op), cublas_ms=cub,
+                rows_eq_prefill=ok)
+        T.DECODE_CFG.clear()
+    e, top = 128, 8
+    for name, nn, kk in (("gate_up", 1536, 2048), ("down", 2048, 768)):
+        wq = quantize_expert_weights(torch.randn(e, nn, kk, device="cuda", dtype=torch.bfloat16) * 0.05)
+        pg = T.prepare(wq)
+        ids = torch.topk(torch.rand(64, e, device="cuda"), top, dim=1).indices
+        perm, offsets = moe_route(ids, e)
+        a = gather_rows(nvfp4_quantize(torch.randn(64, kk, device="cuda", dtype=torch.bfloat16), per_token=True), perm // top)
+        aop2 = T.act_operand(a)
+        y0 = T.tc_grouped(a, offsets, pg, path="prefill", a_op=aop2)
+        for vname, cfg in (("cpi1 s4 (default)", {}), ("cpi2 s4", {"CPI": 2}), ("cpi2 s6", {"CPI": 2, "num_stages": 6}),
+                           ("cpi4 s4", {"CPI": 4})):
+            T.DECODE_CFG.clear()
+            T.DECODE_CFG.update(cfg)
+            ok = eq(T.tc_grouped(a, offsets, pg, path="decode", a_op=aop2), y0)
+            rec(f"MoE {name} T=64 grouped decode {vname}", lambda: T.tc_grouped(a, offsets, pg, path="decode", a_op=aop2),
+                rows_eq_prefill=ok)
+        T.DECODE_CFG.clear()
+
+
 def table() -> None:
     print("\n| probe | median us | derived |")
     print("|---|---:|---|")
@@ -311,7 +363,7 @@ def main() -> None:
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0), torch.__version__, triton.__version__, flush=True)
     for part in args.only.split(","):
-        {"checks": checks, "quantize": quantize, "gemm": gemm, "moe": moe}[part]()
+        {"checks": checks, "quantize": quantize, "gemm": gemm, "moe": moe, "decode": decode}[part]()
         with open(os.path.join(args.out, "probe.json"), "w") as f:
             json.dump({"rows": ROWS, "notes": NOTES}, f, indent=1)
     table()

@@ -149,16 +149,17 @@ def choose(m: int, w: TCWeight, path: str = "auto") -> str:
 
 
 def decode_config(m: int, grouped: bool = False) -> dict[str, Any]:
-    """Tokens on the MMA's M side (16 rows: mma.sync) and 64 weight rows per program by default,
-    two decode chunks per loop step for M <= 16 (dense); ``SWAP`` puts the weight rows on the M
-    side instead (wgmma m64, tokens on N). Chosen from the H200 run in BENCHMARKS.md (every
-    variant gave the same bits; only the speed differs)."""
+    """Tokens on the MMA's M side (16 rows: mma.sync) and 64 weight rows per program by default;
+    for dense M <= 16 four decode chunks per loop step and 3 stages (more bytes in flight per SM);
+    ``SWAP`` puts the weight rows on the M side instead (wgmma m64, tokens on N). Chosen from the
+    H200 runs in BENCHMARKS.md (every variant gave the same bits; only the speed differs)."""
     if INTERPRET:
         keep = {key: v for key, v in DECODE_CFG.items() if key in ("SWAP", "CPI", "NSEG")}
         return {"BN": 16, "BM": 16, "num_warps": 4, "num_stages": 1, "USE_ASM": False, **keep}
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    return {"SWAP": False, "BN": 64 if bm < 64 else 32, "BM": bm, "num_warps": 4, "num_stages": 4, "USE_ASM": True,
-            "CPI": 2 if bm == 16 and not grouped else 1, **DECODE_CFG}
+    small = bm == 16 and not grouped
+    return {"SWAP": False, "BN": 64 if bm < 64 else 32, "BM": bm, "num_warps": 4, "num_stages": 3 if small else 4,
+            "USE_ASM": True, "CPI": 4 if small else 1, **DECODE_CFG}
 
 
 def prefill_config(nseg: int, kseg: int) -> dict[str, Any]:
@@ -201,8 +202,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
             launch(decode_kernel, grid, *args, grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         else:
-            cpi = cfg.get("CPI", 1) if (k // w.bkc // nseg) % cfg.get("CPI", 1) == 0 else 1
-            launch(decode_ns_kernel, grid, *args, cpi, grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
+            launch(decode_ns_kernel, grid, *args, _cpi(cfg, k // w.bkc // nseg), grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if nseg > 1:
             blk = 1024
@@ -218,6 +218,14 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
            cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def _cpi(cfg: dict[str, Any], chunks: int) -> int:
+    """Chunks per loop step: the largest power of two <= cfg's CPI dividing the segment's chunks."""
+    cpi = int(cfg.get("CPI", 1))
+    while chunks % cpi:
+        cpi //= 2
+    return cpi
 
 
 def _check(a: NVFP4Tensor, w: TCWeight) -> None:
@@ -278,6 +286,8 @@ def kernel_record(m: int, w: TCWeight, path: str = "auto") -> dict[str, Any]:
     """Manifest record of what :func:`tc_matmul` runs for M rows: path, config, versions."""
     p = choose(m, w, path)
     cfg = decode_config(m) if p == "decode" else prefill_config(w.nseg, w.k // w.nseg)
+    if p == "decode":
+        cfg = {**cfg, "CPI": _cpi(cfg, w.k // w.bkc // w.nseg)}
     return {"backend": "triton-interpreter" if INTERPRET else "triton", "kernel": "gemm_tc", "path": p,
             "config": {**cfg, "NSEG": w.nseg, "BKC": w.bkc, "operands": str(OP_DTYPE).replace("torch.", "")},
             "triton": triton.__version__, "torch": torch.__version__,
