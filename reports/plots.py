@@ -105,7 +105,12 @@ def _floor(values: np.ndarray) -> float:
 
 
 def drift_chart(ops: pd.DataFrame, first: dict[str, dict[str, Any] | None], local: list[dict[str, Any]] | None) -> str:
-    """Op error along depth (execution order); first divergent ops marked; local vs inherited error."""
+    """Op error along depth (execution order); first divergent ops marked; local vs inherited error
+    per op (up to ``depth.PER_OP_MAX`` ops; deeper runs get the aggregated charts of ``depth``)."""
+    from mismatch_probe.reports.depth import PER_OP_MAX
+
+    if local and len(ops) > PER_OP_MAX:
+        local = None
     n_panels = 2 if local else 1
     fig, axes = plt.subplots(n_panels, 1, figsize=(10, 3.4 * n_panels), sharex=True, squeeze=False)
     ax = axes[0, 0]

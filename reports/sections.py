@@ -168,9 +168,21 @@ def drift(data: RunData) -> str:
     if not local:
         why = "bisect.json has no local_errors" if data.bisect is not None else "no bisect.json (run `mismatch-probe bisect`)"
         cap += f" Local vs inherited error absent: {why}."
-    return f'<ul id="first-divergent">{lines}</ul><p class="muted">source: {esc(src)}</p>' + figure(
+    out = f'<ul id="first-divergent">{lines}</ul><p class="muted">source: {esc(src)}</p>' + figure(
         "drift", plots.drift_chart(data.op_errors, fd, local), cap
     )
+    from mismatch_probe.reports import depth
+
+    if local and len(data.op_errors) > depth.PER_OP_MAX:  # deep model: aggregate instead of one bar per op
+        by_layer, top = depth.aggregated(local)
+        out += figure(
+            "local-by-layer",
+            by_layer,
+            f"Local vs inherited error over {len(data.op_errors)} ops, aggregated: local error per decoder layer "
+            "and op kind (top), summed per layer next to the error inherited at the layer's last op (bottom).",
+        )
+        out += figure("local-top", top, "The ops that introduce the most error themselves, with what they inherit.")
+    return out
 
 
 def scatter(data: RunData) -> str:
