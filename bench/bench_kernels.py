@@ -99,8 +99,8 @@ def checks() -> None:
 @section
 def quantize() -> None:
     from mismatch_probe.kernels import nvfp4_quantize
-    from mismatch_probe.kernels import quant_fast as qf
-    from mismatch_probe.kernels import triton_nvfp4 as tq
+    from mismatch_probe.kernels.nvfp4 import quant_fast as qf
+    from mismatch_probe.kernels.nvfp4 import triton_quant as tq
 
     m = k = 8192
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -125,7 +125,7 @@ def quantize() -> None:
 @section
 def linear() -> None:
     from mismatch_probe.kernels import nvfp4_quantize
-    from mismatch_probe.kernels import tc_linear as T
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
     n = k = 8192
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -177,8 +177,8 @@ def linear() -> None:
 @section
 def sweep() -> None:
     from mismatch_probe.kernels import nvfp4_quantize
-    from mismatch_probe.kernels import tc_linear as T
     from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
     n = k = 8192
     wq = nvfp4_quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
@@ -210,8 +210,8 @@ def sweep() -> None:
 @section
 def moe() -> None:
     from mismatch_probe.kernels import moe_route, nvfp4_quantize, quantize_expert_weights
-    from mismatch_probe.kernels import tc_linear as T
-    from mismatch_probe.kernels.grouped_gemm import gather_rows
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.kernels.nvfp4.grouped import gather_rows
 
     e, top, hidden, inter = 128, 8, 2048, 768
     for name, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
@@ -256,7 +256,7 @@ def moe() -> None:
 def e2e() -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from mismatch_probe.kernels.patch_hf import patch
+    from mismatch_probe.probes.hf.patch import patch
 
     cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,

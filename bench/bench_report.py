@@ -1,6 +1,6 @@
 """Benchmark `mismatch-probe report` on a run of 64 sequences x 256 tokens with full op capture.
 
-The run is built synthetically (mismatch_probe.reports.synthetic) with the shapes of a tiny Qwen3
+The run is built synthetically (tests/fixtures/synthetic.py) with the shapes of a tiny Qwen3
 (4 layers, hidden 128, 15 canonical ops per layer + final_norm + logits, bf16 values stored in
 full mode in both sides' ops.parquet), plus op_errors.parquet and bisect.json. Prints a table;
 figures go to BENCHMARKS.md (## report). Not a test: timings are never asserted.
@@ -22,9 +22,11 @@ import time
 from pathlib import Path
 
 from mismatch_probe.reports import build_report
-from mismatch_probe.reports.synthetic import make_run
 
-CLI = [sys.executable, "-c", "import sys; from mismatch_probe.cli import main; main(sys.argv[1:])"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the synthetic-run fixture lives under tests/
+from fixtures.synthetic import make_run  # noqa: E402
+
+CLI = [sys.executable, "-c", "import sys; from mismatch_probe.cli.app import main; main(sys.argv[1:])"]
 
 
 def main() -> None:

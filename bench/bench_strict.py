@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mismatch_probe.kernels.patch_hf import patch, token_logprobs_fn
+from mismatch_probe.probes.hf.patch import patch, token_logprobs_fn
 from mismatch_probe.probes.tiny_models import resolve_tiny_model
 
 LENGTHS = (5, 9, 17, 23, 31, 12, 40, 7)

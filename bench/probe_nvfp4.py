@@ -79,7 +79,7 @@ def checks() -> None:
 @section
 def quantize() -> None:
     from mismatch_probe.kernels import nvfp4_quantize, nvfp4_quantize_ref
-    from mismatch_probe.kernels import quant_fast as qf
+    from mismatch_probe.kernels.nvfp4 import quant_fast as qf
 
     m = k = 8192
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -102,7 +102,7 @@ def quantize() -> None:
     wt = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     rec("fused rmsnorm+quantize fast", lambda: qf.rmsnorm_quantize_rows(x, wt, 1e-6),
         bytes=qb + x.numel() * 2, copy_ms=copy, copy_bytes=cb)
-    from mismatch_probe.kernels import triton_nvfp4 as tq
+    from mismatch_probe.kernels.nvfp4 import triton_quant as tq
 
     tq.QUANT_IMPL = "v1"
     rec("quantize per-token old v1", lambda: nvfp4_quantize(x, per_token=True), bytes=qb, copy_ms=copy, copy_bytes=cb)
@@ -110,7 +110,7 @@ def quantize() -> None:
 
 
 def ref_rows(a, wq, rows):  # noqa: ANN001, ANN201
-    from mismatch_probe.kernels import nvfp4_ref as R
+    from mismatch_probe.kernels.nvfp4 import ref as R
 
     sub = R.NVFP4Tensor(a.codes[:rows], a.scales[:rows], a.amax[:rows], True)
     acc = R.w4a4_accumulate_ref(R.block_dequant_operand(sub), R.block_dequant_operand(wq))
@@ -127,7 +127,7 @@ def tol(got: torch.Tensor, ref: torch.Tensor) -> str:
 @section
 def gemm() -> None:
     from mismatch_probe.kernels import nvfp4_quantize
-    from mismatch_probe.kernels import tc_linear as T
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
     n = k = 8192
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -239,8 +239,8 @@ def gemm() -> None:
 @section
 def moe() -> None:
     from mismatch_probe.kernels import moe_route, nvfp4_quantize, quantize_expert_weights
-    from mismatch_probe.kernels import tc_linear as T
-    from mismatch_probe.kernels.grouped_gemm import gather_rows
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.kernels.nvfp4.grouped import gather_rows
 
     e, top, hidden, inter = 128, 8, 2048, 768
     for name, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):

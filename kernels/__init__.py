@@ -14,7 +14,7 @@ Plain functions (no CLI needed):
 * :mod:`.checks`: the named bitwise equivalence checks.
 
 Importing this package is cheap: the names below are resolved lazily (PEP 562), so
-``mismatch_probe.kernels.cli`` (and the ``mismatch-probe`` CLI start-up) import neither torch nor
+``mismatch_probe.cli.kernels`` (and the ``mismatch-probe`` CLI start-up) import neither torch nor
 triton; the first use of a kernel function does.
 """
 
@@ -24,28 +24,28 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "aligned_linear": "aligned_linear",
-    "aligned_linear_ref": "aligned_linear",
-    "w4a4_matmul": "aligned_linear",
-    "select_backend": "backends",
-    "GroupedNVFP4Weights": "grouped_gemm",
-    "grouped_w4a4": "grouped_gemm",
-    "grouped_w4a4_ref": "grouped_gemm",
-    "moe_combine": "grouped_gemm",
-    "moe_grouped_linear": "grouped_gemm",
-    "moe_route": "grouped_gemm",
-    "quantize_expert_weights": "grouped_gemm",
-    "NVFP4Tensor": "nvfp4_ref",
-    "nvfp4_dequantize_ref": "nvfp4_ref",
-    "nvfp4_quantize_ref": "nvfp4_ref",
-    "pack_codes": "nvfp4_ref",
-    "swizzle_scales_ref": "nvfp4_ref",
-    "unpack_codes": "nvfp4_ref",
-    "unswizzle_scales_ref": "nvfp4_ref",
-    "w4a4_gemm_ref": "nvfp4_ref",
-    "nvfp4_dequantize": "triton_nvfp4",
-    "nvfp4_quantize": "triton_nvfp4",
-    "rmsnorm_nvfp4_quantize": "triton_nvfp4",
+    "aligned_linear": "nvfp4.aligned_linear",
+    "aligned_linear_ref": "nvfp4.aligned_linear",
+    "w4a4_matmul": "nvfp4.aligned_linear",
+    "select_backend": "nvfp4.backends",
+    "GroupedNVFP4Weights": "nvfp4.grouped",
+    "grouped_w4a4": "nvfp4.grouped",
+    "grouped_w4a4_ref": "nvfp4.grouped",
+    "moe_combine": "nvfp4.grouped",
+    "moe_grouped_linear": "nvfp4.grouped",
+    "moe_route": "nvfp4.grouped",
+    "quantize_expert_weights": "nvfp4.grouped",
+    "NVFP4Tensor": "nvfp4.ref",
+    "nvfp4_dequantize_ref": "nvfp4.ref",
+    "nvfp4_quantize_ref": "nvfp4.ref",
+    "pack_codes": "nvfp4.ref",
+    "swizzle_scales_ref": "nvfp4.ref",
+    "unpack_codes": "nvfp4.ref",
+    "unswizzle_scales_ref": "nvfp4.ref",
+    "w4a4_gemm_ref": "nvfp4.ref",
+    "nvfp4_dequantize": "nvfp4.triton_quant",
+    "nvfp4_quantize": "nvfp4.triton_quant",
+    "rmsnorm_nvfp4_quantize": "nvfp4.triton_quant",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import nvfp4_ref as R
-from ._triton_common import INTERPRET
+from .nvfp4 import ref as R
+from .nvfp4.common import INTERPRET
 
 
 @dataclass
@@ -97,7 +97,7 @@ def _gen(seed: int) -> torch.Generator:
 
 def _q_check(make: Callable[[], torch.Tensor], **kw) -> Callable[[torch.device, bool], str]:
     def run(dev: torch.device, big: bool) -> str:
-        from .triton_nvfp4 import nvfp4_quantize
+        from .nvfp4.triton_quant import nvfp4_quantize
 
         x = make().to(dev)
         kwd = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
@@ -180,7 +180,7 @@ def _heavy() -> torch.Tensor:
 
 def _dequant_check(per_token: bool, dtype: torch.dtype, apply_global: bool = True):
     def run(dev: torch.device, big: bool) -> str:
-        from .triton_nvfp4 import nvfp4_dequantize
+        from .nvfp4.triton_quant import nvfp4_dequantize
 
         x = torch.randn(9, 128, generator=_gen(8)).to(dev)
         q = R.nvfp4_quantize_ref(x, per_token=per_token)
@@ -196,7 +196,7 @@ def _dequant_check(per_token: bool, dtype: torch.dtype, apply_global: bool = Tru
 
 
 def _rmsnorm_check(dev: torch.device, big: bool) -> str:
-    from .triton_nvfp4 import rmsnorm_nvfp4_quantize
+    from .nvfp4.triton_quant import rmsnorm_nvfp4_quantize
 
     k = 4096 if big else 1024
     x = torch.randn(5, k, generator=_gen(9)).to(torch.bfloat16).to(dev)
@@ -213,7 +213,7 @@ def _weights(n: int, k: int, seed: int, **kw) -> R.NVFP4Tensor:
 
 def _gemm_check(m: int, path: str, tile16: bool = False, k: int = 256, n: int = 48):
     def run(dev: torch.device, big: bool) -> str:
-        from .aligned_linear import aligned_linear
+        from .nvfp4.aligned_linear import aligned_linear
 
         kk, nn = (k * 8, n * 32) if big and k <= 256 else (k, n)
         w = _weights(nn, kk, 11, tile16=tile16)
@@ -227,7 +227,7 @@ def _gemm_check(m: int, path: str, tile16: bool = False, k: int = 256, n: int = 
 
 
 def _invariance_check(dev: torch.device, big: bool) -> str:
-    from .aligned_linear import aligned_linear
+    from .nvfp4.aligned_linear import aligned_linear
 
     ms = (1, 3, 16, 128, 1000, 4096) if big else (1, 3, 16, 20)
     k, n = (2048, 512) if big else (64, 32)
@@ -246,7 +246,7 @@ def _invariance_check(dev: torch.device, big: bool) -> str:
 
 
 def _grouped_setup(dev: torch.device, big: bool, t: int):
-    from .grouped_gemm import GroupedNVFP4Weights, quantize_expert_weights
+    from .nvfp4.grouped import GroupedNVFP4Weights, quantize_expert_weights
 
     e, n, k, top = (16, 256, 512, 4) if big else (4, 32, 64, 2)
     wq = quantize_expert_weights(torch.randn(e, n, k, generator=_gen(15)), use_ref=True)
@@ -260,7 +260,7 @@ def _grouped_setup(dev: torch.device, big: bool, t: int):
 
 def _grouped_check(path: str):
     def run(dev: torch.device, big: bool) -> str:
-        from .grouped_gemm import moe_grouped_linear
+        from .nvfp4.grouped import moe_grouped_linear
 
         x, ids, tw, wq = _grouped_setup(dev, big, 300 if big else 9)
         got = moe_grouped_linear(x, ids, tw, wq, path=path)
@@ -271,7 +271,7 @@ def _grouped_check(path: str):
 
 
 def _grouped_invariance(dev: torch.device, big: bool) -> str:
-    from .grouped_gemm import moe_grouped_linear
+    from .nvfp4.grouped import moe_grouped_linear
 
     x, ids, tw, wq = _grouped_setup(dev, big, 300 if big else 9)
     full = moe_grouped_linear(x, ids, tw, wq)
@@ -285,7 +285,7 @@ def _grouped_invariance(dev: torch.device, big: bool) -> str:
 def _amax_reuse_check(dev: torch.device, big: bool) -> str:
     """The kernel given the rows' amax (as a fused producer hands it over) == the kernel computing it
     == the reference computing it."""
-    from .triton_nvfp4 import nvfp4_quantize
+    from .nvfp4.triton_quant import nvfp4_quantize
 
     x = _randn(6, 64, torch.bfloat16, 10)().to(dev)
     given = nvfp4_quantize(x, per_token=True, amax=R.nonfinite_amax(x, True))
@@ -334,7 +334,7 @@ def tc_within_bound(got: torch.Tensor, a: R.NVFP4Tensor, w: R.NVFP4Tensor) -> st
 
 def _tc_gemm_check(path: str, m: int, n: int, k: int):
     def run(dev: torch.device, big: bool) -> str:
-        from .tc_linear import prepare, tc_matmul
+        from .nvfp4.tc_linear import prepare, tc_matmul
 
         nn_, kk_ = (n * 16, k * 8) if big else (n, k)
         w = _to(_weights(nn_, kk_, 31), dev)
@@ -346,8 +346,8 @@ def _tc_gemm_check(path: str, m: int, n: int, k: int):
 
 
 def _tc_grouped_check(dev: torch.device, big: bool) -> str:
-    from .grouped_gemm import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
-    from .tc_linear import prepare, tc_grouped
+    from .nvfp4.grouped import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
+    from .nvfp4.tc_linear import prepare, tc_grouped
 
     e, n, k, top, t = (16, 256, 512, 4, 300) if big else (4, 32, 64, 2, 9)
     wq = quantize_expert_weights(torch.randn(e, n, k, generator=_gen(33)), use_ref=True)
@@ -373,7 +373,7 @@ def _tc_grouped_check(dev: torch.device, big: bool) -> str:
 def _tc_rows_identical(dev: torch.device, big: bool) -> str:
     """Rows identical for every M in TC_MS at two row offsets, decode and prefill paths, vs the
     full-M prefill output (and repeated runs identical)."""
-    from .tc_linear import prepare, tc_matmul
+    from .nvfp4.tc_linear import prepare, tc_matmul
 
     n, k = 1024, 1024
     w = _to(_weights(n, k, 35), dev)
@@ -391,8 +391,8 @@ def _tc_rows_identical(dev: torch.device, big: bool) -> str:
 
 
 def _tc_grouped_eq_per_expert(dev: torch.device, big: bool) -> str:
-    from .grouped_gemm import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
-    from .tc_linear import prepare, tc_grouped, tc_matmul
+    from .nvfp4.grouped import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
+    from .nvfp4.tc_linear import prepare, tc_grouped, tc_matmul
 
     e, n, k, top, t = 16, 256, 512, 4, 300
     wq = quantize_expert_weights(torch.randn(e, n, k, generator=_gen(37)), use_ref=True)

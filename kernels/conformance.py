@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .nvfp4_ref import (
+from .nvfp4.ref import (
     FLT_MAX,
     RCP6,
     NVFP4Tensor,
@@ -93,7 +93,7 @@ def quantize_variant(x: torch.Tensor, variant: str, *, per_token: bool = False) 
 def dequantize_variant(q: NVFP4Tensor, variant: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dequantize as the variant does (vllm_emulation folds the global scale before bf16)."""
     if variant == "vllm_emulation":
-        from .nvfp4_ref import e2m1_decode, e4m3_decode
+        from .nvfp4.ref import e2m1_decode, e4m3_decode
 
         gs, _ = global_scales(q.row_amax())
         sf = e4m3_decode(q.scales).repeat_interleave(16, dim=1)

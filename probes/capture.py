@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from mismatch_probe.errors import UsageError
-from mismatch_probe.opnames import matches, split_op
+from mismatch_probe.families.opnames import matches, split_op
 
 MODES = ("off", "digest", "stats", "full")
 _RANK = {m: i for i, m in enumerate(MODES)}
@@ -157,7 +157,7 @@ class OpRecorder:
         )
 
     def table(self) -> pa.Table:
-        from mismatch_probe.schema import OPS_V1
+        from mismatch_probe.run.schema import OPS_V1
 
         if not self._chunks:
             return OPS_V1.empty_table()

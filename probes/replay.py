@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch_probe.opnames import split_op
+from mismatch_probe.families.opnames import split_op
 
 REPLAYABLE = (
     "input_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.rope_q", "attn.rope_k",

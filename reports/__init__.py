@@ -9,8 +9,8 @@ def build_report(
     run: Path, out: Path | None = None, *, gate_config: Path | None = None, convention: str | None = None
 ) -> tuple[Path, dict[str, str]]:
     """Render ``RUN/report.html`` (or ``out``); returns the path and the absent sections with reasons."""
-    from mismatch_probe import gate as g
-    from mismatch_probe.conventions import FRAMEWORKS
+    from mismatch_probe.analysis import gate as g
+    from mismatch_probe.analysis.conventions import FRAMEWORKS
     from mismatch_probe.errors import UsageError
     from mismatch_probe.reports.load import load_run
     from mismatch_probe.reports.render import write_report

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch_probe.conventions import DASHBOARD_PREFIX, FRAMEWORKS
+from mismatch_probe.analysis.conventions import DASHBOARD_PREFIX, FRAMEWORKS
 from mismatch_probe.reports.html import esc, missing, table, td, td_num
 from mismatch_probe.reports.load import RunData
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from html import escape
 from typing import Any
 
-from mismatch_probe.gate import fmt_num
+from mismatch_probe.analysis.gate import fmt_num
 
 
 def esc(x: Any) -> str:

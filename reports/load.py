@@ -16,10 +16,10 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from mismatch_probe.compare import pair_metrics
+from mismatch_probe.analysis.gate import PAIRS, read_manifest, read_run_json, read_summary
+from mismatch_probe.analysis.token_gaps import pair_metrics
 from mismatch_probe.errors import SchemaError
-from mismatch_probe.gate import PAIRS, read_manifest, read_run_json, read_summary
-from mismatch_probe.schema import SCHEMA_VERSION, SCHEMAS, read_schema_version, read_table
+from mismatch_probe.run.schema import SCHEMA_VERSION, SCHEMAS, read_schema_version, read_table
 
 OP_ERROR_COLUMNS = (
     "op", "layer", "exec_order", "dtype", "n_rows", "bitwise_equal_frac", "max_abs_diff",

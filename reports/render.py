@@ -8,7 +8,7 @@ from pathlib import Path
 from string import Template
 
 from mismatch_probe import __version__
-from mismatch_probe.gate import CheckResult
+from mismatch_probe.analysis.gate import CheckResult
 from mismatch_probe.reports import frameworks, sections
 from mismatch_probe.reports.html import esc
 from mismatch_probe.reports.load import RunData
@@ -65,7 +65,7 @@ def render_html(data: RunData, gate: list[CheckResult] | None = None) -> str:
 
 
 def write_report(data: RunData, out: Path, gate: list[CheckResult] | None = None) -> Path:
-    from mismatch_probe.schema import atomic_write_bytes
+    from mismatch_probe.run.schema import atomic_write_bytes
 
     atomic_write_bytes(out, render_html(data, gate).encode("utf-8"))
     return out

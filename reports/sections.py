@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.gate import CheckResult, fmt_num
+from mismatch_probe.analysis.gate import CheckResult, fmt_num
 from mismatch_probe.reports import plots
 from mismatch_probe.reports.html import esc, figure, kv_table, missing, num, table, td, td_num
 from mismatch_probe.reports.load import RunData

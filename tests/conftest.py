@@ -47,7 +47,7 @@ def rollouts_run(tmp_path_factory: pytest.TempPathFactory, real_run_qwen3: Path)
     """``compare --rollouts`` on tiny-qwen3: real_run_qwen3's 16 rollouts (its decode logprobs as the
     recorded sampler logprobs, its learner logprobs as the trainer's), four of them cut to one
     response token, written in verl's naming with padding and masks (Parquet). Op capture off, top-5."""
-    from mismatch_probe.rollouts import rollouts_from_run, write_rollouts
+    from mismatch_probe.steps.rollouts import rollouts_from_run, write_rollouts
 
     rows = rollouts_from_run(real_run_qwen3)
     for i in (0, 5, 9, 13):

@@ -2,7 +2,7 @@
 
 Written from ../shared/METRICS.md and the frameworks' published formulas, on the frameworks' own
 data layout (a padded [B, T] batch with a response mask, as verl/slime/NeMo RL hold it), and
-sharing no code with ``mismatch_probe.conventions`` (which works on flat token arrays).
+sharing no code with ``mismatch_probe.analysis.conventions`` (which works on flat token arrays).
 """
 
 from __future__ import annotations

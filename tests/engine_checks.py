@@ -1,4 +1,4 @@
-"""Checks that need both real engines in one process; run by tests/test_capture_real.py in a
+"""Checks that need both real engines in one process; run by tests/probes/test_capture_real.py in a
 subprocess (vLLM keeps per-process state). Prints one JSON object with the findings."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from mismatch_probe.models import resolve_model  # noqa: E402
+from mismatch_probe.families.models import resolve_model  # noqa: E402
 from mismatch_probe.probes.capture import CapturePlan  # noqa: E402
-from mismatch_probe.probes.hf_probe import HfLearner  # noqa: E402
-from mismatch_probe.probes.vllm_probe import VllmSampler  # noqa: E402
+from mismatch_probe.probes.hf.runner import HfLearner  # noqa: E402
+from mismatch_probe.probes.vllm.runner import VllmSampler  # noqa: E402
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ def test_check_bitwise(name):
 def test_interpreter_mode_does_not_leak():
     import triton
 
-    from mismatch_probe.kernels import _triton_common
+    from mismatch_probe.kernels.nvfp4 import common as _triton_common
 
     assert os.environ.get("TRITON_INTERPRET", "0") != "1" or _triton_common.INTERPRET
     if _triton_common.INTERPRET and os.environ.get("TRITON_INTERPRET", "0") != "1":
@@ -69,7 +69,7 @@ QUANT_CHECKS = [c.name for c in CHECKS if c.name.startswith(("quant_", "rmsnorm"
 @pytest.mark.parametrize("name", QUANT_CHECKS)
 def test_quantize_v2_kernel_bitwise(name, monkeypatch):
     """The alternative block-major quantize kernel (v2) passes the same checks."""
-    from mismatch_probe.kernels import triton_nvfp4
+    from mismatch_probe.kernels.nvfp4 import triton_quant as triton_nvfp4
 
     monkeypatch.setattr(triton_nvfp4, "QUANT_IMPL", "v2")
     (res,) = run_checks([name])

@@ -17,7 +17,7 @@ from mismatch_probe.kernels import (
     rmsnorm_nvfp4_quantize,
     w4a4_matmul,
 )
-from mismatch_probe.kernels._triton_common import INTERPRET
+from mismatch_probe.kernels.nvfp4.common import INTERPRET
 
 DEV = "cpu" if INTERPRET else "cuda"
 

@@ -21,7 +21,8 @@ def test_all_checks_on_gpu():
 @needs_cuda
 @pytest.mark.parametrize("path", ["auto", "fma", "fp4", "fp4w", "fp4w-swap", "bf16"])
 def test_batch_invariance_every_path(path):
-    from mismatch_probe.kernels import aligned_linear, nvfp4_quantize
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels.nvfp4 import aligned_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = nvfp4_quantize(torch.randn(512, 2048, device="cuda", generator=g))
@@ -34,7 +35,7 @@ def test_batch_invariance_every_path(path):
 @needs_cuda
 def test_nvfp4_recipe_linear_runs_the_tensor_core_kernels_batch_invariant():
     """The recipes' NVFP4 linear on CUDA: Triton decode/prefill paths, rows identical whatever M."""
-    from mismatch_probe.kernels.nvfp4_linear import NVFP4Linear
+    from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
 
     g = torch.Generator(device="cuda").manual_seed(1)
     w = torch.randn(1536, 1024, device="cuda", generator=g).to(torch.bfloat16)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mismatch_probe.kernels import nvfp4_ref as R
+from mismatch_probe.kernels.nvfp4 import ref as R
 
 finite = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, allow_infinity=False, width=32)
 
@@ -86,7 +86,7 @@ def test_scale_rounding_is_torch_e4m3_rne(x):
 def test_triton_quantize_equals_reference_bitwise(x, per_token, dtype):
     """Triton kernel (interpreter on CPU, CUDA on GPU) == reference, bit for bit."""
     from mismatch_probe.kernels import nvfp4_quantize
-    from mismatch_probe.kernels._triton_common import INTERPRET
+    from mismatch_probe.kernels.nvfp4.common import INTERPRET
 
     dev = "cpu" if INTERPRET else "cuda"
     xd = x.to(dtype).to(dev)

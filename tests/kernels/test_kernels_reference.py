@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from mismatch_probe.kernels import nvfp4_ref as R
 from mismatch_probe.kernels.conformance import quantize_variant
+from mismatch_probe.kernels.nvfp4 import ref as R
 
 
 def _codes(q: R.NVFP4Tensor) -> list[int]:

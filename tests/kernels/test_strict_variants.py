@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mismatch_probe.kernels import strict_ops as so
+from mismatch_probe.kernels.strict import ops as so
 
 
 def _bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -145,7 +145,7 @@ def _gemma3(window: int = 6) -> torch.nn.Module:
 
 
 def _logprobs(model: torch.nn.Module, batch: list[list[int]], strict: bool) -> list[torch.Tensor]:
-    from mismatch_probe.kernels.patch_hf import token_logprobs_fn
+    from mismatch_probe.probes.hf.patch import token_logprobs_fn
 
     width = max(len(s) for s in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -161,7 +161,7 @@ def test_hf_patch_gemma3_strict_bitwise_alone_equals_batch_close_to_engine_and_u
     """(1 + w) norms, the scaled embedding, GELU-tanh, per-layer rope bases and the sliding window
     all go through the strict patch: a sequence alone == in a padded batch (bitwise), the strict
     logprobs are close to HF's own (so no scale or offset is lost), and undo restores HF exactly."""
-    from mismatch_probe.kernels.patch_hf import patch
+    from mismatch_probe.probes.hf.patch import patch
 
     model = _gemma3(window=6)
     g = torch.Generator().manual_seed(2)

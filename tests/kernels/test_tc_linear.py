@@ -1,4 +1,4 @@
-"""The tensor-core NVFP4 GEMM (kernels/tc_linear.py) on the CPU: layout, dispatch, tolerance.
+"""The tensor-core NVFP4 GEMM (kernels/nvfp4/tc_linear.py) on the CPU: layout, dispatch, tolerance.
 
 The Triton interpreter runs the same kernels on CPU tensors (fp32 dot operands there), so these
 tests check the logic and the GEMM tolerance of NVFP4.md; the bitwise properties (rows identical
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mismatch_probe.kernels import nvfp4_linear as NL
-from mismatch_probe.kernels import nvfp4_ref as R
-from mismatch_probe.kernels import tc_linear as T
 from mismatch_probe.kernels.checks import tc_within_bound
+from mismatch_probe.kernels.nvfp4 import linear as NL
+from mismatch_probe.kernels.nvfp4 import ref as R
+from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
 
 def _g(seed: int) -> torch.Generator:

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from mismatch_probe.reports.synthetic import make_run
+from fixtures.synthetic import make_run
 
 
 @dataclass
@@ -21,7 +20,7 @@ class CliResult:
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
     """Call ``mismatch-probe ARGV`` through ``cli.main``: exit codes as the shell sees them."""
-    from mismatch_probe.cli import main
+    from mismatch_probe.cli.app import main
 
     def run(*argv: object) -> CliResult:
         capsys.readouterr()

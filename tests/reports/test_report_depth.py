@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
+from fixtures.synthetic import make_run
 
 from mismatch_probe.reports import build_report
 from mismatch_probe.reports.depth import kind_group, op_kind
-from mismatch_probe.reports.synthetic import make_run
 
 
 def _figure(html: str, name: str) -> str:

@@ -10,12 +10,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from fixtures.synthetic import make_run
 
 from mismatch_probe.errors import SchemaError
 from mismatch_probe.reports import build_report
 from mismatch_probe.reports.load import _summary_from_gaps, load_run
-from mismatch_probe.reports.synthetic import make_run
-from mismatch_probe.schema import read_table, write_table
+from mismatch_probe.run.schema import read_table, write_table
 
 CHARTS_ALWAYS = ("scatter", "histogram", "decomposition")
 CHARTS_OPS = ("drift", "ablation")
@@ -60,7 +60,7 @@ def test_full_run_has_every_section(full_run: Path, full_html: str) -> None:
 def test_headline_metrics_and_verdict(full_run: Path, full_html: str) -> None:
     html = full_html
     summ = json.loads((full_run / "compare" / "summary.json").read_text())["pairs"]["learner_vs_decode"]
-    from mismatch_probe.gate import fmt_num
+    from mismatch_probe.analysis.gate import fmt_num
 
     for metric in ("mean_abs_dlogp", "max_abs_dlogp", "k3", "clip_frac"):
         card = re.search(rf'data-metric="{metric}"><div class="k">[^<]+</div><div class="v">([^<]+)<', html)

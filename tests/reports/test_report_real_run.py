@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from report_chromium import load, screenshot
 
-from mismatch_probe.gate import fmt_num
+from mismatch_probe.analysis.gate import fmt_num
 from mismatch_probe.reports import build_report
 
 pytestmark = pytest.mark.vllm

@@ -1,0 +1,212 @@
+"""The NVFP4 (W4A4) linear of the recipes: weights quantized once, activations on the fly.
+
+The three activation-scaling schemes of shared/NVFP4.md "Scaling schemes":
+
+* ``nvfp4-dynamic-tensor``: one amax over the whole current input (every row of the micro-batch,
+  padding included: what TE does for activations), weights in 16x16 tiles (TE's default).
+* ``nvfp4-static``: a calibrated input amax fixed after a calibration pass (vLLM serving
+  checkpoints' ``input_global_scale``), weights in 1x16 blocks with one weight amax over the
+  fused shards (vLLM takes the max over q/k/v and gate/up).
+* ``nvfp4-per-token``: one amax per token row (batch-invariant by construction), 1x16 blocks,
+  one weight amax per logical weight (q, k, v, gate, up, down each): the aligned scheme.
+
+Backends (:func:`use_kernels`): on the CPU, and for non-bf16 activations, the pure-torch
+reference (:func:`nvfp4_quantize_ref` + :func:`w4a4_gemm_ref`: exact block products, blocks
+accumulated in K order in fp32, alpha in the epilogue); it is also the checker. On a CUDA GPU with
+bf16 activations, the Triton kernels: the quantizer (bitwise equal to the reference) and the
+tensor-core GEMM of :mod:`tc_linear` (weights prepared once per weight version; decode path for
+M <= 64, prefill path above, identical rows either way; within the GEMM tolerance of NVFP4.md of
+the per-block reference). Both GEMMs are batch invariant, so only the activation scale decides
+whether a row's bits depend on its batch. :meth:`NVFP4Linear.kernel_summary` says what ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .ref import NVFP4Tensor, nvfp4_dequantize_ref, nvfp4_quantize_ref, w4a4_gemm_ref
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    per_token: bool
+    static: bool
+    weight_tile16: bool
+    fused_weight_amax: bool
+
+
+SCHEMES = {
+    "nvfp4-dynamic-tensor": Scheme("nvfp4-dynamic-tensor", False, False, True, False),
+    "nvfp4-static": Scheme("nvfp4-static", False, True, False, True),
+    "nvfp4-per-token": Scheme("nvfp4-per-token", True, False, False, False),
+}
+
+CALIBRATION = {"on": False}  # process-global: static schemes record input amax instead of quantizing
+
+
+def calibration_token_ids(vocab_size: int, n_seqs: int = 4, length: int = 48, seed: int = 1234) -> list[list[int]]:
+    """The fixed calibration set both engines use for ``nvfp4-static`` (seeded random tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(8, vocab_size, (n_seqs, length), generator=g).tolist()
+
+
+def qdq(x: torch.Tensor, mode: str, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize ``x [rows, K]`` (pure torch): ``mode`` 'per-token' | 'per-tensor' |
+    'static' (``amax`` given, fp32 [1]). For analysis and tests: what the GEMM sees, in x's dtype."""
+    if mode not in ("per-token", "per-tensor", "static"):
+        raise ValueError(f"mode must be per-token, per-tensor or static, got {mode!r}")
+    if mode == "static" and amax is None:
+        raise ValueError("static quantization needs the calibrated amax")
+    q = nvfp4_quantize_ref(x, per_token=mode == "per-token", amax=amax if mode == "static" else None)
+    return nvfp4_dequantize_ref(q, torch.float32).to(x.dtype)
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """The Triton kernels run for bf16 activations on a CUDA device (else the reference)."""
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
+def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:
+    return (w.data_ptr(), w._version, tuple(w.shape), w.device.type)
+
+
+class NVFP4Linear:
+    """State of one linear under an NVFP4 scheme: quantized weight shards (cached), static amax.
+
+    ``partitions``: output sizes of the fused logical weights (vLLM ``qkv_proj`` / ``gate_up_proj``);
+    per logical weight a weight amax, unless the scheme fuses them (static, vLLM style).
+    """
+
+    def __init__(self, scheme: str, partitions: list[int] | None = None) -> None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown NVFP4 scheme {scheme!r}; one of {', '.join(SCHEMES)}")
+        self.scheme = SCHEMES[scheme]
+        self.partitions = list(partitions) if partitions else None
+        self.static_amax: torch.Tensor | None = None
+        self._wcache: dict[Any, tuple[tuple[Any, ...], list[NVFP4Tensor]]] = {}
+        self._tcache: dict[Any, tuple[tuple[Any, ...], list[Any]]] = {}
+        self.paths_used: dict[str, int] = {}  # "reference" | "triton:decode" | "triton:prefill" -> calls
+        self.kernel: dict[str, Any] | None = None  # the last Triton kernel record (config, versions)
+
+    def weight(self, w: torch.Tensor, key: Any = None) -> list[NVFP4Tensor]:
+        """Quantized shards of ``w [N, K]`` (computed once per weight version)."""
+        wk = _weight_key(w)
+        hit = self._wcache.get(key)
+        if hit is not None and hit[0] == wk:
+            return hit[1]
+        sizes = self.partitions if self.partitions and sum(self.partitions) == w.shape[0] else [w.shape[0]]
+        parts = list(torch.split(w.detach(), sizes, dim=0))
+        s = self.scheme
+        shared = None
+        if s.fused_weight_amax:
+            shared = w.detach().float().abs().amax().reshape(1)
+        shards = [nvfp4_quantize_ref(p, tile16=s.weight_tile16, amax=shared) for p in parts]
+        self._wcache[key] = (wk, shards)
+        return shards
+
+    def prepared(self, w: torch.Tensor, key: Any = None) -> list[Any]:
+        """The shards as :class:`tc_linear.TCWeight` (decode layout, fp16 operand), once per weight
+        version."""
+        from .tc_linear import prepare
+
+        wk = _weight_key(w)
+        hit = self._tcache.get(key)
+        if hit is not None and hit[0] == wk:
+            return hit[1]
+        tws = [prepare(q) for q in self.weight(w, key)]
+        self._tcache[key] = (wk, tws)
+        return tws
+
+    def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any) -> torch.Tensor:
+        from .tc_linear import kernel_record, tc_linear, tc_matmul
+        from .triton_quant import nvfp4_quantize
+
+        tws = self.prepared(w, key)
+        x2 = x2.detach().contiguous()
+        if self.scheme.per_token:
+            ys = [tc_linear(x2, tw) for tw in tws]
+        else:
+            qa = nvfp4_quantize(x2, per_token=False, amax=amax)
+            ys = [tc_matmul(qa, tw) for tw in tws]
+        rec = kernel_record(x2.shape[0], tws[0])
+        tag = f"triton:{rec['path']}"
+        self.paths_used[tag] = self.paths_used.get(tag, 0) + 1
+        self.kernel = rec
+        return torch.cat(ys, dim=-1)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, key: Any = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        s = self.scheme
+        if s.static and CALIBRATION["on"]:
+            a = x2.detach().float().abs().amax().reshape(1)
+            self.static_amax = a if self.static_amax is None else torch.maximum(self.static_amax, a)
+            y = torch.nn.functional.linear(x2, w.to(x2.dtype))
+        else:
+            if s.static and self.static_amax is None:
+                raise RuntimeError("nvfp4-static: no calibrated input scale (run the calibration pass first)")
+            amax = self.static_amax.to(x2.device) if s.static else None
+            if use_kernels(x2) and x2.shape[0] > 0:
+                y = self._kernel_matmul(x2, w, amax, key)
+            else:
+                qa = nvfp4_quantize_ref(x2.detach(), per_token=s.per_token, amax=amax)
+                y = torch.cat([w4a4_gemm_ref(qa, qw, out_dtype=torch.float32) for qw in self.weight(w, key)], dim=-1)
+                self.paths_used["reference"] = self.paths_used.get("reference", 0) + 1
+            y = y.to(x.dtype)
+        if bias is not None:
+            y = (y.float() + bias.float()).to(x.dtype)
+        return y.reshape(*shape[:-1], w.shape[0])
+
+    def kernel_summary(self) -> dict[str, Any]:
+        """What computed this linear so far: backend per path with call counts, the last Triton
+        kernel's config, Triton / torch / CUDA versions (for the run manifest)."""
+        return {"paths_used": dict(sorted(self.paths_used.items())), "kernel": self.kernel}
+
+    def describe(self) -> dict[str, Any]:
+        s = self.scheme
+        return {
+            "kernels": self.kernel_summary(),
+            "scheme": s.name,
+            "activation_amax": "per-token" if s.per_token else ("static" if s.static else "dynamic per-tensor"),
+            "weight_blocks": "16x16" if s.weight_tile16 else "1x16",
+            "weight_amax": "fused shards" if s.fused_weight_amax else "per logical weight",
+            "static_amax": None if self.static_amax is None else float(self.static_amax),
+        }
+
+
+def explain_pair(x: torch.Tensor, w: torch.Tensor, a: NVFP4Linear, b: NVFP4Linear) -> dict[str, Any]:
+    """Why two NVFP4 linears (e.g. the learner's and the sampler's state of one layer) disagree on
+    the same input ``x [rows, K]`` and weight: activation scaling, weight quantization, or neither.
+    For ``bisect``: a first divergent quantized linear gets its reason from here."""
+    x2 = x.reshape(-1, x.shape[-1]).detach()
+
+    def act(s: NVFP4Linear) -> NVFP4Tensor:
+        amax = s.static_amax.to(x2.device) if s.scheme.static and s.static_amax is not None else None
+        return nvfp4_quantize_ref(x2, per_token=s.scheme.per_token, amax=amax)
+
+    qa, qb = act(a), act(b)
+    wa, wb = a.weight(w, key="explain"), b.weight(w, key="explain")
+    act_codes = float((qa.codes != qb.codes).float().mean())
+    act_scales = float((qa.scales != qb.scales).float().mean())
+    w_codes = float(torch.cat([(p.codes != q.codes).float().reshape(-1) for p, q in zip(wa, wb, strict=True)]).mean())
+    pairs = list(zip(wa, wb, strict=True))
+    w_amax_differ = any(not torch.equal(p.amax, q.amax) or not torch.equal(p.scales, q.scales) for p, q in pairs)
+    ya, yb = a(x2, w, key="explain"), b(x2, w, key="explain")
+    reasons = []
+    if act_codes or act_scales or not torch.equal(qa.row_amax(), qb.row_amax()):
+        reasons.append("activation scaling")
+    if w_codes or w_amax_differ:
+        reasons.append("weight quantization")
+    return {
+        "schemes": [a.scheme.name, b.scheme.name],
+        "activation_amax": [a.describe()["activation_amax"], b.describe()["activation_amax"]],
+        "activation_codes_differ_frac": act_codes,
+        "activation_scales_differ_frac": act_scales,
+        "weight_codes_differ_frac": w_codes,
+        "output_max_abs_diff": float((ya.float() - yb.float()).abs().max()),
+        "reason": " and ".join(reasons) if reasons else "none (same quantization)",
+    }

@@ -1,0 +1,296 @@
+"""The default NVFP4 GEMM paths (:mod:`gemm_tc` kernels): weights prepared once, two paths, one result.
+
+* :func:`prepare` turns NVFP4 weights (one matrix or ``E`` experts) into a :class:`TCWeight`:
+  the decode-layout bytes for the register-decode path (made once per weight version), the
+  linear scales and amax, and, at first large-M use, the fp16 operand ``E2M1 * sf * 2^-7``.
+  Its ``nseg`` (K segments) depends only on (N, K): dense weights split K when N alone gives too
+  few programs for a decode-shaped GEMM; expert weights never split (the experts give the
+  parallelism), so grouped and per-expert calls share it.
+* :func:`tc_matmul` / :func:`tc_linear` / :func:`tc_grouped`: path ``decode`` (M <= 64: FP4
+  weights streamed and decoded in registers) or ``prefill`` (fp16 operands, wgmma mainloop).
+  Both compute the contract of :mod:`gemm_tc`, so every row is identical whatever M, the row's
+  position, the path or the expert grouping (tested with ``torch.equal`` on the GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+
+from .common import INTERPRET, kernel_device_ok, launch
+from .gemm_tc import decode_kernel, decode_ns_kernel, prefill_kernel, reduce_kernel
+from .ref import NVFP4Tensor, e2m1_decode, e4m3_decode, unpack_codes
+
+DECODE_MAX_M = 64
+PATHS = ("auto", "decode", "prefill")
+OP_DTYPE = torch.float32 if INTERPRET else torch.float16
+# tuning overrides (bench/probe only; none of them changes the bits except "NSEG")
+DECODE_CFG: dict[str, Any] = {}
+PREFILL_CFG: dict[str, Any] = {}
+
+
+def chunk_for(k: int) -> int:
+    """Decode-layout chunk (K elements per arranged chunk): 128, 64 or 32; 0 = no decode path."""
+    for c in (128, 64, 32):
+        if k % c == 0:
+            return c
+    return 0
+
+
+def nseg_for(n: int, k: int, grouped: bool = False) -> int:
+    """K segments, a function of (N, K) only: split K until ceil(N/64) * NSEG >= 128 programs
+    (at most 8, whole decode chunks per segment); expert weights: 1."""
+    bkc = chunk_for(k)
+    if grouped or bkc == 0:
+        return 1
+    tiles, s = triton.cdiv(n, 64), 1
+    while tiles * s < 128 and s < 8 and (k // bkc) % (2 * s) == 0:
+        s *= 2
+    return s
+
+
+@dataclass
+class TCWeight:
+    """Prepared NVFP4 weight: ``codes`` [(E,) N, K/2], ``scales`` [(E,) N, K/16], ``amax`` [1] /
+    [N] (per row) / [E] (experts); ``dec``: decode-layout bytes (None without a decode path)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    amax: torch.Tensor
+    per_row: bool
+    dec: torch.Tensor | None
+    dsc: torch.Tensor | None
+    bkc: int
+    nseg: int
+    grouped: bool
+    _op: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def n(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.codes.shape[-1] * 2
+
+    def op(self) -> torch.Tensor:
+        """fp16 ``E2M1 * sf * 2^-7`` [(E,) N, K] (fp32 in the interpreter), built once."""
+        if self._op is None:
+            c = self.codes.reshape(-1, self.n, self.k // 2)
+            s = self.scales.reshape(-1, self.n, self.k // 16)
+            ops = [weight_operand(c[e], s[e]) for e in range(c.shape[0])]
+            self._op = torch.stack(ops) if self.grouped else ops[0]
+        return self._op
+
+    def expert(self, e: int) -> TCWeight:
+        """Expert e as a dense weight with the same numerics (same nseg)."""
+        if not self.grouped:
+            raise ValueError("not an expert weight")
+        return TCWeight(self.codes[e], self.scales[e], self.amax[e : e + 1], False,
+                        None if self.dec is None else self.dec[e : e + 1], None if self.dsc is None else self.dsc[e : e + 1],
+                        self.bkc, self.nseg, False, None if self._op is None else self._op[e])
+
+
+def weight_operand(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[N, K] ``E2M1 * sf * 2^-7`` in OP_DTYPE (exact)."""
+    vals = e2m1_decode(unpack_codes(codes))
+    sf = e4m3_decode(scales).repeat_interleave(16, dim=1)
+    return (vals * sf * (1.0 / 128.0)).to(OP_DTYPE)
+
+
+TILE_ROWS = 64  # rows per tile of the decode layout (the kernels' BN divides it)
+
+
+def _tile(t: torch.Tensor, e: int, n: int, chunks: int) -> torch.Tensor:
+    """[E*N, chunks*w] -> [E, ceil(N/64), chunks, 64, w] (zero rows pad the last tile)."""
+    w = t.shape[1] // chunks
+    nt = -(-n // TILE_ROWS)
+    out = torch.zeros(e, nt * TILE_ROWS, chunks, w, dtype=t.dtype, device=t.device)
+    out[:, :n] = t.reshape(e, n, chunks, w)
+    return out.reshape(e, nt, TILE_ROWS, chunks, w).transpose(2, 3).contiguous()
+
+
+def decode_layout(codes: torch.Tensor, scales: torch.Tensor, bkc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard packing (byte j = codes 2j, 2j+1) -> the decode layout: per bkc-wide K chunk, byte
+    j = code[j] | code[j + bkc/2] << 4, stored tile by tile ([(E,) N/64, K/bkc, 64, bkc/2]: one
+    contiguous block per 64 rows x chunk); scales likewise [(E,) N/64, K/bkc, 64, bkc/16]."""
+    n = codes.shape[-2]
+    k = codes.shape[-1] * 2
+    e = codes.numel() // (n * k // 2)
+    flat = unpack_codes(codes.reshape(-1, k // 2)).reshape(-1, k // bkc, 2, bkc // 2)
+    arranged = (flat[:, :, 0, :] | (flat[:, :, 1, :] << 4)).reshape(-1, k // 2)
+    return _tile(arranged, e, n, k // bkc), _tile(scales.reshape(-1, k // 16), e, n, k // bkc)
+
+
+def prepare(w: Any) -> TCWeight:
+    """TCWeight from an ``NVFP4Tensor`` [N, K] (per-tensor or per-row amax) or
+    ``GroupedNVFP4Weights`` [E, N, K] (one amax per expert)."""
+    grouped = not isinstance(w, NVFP4Tensor)
+    per_row = (not grouped) and bool(w.per_token)
+    k = w.codes.shape[-1] * 2
+    n = w.codes.shape[-2]
+    bkc = chunk_for(k)
+    dec, dsc = decode_layout(w.codes, w.scales, bkc) if bkc else (None, None)
+    return TCWeight(w.codes.contiguous(), w.scales.contiguous(), w.amax.reshape(-1).float().contiguous(), per_row,
+                    dec, dsc, bkc, nseg_for(n, k, grouped), grouped)
+
+
+def choose(m: int, w: TCWeight, path: str = "auto") -> str:
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path == "decode" and w.dec is None:
+        raise ValueError(f"no decode path for K = {w.k} (needs K % 32 == 0)")
+    if path != "auto":
+        return path
+    return "decode" if m <= DECODE_MAX_M and w.dec is not None else "prefill"
+
+
+def decode_config(m: int, grouped: bool = False) -> dict[str, Any]:
+    """Tokens on the MMA's M side (16 rows: mma.sync) and 64 weight rows per program by default;
+    for dense M <= 16 four decode chunks per loop step and 3 stages (more bytes in flight per SM);
+    ``SWAP`` puts the weight rows on the M side instead (wgmma m64, tokens on N). Chosen from the
+    H200 runs in BENCHMARKS.md (every variant gave the same bits; only the speed differs)."""
+    if INTERPRET:
+        keep = {key: v for key, v in DECODE_CFG.items() if key in ("SWAP", "CPI", "NSEG")}
+        return {"BN": 16, "BM": 16, "num_warps": 4, "num_stages": 1, "USE_ASM": False, **keep}
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    small = bm == 16 and not grouped
+    return {"SWAP": False, "BN": 64 if bm < 64 else 32, "BM": bm, "num_warps": 4, "num_stages": 3 if small else 4,
+            "USE_ASM": True, "CPI": 4 if small else 1, **DECODE_CFG}
+
+
+def prefill_config(nseg: int, kseg: int) -> dict[str, Any]:
+    bk = 64 if kseg % 64 == 0 else (32 if kseg % 32 == 0 else 16)
+    if INTERPRET:
+        return {"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1}
+    if nseg == 1:
+        cfg = {"BM": 128, "BN": 256, "BK": bk, "num_warps": 8, "num_stages": 3, "GROUP_M": 16}
+    else:
+        cfg = {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 4, "GROUP_M": 16}
+    return {**cfg, **PREFILL_CFG}
+
+
+def act_operand(a: NVFP4Tensor) -> torch.Tensor:
+    """[M, K] ``E2M1 * sf`` of per-token activations in OP_DTYPE (exact)."""
+    from .triton_quant import nvfp4_dequantize
+
+    return nvfp4_dequantize(a, OP_DTYPE, apply_global=False)
+
+
+def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
+         tiles: tuple[torch.Tensor, ...] | None, row_e: torch.Tensor | None, bm: int | None = None) -> torch.Tensor:
+    dev = a_op.device
+    n, k = w.n, w.k
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    if m == 0:
+        return out
+    grouped = tiles is not None
+    nseg = int(DECODE_CFG.get("NSEG", w.nseg)) if p == "decode" else w.nseg
+    te, tr0, tr1 = tiles if grouped else (a_amax, a_amax, a_amax)
+    wes = (n * k) if grouped else 0
+    if p == "decode":
+        cfg = decode_config(m) if bm is None else {**decode_config(m, grouped=True), "BM": bm}
+        part = torch.empty(nseg, m, n, dtype=torch.float32, device=dev) if nseg > 1 else a_amax
+        n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
+        args = (w.dec, w.dsc, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
+                m, n, k, cfg["BN"], cfg["BM"], w.bkc, nseg)
+        grid = (triton.cdiv(n, cfg["BN"]), n_m, nseg)
+        if cfg.get("SWAP", False):
+            launch(decode_kernel, grid, *args, grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
+                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        else:
+            launch(decode_ns_kernel, grid, *args, _cpi(cfg, k // w.bkc // nseg), grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
+                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if nseg > 1:
+            blk = 1024
+            launch(reduce_kernel, (triton.cdiv(m * n, blk),), part, a_amax, w.amax,
+                   row_e if row_e is not None else a_amax, out.view(torch.int16), m, n, nseg, blk, w.per_row, grouped,
+                   num_warps=4)
+        return out
+    cfg = prefill_config(w.nseg, k // w.nseg)
+    n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
+    launch(prefill_kernel, (n_m * triton.cdiv(n, cfg["BN"]),),
+           a_op, w.op(), a_amax, w.amax, out.view(torch.int16), te, tr0, tr1,
+           m, n, k, wes,
+           cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def _cpi(cfg: dict[str, Any], chunks: int) -> int:
+    """Chunks per loop step: the largest power of two <= cfg's CPI dividing the segment's chunks."""
+    cpi = int(cfg.get("CPI", 1))
+    while chunks % cpi:
+        cpi //= 2
+    return cpi
+
+
+def _check(a: NVFP4Tensor, w: TCWeight) -> None:
+    kernel_device_ok(a.codes, w.codes)
+    if a.shape[1] != w.k:
+        raise ValueError(f"K mismatch: activations have K={a.shape[1]}, weights have K={w.k}")
+
+
+def tc_matmul(a: NVFP4Tensor, w: TCWeight, *, path: str = "auto", a_op: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ w.T`` -> bf16 [M, N] (``a``: per-token NVFP4 activations; ``a_op``: their fp16 operand
+    if already made, e.g. by the quantizer)."""
+    _check(a, w)
+    if w.grouped:
+        raise ValueError("expert weights: use tc_grouped")
+    m = a.shape[0]
+    p = choose(m, w, path)
+    amax = a.amax if a.per_token else a.row_amax().contiguous()  # per-tensor amax: one alpha per row
+    return _run(amax, a_op if a_op is not None else act_operand(a), w, m, p, None, None)
+
+
+def tc_linear(x: torch.Tensor, w: TCWeight, *, path: str = "auto") -> torch.Tensor:
+    """Per-token quantize (one pass, also emitting the fp16 operand) + :func:`tc_matmul`."""
+    from .quant_fast import MAX_K, quantize_rows
+    from .triton_quant import nvfp4_quantize
+
+    x = x.contiguous()
+    if x.shape[1] <= MAX_K:
+        codes, scales, amax, op = quantize_rows(x, None, True, emit_op=OP_DTYPE)
+        return tc_matmul(NVFP4Tensor(codes, scales, amax, True), w, path=path, a_op=op)
+    return tc_matmul(nvfp4_quantize(x, per_token=True), w, path=path)
+
+
+def tc_grouped(a: NVFP4Tensor, offsets: torch.Tensor, w: TCWeight, *, path: str = "auto",
+               a_op: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped GEMM: rows ``offsets[e]:offsets[e+1]`` of ``a`` times expert e, one launch. Each row
+    equals a :func:`tc_matmul` call of that expert alone (same kernel numerics)."""
+    from .grouped import tile_schedule
+
+    _check(a, w)
+    if not w.grouped:
+        raise ValueError("tc_grouped needs expert weights (prepare(GroupedNVFP4Weights))")
+    e_count = w.codes.shape[0]
+    if offsets.numel() != e_count + 1:
+        raise ValueError(f"offsets must have E+1 = {e_count + 1} entries, got {offsets.numel()}")
+    m = a.shape[0]
+    p = choose(max(1, m // e_count), w, path)
+    bm = decode_config(16, grouped=True)["BM"] if p == "decode" else prefill_config(w.nseg, w.k // w.nseg)["BM"]
+    offsets = offsets.to(a.codes.device)
+    tiles = tile_schedule(offsets, bm, m)
+    row_e = None
+    if p == "decode" and w.nseg > 1:
+        row_e = torch.searchsorted(offsets[1:], torch.arange(m, device=offsets.device), right=True).to(torch.int32)
+    amax = a.amax if a.per_token else a.row_amax().contiguous()
+    return _run(amax, a_op if a_op is not None else act_operand(a), w, m, p, tiles, row_e, bm)
+
+
+def kernel_record(m: int, w: TCWeight, path: str = "auto") -> dict[str, Any]:
+    """Manifest record of what :func:`tc_matmul` runs for M rows: path, config, versions."""
+    p = choose(m, w, path)
+    cfg = decode_config(m) if p == "decode" else prefill_config(w.nseg, w.k // w.nseg)
+    if p == "decode":
+        cfg = {**cfg, "CPI": _cpi(cfg, w.k // w.bkc // w.nseg)}
+    return {"backend": "triton-interpreter" if INTERPRET else "triton", "kernel": "gemm_tc", "path": p,
+            "config": {**cfg, "NSEG": w.nseg, "BKC": w.bkc, "operands": str(OP_DTYPE).replace("torch.", "")},
+            "triton": triton.__version__, "torch": torch.__version__,
+            "cuda": getattr(torch.version, "cuda", None)}
+
+

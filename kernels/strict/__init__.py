@@ -1,0 +1,1 @@
+"""Strict (batch-invariant) ops and their Triton kernels."""

@@ -1,0 +1,93 @@
+"""Op-level comparison of two captures (sampler vs learner on the same tokens), numpy only.
+
+Per canonical op, over the tokens both sides captured: bitwise-equal fraction (from digests, any
+mode), and where both sides kept values (``full`` mode): max/mean abs diff, relative L2
+``||s - l|| / ||l||``, cosine, SQNR in dB, and the max ULP distance in the op's dtype.
+The learner is the reference (``l``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from mismatch_probe.families.opnames import exec_order, split_op
+
+_INT_VIEW = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
+_SIGN = {np.uint16: 0x8000, np.uint32: 0x80000000, np.uint64: 1 << 63}
+
+
+def decode_rows(values: pd.Series, dtype: str) -> np.ndarray:
+    """Raw ``values`` bytes of equal-shaped rows -> float64 matrix [rows, numel]."""
+    buf = b"".join(values.tolist())
+    n = len(values)
+    if dtype == "bfloat16":
+        u = np.frombuffer(buf, np.uint16).astype(np.uint32) << 16
+        return u.view(np.float32).astype(np.float64).reshape(n, -1)
+    if dtype == "bool":
+        return np.frombuffer(buf, np.uint8).astype(np.float64).reshape(n, -1)
+    return np.frombuffer(buf, np.dtype(dtype)).astype(np.float64).reshape(n, -1)
+
+
+def _ordered(raw: np.ndarray, ut: type) -> np.ndarray:
+    sign = _SIGN[ut]
+    mag = (raw & (sign - 1)).astype(np.int64) if ut is not np.uint64 else (raw & (sign - 1)).astype(np.int64)
+    return np.where(raw & sign, -mag, mag)
+
+
+def ulp_distance(a: pd.Series, b: pd.Series, dtype: str) -> float:
+    ut = _INT_VIEW.get(dtype)
+    if ut is None:
+        return math.nan
+    ra = np.frombuffer(b"".join(a.tolist()), ut)
+    rb = np.frombuffer(b"".join(b.tolist()), ut)
+    d = np.abs(_ordered(ra, ut) - _ordered(rb, ut))
+    return float(d.max()) if d.size else 0.0
+
+
+def error_stats(s: np.ndarray, ref: np.ndarray) -> dict[str, float]:
+    """Error of ``s`` against the reference ``ref`` (same shape, float64)."""
+    fin = np.isfinite(s) & np.isfinite(ref)
+    s, ref = np.where(fin, s, 0.0), np.where(fin, ref, 0.0)
+    diff = s - ref
+    nd, nr, ns = float(np.linalg.norm(diff)), float(np.linalg.norm(ref)), float(np.linalg.norm(s))
+    return {
+        "max_abs_diff": float(np.abs(diff).max()) if diff.size else 0.0,
+        "mean_abs_diff": float(np.abs(diff).mean()) if diff.size else 0.0,
+        "rel_l2": nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf),
+        "cosine": 1.0 if nd == 0 else (float((s * ref).sum() / (ns * nr)) if ns > 0 and nr > 0 else 0.0),
+        "sqnr_db": 10 * math.log10(nr**2 / nd**2) if nd > 0 and nr > 0 else math.inf,
+    }
+
+
+def op_errors(learner: pd.DataFrame, sampler: pd.DataFrame, num_layers: int) -> pd.DataFrame:
+    """One row per op both sides captured, in execution order."""
+    key = ["op", "seq_id", "pos"]
+    cols = key + ["dtype", "digest", "values"]
+    m = learner[cols].merge(sampler[cols], on=key, suffixes=("_l", "_s"), validate="one_to_one")
+    rows = []
+    for op, g in m.groupby("op", sort=False):
+        layer, kind = split_op(op)
+        same_dtype = (g.dtype_l == g.dtype_s).all()
+        row = {
+            "op": op,
+            "layer": layer,
+            "kind": kind,
+            "exec_order": exec_order(op, num_layers),
+            "dtype": g.dtype_l.iloc[0] if same_dtype else f"{g.dtype_l.iloc[0]}|{g.dtype_s.iloc[0]}",
+            "n_rows": len(g),
+            "bitwise_equal_frac": float((g.digest_l == g.digest_s).mean()) if same_dtype else 0.0,
+        }
+        full = g[g.values_l.notna() & g.values_s.notna()]
+        if len(full):
+            ref = decode_rows(full.values_l, full.dtype_l.iloc[0])
+            got = decode_rows(full.values_s, full.dtype_s.iloc[0])
+            row.update(error_stats(got, ref) if ref.shape == got.shape else {"rel_l2": math.nan})
+            row["max_ulp"] = ulp_distance(full.values_s, full.values_l, row["dtype"]) if same_dtype else math.nan
+        rows.append(row)
+    cols_out = ["op", "layer", "kind", "exec_order", "dtype", "n_rows", "bitwise_equal_frac", "max_abs_diff",
+                "mean_abs_diff", "rel_l2", "cosine", "sqnr_db", "max_ulp"]
+    out = pd.DataFrame(rows, columns=cols_out)
+    return out.sort_values("exec_order", kind="stable").reset_index(drop=True)

@@ -1,0 +1,189 @@
+"""``mismatch-probe capture``: one engine only, on the sequences of an earlier run, to compare
+later with ``mismatch-probe diff`` (e.g. the FSDP learner against a run's single-process learner,
+or a new vLLM build against an old capture)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from mismatch_probe.cli.app import app, console
+from mismatch_probe.errors import UsageError
+
+ENGINES = ("hf", "fsdp", "vllm")
+
+
+def _runner(engine: str, model_dir: Path, vocab: int, max_len: int, opts: dict[str, Any]) -> Any:
+    if engine == "vllm":
+        from mismatch_probe.probes.vllm.runner import VllmSampler
+
+        sampler = VllmSampler(model_dir, vocab, max_model_len=max_len, dtype=opts["dtype"], recipe=opts["recipe"],
+                              llm_kwargs=opts["engine_kwargs"])
+        sampler.info.auto.update(opts["engine_auto"])
+        return sampler
+    lkw = dict(opts["engine_kwargs"])
+    attn = lkw.pop("attn_implementation", "sdpa")
+    if engine == "fsdp":
+        from mismatch_probe.probes.fsdp.runner import FsdpLearner
+
+        return FsdpLearner(model_dir, vocab, micro_batch_size=opts["micro_batch_size"], dtype=opts["dtype"],
+                           nproc=opts["nproc"], timeout_s=opts["timeout"], attn_implementation=attn, model_kwargs=lkw)
+    from mismatch_probe.probes.hf.runner import HfLearner
+
+    return HfLearner(model_dir, vocab, micro_batch_size=opts["micro_batch_size"], dtype=opts["dtype"], recipe=opts["recipe"],
+                     attn_implementation=attn, model_kwargs=lkw)
+
+
+def _engine_args(engine: str, sampler_arg: list[str], learner_arg: list[str], model_dir: Path, plan: Any,
+                 recipe: str | None) -> tuple[dict[str, Any], dict[str, dict]]:
+    """The engine's typed --sampler-arg (vllm) or --learner-arg (hf, fsdp); the other side's is an error."""
+    from mismatch_probe.probes import engine_args
+
+    mine, other = ("--sampler-arg", "--learner-arg") if engine == "vllm" else ("--learner-arg", "--sampler-arg")
+    if (learner_arg if engine == "vllm" else sampler_arg):
+        raise UsageError(f"{other} does not apply to --engine {engine} (use {mine})")
+    if engine == "vllm":
+        raw = engine_args.split_pairs(sampler_arg, mine)
+        return engine_args.sampler_kwargs(raw, capture_on=plan is not None, recipe=recipe or "engine")
+    return engine_args.learner_kwargs(engine_args.split_pairs(learner_arg, mine), model_dir), {}
+
+
+@app.command("capture")
+def capture(
+    engine: str = typer.Option(..., "--engine", "-e", help="hf | fsdp | vllm"),
+    source: Path = typer.Option(..., "--from", help="A run directory whose sequences (sequences.parquet) are scored."),
+    out: Path = typer.Option(..., "--out", "-o", help="Capture directory to write."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Model (default: the run's learner model)."),
+    capture_mode: str = typer.Option("full", "--capture", help="off | digest | stats | full"),
+    capture_rule: list[str] = typer.Option([], "--capture-rule", help="GLOB=MODE[@START:END] (repeatable)."),
+    micro_batch_size: int = typer.Option(8, "--micro-batch-size"),
+    nproc: int = typer.Option(2, "--nproc", help="--engine fsdp: ranks."),
+    timeout: float = typer.Option(300.0, "--fsdp-timeout", help="--engine fsdp: seconds before a rank counts as hung."),
+    recipe: str | None = typer.Option(None, "--recipe", help="Alignment recipe (hf, vllm)."),
+    dtype: str = typer.Option("bfloat16", "--dtype"),
+    overwrite: bool = typer.Option(False, "--overwrite"),
+    sampler_arg: list[str] = typer.Option(
+        [], "--sampler-arg", help="--engine vllm: KEY=VALUE vLLM engine argument (repeatable)."
+    ),
+    learner_arg: list[str] = typer.Option(
+        [], "--learner-arg", help="--engine hf|fsdp: KEY=VALUE from_pretrained attn_implementation / config attribute."
+    ),
+) -> None:
+    """Score a run's sequences with ONE engine, capturing logprobs and ops (to `diff` later)."""
+    from mismatch_probe.families.models import resolve_model
+    from mismatch_probe.probes.capture import CapturePlan, CaptureRule
+    from mismatch_probe.run.rundir import RunWriter, load_manifest
+    from mismatch_probe.run.schema import read_table, write_table
+
+    if engine not in ENGINES:
+        raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    manifest = load_manifest(source)
+    if not (source / "sequences.parquet").exists():
+        raise UsageError(f"{source} has no sequences.parquet; run compare first")
+    seqs = read_table(source / "sequences.parquet", "sequences")
+    mi = resolve_model(model or manifest["config"]["model_dir"])
+    rules = [CaptureRule.parse(r) for r in capture_rule]
+    plan = CapturePlan(capture_mode, rules) if capture_mode != "off" or rules else None
+    d = seqs.to_pydict()
+    opts: dict[str, Any] = {"micro_batch_size": micro_batch_size, "dtype": dtype, "nproc": nproc, "timeout": timeout,
+                            "recipe": recipe, "sampler_args": list(sampler_arg), "learner_args": list(learner_arg)}
+    opts["engine_kwargs"], opts["engine_auto"] = _engine_args(engine, sampler_arg, learner_arg, mi.path, plan, recipe)
+    max_len = min(mi.max_positions, max(64, max(len(t) for t in d["token_ids"])))
+    side = "sampler" if engine == "vllm" else "learner"
+    with RunWriter(out, overwrite=overwrite) as run:
+        run.manifest["kind"] = "capture"
+        run.manifest["config"] = {
+            "engine": engine, "from": str(source), "model_dir": str(mi.path), "model_type": mi.model_type,
+            "num_layers": mi.num_layers, "capture": capture_mode, "capture_rules": list(capture_rule),
+            **{k: v for k, v in opts.items() if k not in ("engine_kwargs", "engine_auto")},
+        }
+        runner = _runner(engine, mi.path, mi.vocab_size, max_len, opts)
+        if engine == "fsdp":
+            runner.seq_meta = list(zip(d["seq_id"], d["prompt_id"], d["n_prompt"], strict=True))
+            runner.dataset_dest = run.path(f"{engine}/tokens_by_rank")
+            runner.ops_dataset_dest = run.path(f"{engine}/ops_by_rank")
+        with console.status(f"{engine}: loading and scoring {len(d['seq_id'])} sequences"), runner:
+            runner.capture = plan
+            scores = runner.score(d["token_ids"], d["seq_id"])
+            run.manifest["engines"][side] = {"engine": runner.info.engine, **runner.info.settings}
+            run.manifest["auto"].update({f"{engine}.{k}": v for k, v in runner.info.auto.items()})
+            run.manifest["notes"].extend(runner.info.notes)
+        from mismatch_probe.analysis.token_gaps import tokens_table
+        from mismatch_probe.probes.base import Rollout
+
+        rollouts = [Rollout(seq_id=s, prompt_id=p, prompt_ids=t[:n], response_ids=t[n:])
+                    for s, p, n, t in zip(d["seq_id"], d["prompt_id"], d["n_prompt"], d["token_ids"], strict=True)]
+        source_name = "prefill" if side == "sampler" else "learner"
+        write_table(run.path(f"{engine}/tokens.parquet"), tokens_table(rollouts, scores, source_name), "tokens")
+        if runner.ops is not None:
+            write_table(run.path(f"{engine}/ops.parquet"), runner.ops, "ops")
+        write_table(run.path("sequences.parquet"), seqs, "sequences")
+        path = run.finish()
+    console.print(f"capture written to [bold]{path}[/] ({engine}, {len(d['seq_id'])} sequences)")
+
+
+def _side_dir(arg: str) -> tuple[Path, str]:
+    """``DIR`` (a capture: its only engine folder) or ``RUN:learner`` / ``RUN:sampler``."""
+    path, _, side = arg.rpartition(":") if ":" in arg else (arg, "", "")
+    p = Path(path)
+    if side:
+        return p, side
+    sides = [c.name for c in p.iterdir() if c.is_dir() and (c / "tokens.parquet").exists()] if p.is_dir() else []
+    if len(sides) != 1:
+        raise UsageError(f"{arg}: name the side as DIR:SIDE (found {sides or 'none'})")
+    return p, sides[0]
+
+
+@app.command("diff")
+def diff(
+    a: str = typer.Argument(..., help="Reference: a capture dir, or RUN:learner / RUN:sampler."),
+    b: str = typer.Argument(..., help="The other side, same forms."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Folder for op_errors.parquet and summary.json."),
+) -> None:
+    """Compare two captures of the same sequences: token logprob gap and per-op errors."""
+    import numpy as np
+    import pyarrow as pa
+
+    from mismatch_probe.analysis.metrics import logprob_gap
+    from mismatch_probe.analysis.op_errors import op_errors
+    from mismatch_probe.run.rundir import load_manifest
+    from mismatch_probe.run.schema import atomic_write_json, read_table, write_table
+    from mismatch_probe.steps.bisect import first_divergent
+    from mismatch_probe.steps.ops_stage import read_ops
+
+    (pa_, sa), (pb, sb) = _side_dir(a), _side_dir(b)
+    ta = read_table(pa_ / sa / "tokens.parquet", "tokens").to_pandas()
+    tb = read_table(pb / sb / "tokens.parquet", "tokens").to_pandas()
+    ta, tb = ta[ta.source != "decode"], tb[tb.source != "decode"]
+    m = ta.merge(tb, on=["seq_id", "pos"], suffixes=("_a", "_b"))
+    if m.empty or not (m.token_id_a == m.token_id_b).all():
+        raise UsageError("the two captures did not score the same tokens (capture both --from the same run)")
+    resp = m[m.is_response_a]
+    summary: dict[str, Any] = {"a": a, "b": b, "n_tokens": len(m), "gap": logprob_gap(
+        resp.logprob_b.to_numpy(), resp.logprob_a.to_numpy(), seq_ids=resp.seq_id.to_numpy())}
+    summary["bitwise_equal_logprobs"] = bool(np.array_equal(m.logprob_a.to_numpy(), m.logprob_b.to_numpy()))
+    oa, ob = read_ops(pa_, sa), read_ops(pb, sb)
+    errs = None
+    if oa is not None and ob is not None:
+        n_layers = int(load_manifest(pa_)["config"].get("num_layers", 10_000))
+        errs = op_errors(oa, ob, n_layers)
+        summary["first_divergent"] = first_divergent(errs)
+    t = Table(title=f"diff {a} vs {b}")
+    t.add_column("check")
+    t.add_column("value", justify="right")
+    t.add_row("tokens compared", str(len(m)))
+    t.add_row("logprobs bitwise equal", str(summary["bitwise_equal_logprobs"]))
+    t.add_row("max |dlogp| (response)", f"{summary['gap']['max_abs_dlogp']:.3e}")
+    if errs is not None:
+        fd = summary["first_divergent"]["bitwise"]
+        t.add_row("ops compared", str(len(errs)))
+        t.add_row("first op not bitwise equal", fd["op"] if fd else "none (all equal)")
+    console.print(t)
+    if out is not None:
+        atomic_write_json(out / "summary.json", summary)
+        if errs is not None:
+            write_table(out / "op_errors.parquet", pa.Table.from_pandas(errs, preserve_index=False), "op_errors")
+        console.print(f"written {out}")

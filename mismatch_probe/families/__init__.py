@@ -1,0 +1,1 @@
+"""Model families: the canonical op vocabulary and model resolution."""

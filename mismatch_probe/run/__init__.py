@@ -1,0 +1,1 @@
+"""The run directory: versioned Parquet schema, atomic writes, the run writer and manifest."""

@@ -1,0 +1,173 @@
+"""``bisect``: where do the learner and the sampler part ways, and which op introduces what?
+
+1. first divergent op: in execution order, the first op whose outputs are not bitwise equal, and
+   the first whose relative L2 error exceeds its dtype's default tolerance;
+2. local error by input substitution: each engine's implementation of an op is run on the *other*
+   engine's captured input and compared with the other engine's output, which separates the error
+   an op introduces (local) from the error it inherits (its inputs already differ);
+3. ablation over alignment patches (where the alignment recipes are available).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mismatch_probe.analysis.op_errors import error_stats
+from mismatch_probe.errors import SchemaError
+from mismatch_probe.families.opnames import DEFAULT_RTOL, exec_order, split_op
+
+
+def first_divergent(errs: pd.DataFrame) -> dict[str, Any]:
+    """First op (execution order) not bitwise equal, and first over its dtype's tolerance."""
+    errs = errs.sort_values("exec_order", kind="stable")
+
+    def pick(mask: pd.Series) -> dict[str, Any] | None:
+        hit = errs[mask]
+        if hit.empty:
+            return None
+        r = hit.iloc[0]
+        return {
+            "op": r.op,
+            "layer": int(r.layer),
+            "exec_order": int(r.exec_order),
+            "bitwise_equal_frac": float(r.bitwise_equal_frac),
+            "rel_l2": None if pd.isna(r.rel_l2) else float(r.rel_l2),
+            "dtype": r["dtype"],
+        }
+
+    tol = errs.dtype.map(lambda d: DEFAULT_RTOL.get(str(d), 1e-2))
+    over = errs.rel_l2.notna() & (errs.rel_l2 > tol)
+    return {"bitwise": pick(errs.bitwise_equal_frac < 1.0), "tolerance": pick(over), "tolerances": DEFAULT_RTOL}
+
+
+def _tensors(df: pd.DataFrame, op: str, keys: list[tuple[int, int]]) -> Any:
+    """Captured values of ``op`` at ``keys`` as one torch tensor [len(keys), numel]."""
+    import torch
+
+    sub = df[df.op == op].set_index(["seq_id", "pos"]).loc[keys]
+    dtype = getattr(torch, sub.dtype.iloc[0])
+    buf = bytearray(b"".join(sub["values"].tolist()))
+    return torch.frombuffer(buf, dtype=dtype).reshape(len(keys), -1).clone()
+
+
+def _equal_rows(a: Any, b: Any) -> float:
+    """Share of rows of ``a`` bitwise equal to ``b``'s."""
+    if a.numel() != b.numel():
+        return 0.0
+    return float((a.reshape(b.shape) == b).all(1).float().mean())
+
+
+def _f64(t: Any) -> np.ndarray:
+    return t.detach().double().cpu().numpy()
+
+
+def local_errors(cfg: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFrame, engines: Any,
+                 max_rows: int = 256) -> tuple[list[dict[str, Any]], list[str]]:
+    """Input substitution for every replayable op both sides captured in ``full`` mode.
+
+    ``engines`` is a loaded :class:`Engines` (the sampler's and the learner's modules)."""
+    import torch
+
+    from mismatch_probe.probes.replay import hf_replay, op_inputs, vllm_replay
+
+    n_layers = int(cfg.get("num_layers", 0))
+    full_l = learner[learner["values"].notna()]
+    full_s = sampler[sampler["values"].notna()]
+    keys_l = full_l.groupby("op")[["seq_id", "pos"]].apply(lambda g: set(zip(g.seq_id, g.pos)))
+    keys_s = full_s.groupby("op")[["seq_id", "pos"]].apply(lambda g: set(zip(g.seq_id, g.pos)))
+    jobs: list[tuple[str, list[str], list[tuple[int, int]]]] = []
+    skipped: list[str] = []
+    available = set(keys_l.index) & set(keys_s.index)
+    for op in sorted(available, key=lambda o: exec_order(o, n_layers)):
+        ins = op_inputs(op, n_layers, available)
+        if ins is None or any(i not in available for i in ins):
+            skipped.append(op)
+            continue
+        common = set.intersection(keys_l[op], keys_s[op], *(keys_l[i] for i in ins), *(keys_s[i] for i in ins))
+        jobs.append((op, ins, sorted(common)[:max_rows]))
+    rows = []
+    for op, ins, keys in jobs:
+        pos = torch.tensor([p for _, p in keys], dtype=torch.long)
+        l_in, s_in = [_tensors(full_l, i, keys) for i in ins], [_tensors(full_s, i, keys) for i in ins]
+        lo, so = _tensors(full_l, op, keys), _tensors(full_s, op, keys)
+        si = engines.sampler.llm.apply_model(lambda model, op=op, xs=l_in, p=pos: vllm_replay(model, op, xs, p))[0]
+        li = hf_replay(engines.learner.model, op, s_in, pos)
+        layer, kind = split_op(op)
+        rows.append(
+            {
+                "op": op,
+                "layer": layer,
+                "kind": kind,
+                "exec_order": exec_order(op, n_layers),
+                "n_rows": len(keys),
+                "local_error": error_stats(_f64(si), _f64(lo))["rel_l2"] if si.numel() == lo.numel() else math.nan,
+                "local_bitwise_frac": _equal_rows(si, lo),
+                "reverse_local_error": error_stats(_f64(li), _f64(so))["rel_l2"] if li.numel() == so.numel() else math.nan,
+                "inherited_error": max(error_stats(_f64(x), _f64(y))["rel_l2"] for x, y in zip(s_in, l_in, strict=True)),
+                "total_error": error_stats(_f64(so), _f64(lo))["rel_l2"],
+            }
+        )
+    rows.sort(key=lambda r: (-(r["local_error"] if not math.isnan(r["local_error"]) else -1), r["exec_order"]))
+    return rows, skipped
+
+
+class Engines:
+    """Both engines loaded once for bisect: vLLM (with the alignment plugin built in but idle, so
+    ablation can switch op classes on and off between passes) and the HF learner."""
+
+    def __init__(self, cfg: dict[str, Any], align: bool) -> None:
+        """Each side runs the recipe it ran in the run (``config.recipes``); ``align`` (ablation,
+        engine recipes only) builds vLLM with the strict plugin, idle until switched on."""
+        from mismatch_probe.families.models import inspect_model_dir
+        from mismatch_probe.probes.hf.runner import HfLearner
+        from mismatch_probe.probes.vllm.runner import VllmSampler
+
+        self.align = align
+        ms, ml = inspect_model_dir(Path(cfg["sampler_model_dir"])), inspect_model_dir(Path(cfg["model_dir"]))
+        dtype = cfg.get("dtype", "bfloat16")
+        recipes = cfg.get("recipes") or {}
+        from mismatch_probe.probes import engine_args as ea
+
+        # the run's own engine settings (--sampler-arg / --learner-arg), checked again for this use
+        s_recipe = "strict" if align else recipes.get("sampler")
+        skw, sauto = ea.sampler_kwargs(ea.split_pairs(cfg.get("sampler_args"), "--sampler-arg"), capture_on=True,
+                                       recipe=s_recipe or "engine")
+        lkw = ea.learner_kwargs(ea.split_pairs(cfg.get("learner_args"), "--learner-arg"), ml.path)
+        self.sampler = VllmSampler(ms.path, ms.vocab_size, max_model_len=min(ms.max_positions, 512), dtype=dtype,
+                                   recipe=s_recipe, llm_kwargs=skw)
+        self.sampler.info.auto.update(sauto)
+        attn = lkw.pop("attn_implementation", "sdpa")
+        self.learner = HfLearner(ml.path, ml.vocab_size, dtype=dtype, recipe=None if align else recipes.get("learner"),
+                                 attn_implementation=attn, model_kwargs=lkw)
+
+    def __enter__(self) -> Engines:
+        self.sampler.__enter__()
+        if self.align:
+            from mismatch_probe.probes.vllm import plugin as vllm_plugin
+
+            self.sampler.llm.apply_model(vllm_plugin.tag_modules)
+            vllm_plugin.activate("strict", ops=[])  # built with the plugin; idle until ablation asks
+        self.learner.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.learner.__exit__(*exc)
+        self.sampler.__exit__(*exc)
+        if self.align:
+            from mismatch_probe.probes.vllm import plugin as vllm_plugin
+
+            vllm_plugin.deactivate()
+
+
+def load_op_errors(run_dir: Path) -> pd.DataFrame:
+    from mismatch_probe.run.schema import read_table
+
+    p = Path(run_dir) / "compare/op_errors.parquet"
+    if not p.exists():
+        raise SchemaError(f"{run_dir} has no op capture (compare/op_errors.parquet); run compare with --capture full")
+    return read_table(p, "op_errors").to_pandas()

@@ -1,0 +1,97 @@
+"""The op-capture and pre-flight parts of ``compare``: capture plans, tokenizer and weight parity,
+``ops.parquet`` per side, and ``compare/op_errors.parquet``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import pyarrow as pa
+
+from mismatch_probe.errors import UsageError
+from mismatch_probe.run.schema import atomic_write_json, read_table, write_table
+
+if TYPE_CHECKING:
+    from mismatch_probe.run.rundir import RunWriter
+    from mismatch_probe.steps.compare import CompareConfig, Prepared
+
+
+def capture_plan(cfg: CompareConfig) -> Any:
+    """The CapturePlan of ``--capture`` / ``--capture-rule`` (None when capture is off)."""
+    from mismatch_probe.probes.capture import CapturePlan, CaptureRule
+
+    rules = [CaptureRule.parse(r) for r in cfg.capture_rules]
+    if cfg.capture == "off" and not rules:
+        return None
+    return CapturePlan(cfg.capture, rules)
+
+
+def sampler_preflight(prep: Prepared, run: RunWriter, sampler: Any) -> None:
+    """With the sampler loaded: its tokenization of the prompts, and the weights it holds."""
+    from mismatch_probe.probes.parity import sampler_weight_digests
+
+    tok = sampler.llm.get_tokenizer()
+    mismatched = []
+    for i, (spec, ids) in enumerate(zip(prep.specs, prep.prompt_ids, strict=True)):
+        if spec.text is None:
+            continue
+        theirs = list(tok.encode(spec.text))
+        if theirs != ids:
+            mismatched.append({"prompt": i, "line": spec.line, "learner_ids": ids, "sampler_ids": theirs})
+    run.manifest.setdefault("parity", {})["tokenizer"] = {"ok": not mismatched, "mismatches": mismatched}
+    atomic_write_json(run.path("sampler/weights.json"), sampler_weight_digests(sampler.llm, prep.sampler_model.path))
+
+
+def learner_preflight(prep: Prepared, run: RunWriter, learner: Any) -> None:
+    """Compare the learner's weights with the digests the sampler stage recorded."""
+    import json
+
+    from mismatch_probe.probes.parity import weight_parity
+
+    path = run.path("sampler/weights.json")
+    if not path.exists():
+        return
+    model = getattr(learner, "model", None)
+    if model is None:  # e.g. FSDP: ranks load the learner checkpoint; compare with that
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(prep.model.path, dtype="auto")
+    res = weight_parity(model, json.loads(path.read_text()), prep.sampler_model.path)
+    run.manifest.setdefault("parity", {})["weights"] = {k: v for k, v in res.items() if k != "differences"} | {
+        "n_differences": len(res["differences"])
+    }
+    atomic_write_json(run.path("compare/weight_parity.json"), res)
+
+
+def write_ops(run: RunWriter, side: str, runner: Any) -> None:
+    if getattr(runner, "ops", None) is not None:
+        write_table(run.path(f"{side}/ops.parquet"), runner.ops, "ops")
+
+
+def read_ops(run_dir: Path, side: str) -> pd.DataFrame | None:
+    """``RUN/side/ops.parquet``, or the merged rank-partitioned dataset ``RUN/side/ops_by_rank``."""
+    run_dir = Path(run_dir)
+    f = run_dir / side / "ops.parquet"
+    if f.exists():
+        return read_table(f, "ops").to_pandas()
+    d = run_dir / side / "ops_by_rank"
+    if d.is_dir():
+        parts = [read_table(p, "ops").to_pandas() for p in sorted(d.rglob("*.parquet"))]
+        df = pd.concat(parts, ignore_index=True) if parts else None
+        if df is not None and df.duplicated(["op", "seq_id", "pos"]).any():
+            raise UsageError(f"{d}: an (op, seq_id, pos) row appears in more than one rank")
+        return df
+    return None
+
+
+def compare_ops(run_dir: Path, num_layers: int) -> pd.DataFrame | None:
+    """Write ``compare/op_errors.parquet`` when both sides captured ops."""
+    from mismatch_probe.analysis.op_errors import op_errors
+
+    learner, sampler = read_ops(run_dir, "learner"), read_ops(run_dir, "sampler")
+    if learner is None or sampler is None:
+        return None
+    errs = op_errors(learner, sampler, num_layers)
+    write_table(Path(run_dir) / "compare/op_errors.parquet", pa.Table.from_pandas(errs, preserve_index=False), "op_errors")
+    return errs

@@ -1,0 +1,1 @@
+"""The FSDP learner: the launcher-side runner and the per-rank worker."""

@@ -1,0 +1,1 @@
+"""The HF transformers learner: runner, op capture hooks, the recipe patch."""

@@ -1,0 +1,302 @@
+"""Learner side: put a recipe's ops into an HF transformers model, in place and undoable.
+
+``patch(model, recipe, ops=None, layers=None)`` replaces the ``forward`` of the chosen modules
+(instance attributes, so the module tree, names and hooks stay as they are; FSDP2's
+``fully_shard`` hooks still gather parameters before each forward) and returns a handle whose
+``undo()`` (or the end of its ``with`` block) restores every module exactly: the model then
+computes bit for bit what it computed before.
+
+``ops`` picks op classes (:data:`recipes.OP_KINDS`), ``layers`` picks decoder layers (modules
+outside the decoder layers, e.g. the embedding, the final norm and the LM head, follow ``ops``
+only): ``bisect``'s ablation applies subsets of both. Supported: Llama, Qwen3, Qwen3-MoE.
+``logsoftmax`` is not a module: the learner asks :func:`token_logprobs_fn` for it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from mismatch_probe.kernels.nvfp4.linear import CALIBRATION, NVFP4Linear, calibration_token_ids
+from mismatch_probe.kernels.recipes import OP_KINDS, Recipe, parse
+from mismatch_probe.kernels.strict import ops as so
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+class _PosEmb(tuple):
+    """HF's (cos, sin) plus the position ids, so patched attention can index its own table."""
+
+    positions: torch.Tensor
+
+
+class PatchHandle:
+    """Undo record of one :func:`patch`; a context manager."""
+
+    def __init__(self, recipe: Recipe, ops: frozenset[str], layers: frozenset[int] | None) -> None:
+        self.recipe = recipe
+        self.ops = ops
+        self.layers = layers
+        self.patched: list[str] = []  # qualified module names, in patch order
+        self.nvfp4: dict[str, NVFP4Linear] = {}
+        self._undo: list[tuple[torch.nn.Module, bool, Any]] = []
+
+    def _set(self, name: str, module: torch.nn.Module, fn: Callable[..., Any]) -> None:
+        had = "forward" in module.__dict__
+        self._undo.append((module, had, module.__dict__.get("forward")))
+        module.forward = types.MethodType(fn, module)
+        self.patched.append(name)
+
+    def undo(self) -> None:
+        for module, had, old in reversed(self._undo):
+            if had:
+                module.forward = old
+            else:
+                del module.forward
+        self._undo.clear()
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **self.recipe.describe(),
+            "patched_ops": sorted(self.ops),
+            "layers": None if self.layers is None else sorted(self.layers),
+            "n_modules_patched": len(self.patched),
+            "nvfp4": next(iter(self.nvfp4.values())).describe() if self.nvfp4 else None,
+            "nvfp4_kernels": {name: st.kernel_summary() for name, st in self.nvfp4.items()} or None,
+        }
+
+
+def _rope_base(config: Any, layer_type: str | None = None) -> float:
+    """The rope base of a layer: ``rope_parameters`` is one dict, or (Gemma 3: local and global
+    layers) one dict per layer type."""
+    rp = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and isinstance(rp.get(layer_type), dict):
+        rp = rp[layer_type]
+    if rp.get("rope_type", "default") not in ("default", None):
+        raise NotImplementedError(f"strict rope supports the default rope only, not {rp.get('rope_type')!r}")
+    base = rp.get("rope_theta", getattr(config, "rope_theta", None))
+    if base is None:
+        raise NotImplementedError("strict rope: the config names no rope_theta")
+    return float(base)
+
+
+def _attention_forward(self: Any, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+                       past_key_values: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Llama/Qwen3 attention with the strict rope and/or strict attention (right padding / none)."""
+    b, t = hidden_states.shape[:2]
+    shape = (b, t, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(shape)
+    k = self.k_proj(hidden_states).view(shape)
+    v = self.v_proj(hidden_states).view(shape)
+    if hasattr(self, "q_norm"):
+        q, k = self.q_norm(q), self.k_norm(k)
+    if self._mp_rope:
+        pos = position_embeddings.positions.expand(b, t)
+        q, k = so.rope(q, pos, self._mp_rope_base), so.rope(k, pos, self._mp_rope_base)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    else:
+        cos, sin = position_embeddings
+        q, k = self._mp_apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    v = v.transpose(1, 2)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    if self._mp_attn:
+        if getattr(self, "attn_logit_softcapping", None):
+            raise NotImplementedError("strict attention: no logit soft cap")
+        qpos = torch.arange(t, device=q.device)
+        qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, T, H, D]
+        window = getattr(self, "sliding_window", None)
+        outs = [so.attention(qs[i], ks[i], vs[i], qpos, self.scaling, window) for i in range(b)]
+        out = torch.stack(outs).reshape(b, t, -1)
+    else:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._mp_eager)
+        out, _ = fn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                    sliding_window=getattr(self, "sliding_window", None), **kwargs)
+        out = out.reshape(b, t, -1)
+    return self.o_proj(out.contiguous()), None
+
+
+def _linear_fn(recipe: Recipe, handle: PatchHandle, name: str) -> Callable[..., torch.Tensor]:
+    if recipe.nvfp4:
+        state = handle.nvfp4.setdefault(name, NVFP4Linear(recipe.linear))
+
+        def fwd(self: Any, x: torch.Tensor) -> torch.Tensor:
+            return state(x, self.weight, self.bias)
+
+        return fwd
+
+    def strict_fwd(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return so.linear(x, self.weight, self.bias)
+
+    return strict_fwd
+
+
+def _moe_fns(recipe: Recipe, handle: PatchHandle, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    state = handle.nvfp4.setdefault(name, NVFP4Linear(recipe.linear)) if recipe.nvfp4 else None
+
+    def router(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = hidden_states.reshape(-1, self.hidden_dim)
+        logits = so.linear(h, self.weight)
+        w, ids = so.moe_route(logits, self.top_k, self.norm_topk_prob)
+        return logits, w, ids
+
+    def experts(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        fn = None if state is None else (lambda x, w, key: state(x, w, key=key))
+        return so.moe_experts(hidden_states, top_k_weights, top_k_index, self.gate_up_proj, self.down_proj, fn)
+
+    return router, experts
+
+
+# HF activation modules -> the strict activation of the same function (kernels.strict_ops.ACTIVATIONS)
+HF_ACTIVATIONS = {
+    "SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+    "GELUActivation": "gelu",
+}
+
+
+def _strict_act(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    name = HF_ACTIVATIONS.get(type(module).__name__)
+    if name is None:
+        raise NotImplementedError(f"strict act: no strict version of {type(module).__name__}")
+    return so.ACTIVATIONS[name]
+
+
+def _kind(name: str, module: torch.nn.Module, lm_head: torch.nn.Module, embed: torch.nn.Module) -> str | None:
+    cls = type(module).__name__
+    if module is embed:
+        return "embedding"
+    if module is lm_head:
+        return "logits"
+    if cls.endswith("RMSNorm"):
+        return "norm"
+    if cls.endswith("RotaryEmbedding"):
+        return "rope"
+    if cls.endswith("Attention"):
+        return "attention"
+    if cls.endswith("SparseMoeBlock"):
+        return "moe"
+    if isinstance(module, torch.nn.Linear) and _LAYER.search(name):
+        return "linear"
+    if name.endswith("mlp.act_fn"):
+        return "act"
+    return None
+
+
+def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | None = None,
+          layers: Iterable[int] | None = None, *, norm_unit_offset: bool = False) -> PatchHandle:
+    """Patch ``model`` (an HF causal LM, possibly FSDP2-sharded) with ``recipe``'s ops.
+
+    ``norm_unit_offset``: the model's RMSNorms scale by ``1 + w`` (Gemma). Per-layer rope bases
+    (``rope_parameters`` per layer type), sliding-window layers (``sliding_window`` of the
+    attention module), the activation (by its HF class) and a scaled embedding (``embed_scale``
+    of the embedding module) are read from the model."""
+    r = parse(recipe) if isinstance(recipe, str) else recipe
+    chosen = r.ops() if ops is None else frozenset(ops) & r.ops()
+    bad = set(ops or ()) - set(OP_KINDS)
+    if bad:
+        raise ValueError(f"unknown op classes {sorted(bad)}; choose from {OP_KINDS}")
+    lset = None if layers is None else frozenset(layers)
+    h = PatchHandle(r, chosen, lset)
+    lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    for name, mod in list(model.named_modules()):
+        kind = _kind(name, mod, lm_head, embed)
+        m = _LAYER.search(name)
+        if kind is None or (lset is not None and m is not None and int(m.group(1)) not in lset):
+            continue
+        if kind == "attention":
+            rope_on, attn_on = "rope" in chosen, "attention" in chosen
+            if not (rope_on or attn_on):
+                continue
+            mod._mp_rope, mod._mp_attn = rope_on, attn_on
+            mod._mp_rope_base = _rope_base(model.config, getattr(mod, "layer_type", None))
+            modeling = sys.modules[type(mod).__module__]
+            mod._mp_apply_rope, mod._mp_eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
+            h._set(name, mod, _attention_forward)
+        elif kind not in chosen:
+            continue
+        elif kind == "embedding":
+            h._set(name, mod, lambda self, ids: so.embedding(ids, self.weight, getattr(self, "embed_scale", None)))
+        elif kind == "norm":
+            h._set(name, mod, _norm_fn(norm_unit_offset))
+        elif kind == "act":
+            act = _strict_act(mod)
+            h._set(name, mod, lambda self, x, _act=act: _act(x))
+        elif kind == "logits":
+            h._set(name, mod, lambda self, x: so.linear(x, self.weight, self.bias))
+        elif kind == "linear":
+            h._set(name, mod, _linear_fn(r, h, name))
+        elif kind == "rope":
+            orig = mod.forward
+
+            def rope_fwd(self: Any, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, _orig: Any = orig,
+                         **kwargs: Any) -> _PosEmb:
+                out = _PosEmb(_orig(x, position_ids, *args, **kwargs))
+                out.positions = position_ids
+                return out
+
+            h._set(name, mod, rope_fwd)
+        elif kind == "moe":
+            router, experts = _moe_fns(r, h, name)
+            h._set(f"{name}.gate", mod.gate, router)
+            h._set(f"{name}.experts", mod.experts, experts)
+    return h
+
+
+def _norm_fn(unit_offset: bool) -> Callable[..., torch.Tensor]:
+    def fwd(self: Any, x: torch.Tensor) -> torch.Tensor:
+        eps = getattr(self, "variance_epsilon", None)
+        return so.rmsnorm(x, self.weight, self.eps if eps is None else eps, unit_offset=unit_offset)
+
+    return fwd
+
+
+def token_logprobs_fn(recipe: Recipe | str | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``f(logits [B, T, V], ids [B, T]) -> [B, T-1]`` fp32 logprob of ``ids[:, 1:]``: the strict
+    log-softmax under a strict recipe, torch's otherwise (HfLearner's default)."""
+    r = parse(recipe) if isinstance(recipe, str) else (recipe or Recipe())
+
+    def f(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        lg = logits[:, :-1]
+        lp = so.log_softmax_fp32(lg) if "logsoftmax" in r.ops() else torch.log_softmax(lg.float(), dim=-1)
+        return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+    return f
+
+
+def log_softmax_fn(recipe: Recipe | str | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``f(logits [..., V]) -> fp32 log-probabilities [..., V]``, the same function as
+    :func:`token_logprobs_fn` gathers from (the strict log-softmax under a strict recipe)."""
+    r = parse(recipe) if isinstance(recipe, str) else (recipe or Recipe())
+    if "logsoftmax" in r.ops():
+        return so.log_softmax_fp32
+    return lambda lg: torch.log_softmax(lg.float(), dim=-1)
+
+
+def calibrate(model: torch.nn.Module, handle: PatchHandle, vocab_size: int) -> int:
+    """``nvfp4-static``: run the fixed calibration set (one sequence at a time, no padding) with
+    the static linears recording input amax. Returns the number of calibrated linears."""
+    states = [s for s in handle.nvfp4.values() if s.scheme.static]
+    if not states:
+        return 0
+    dev = next(model.parameters()).device
+    CALIBRATION["on"] = True
+    try:
+        with torch.inference_mode():
+            for seq in calibration_token_ids(vocab_size):
+                model(input_ids=torch.tensor([seq], device=dev))
+    finally:
+        CALIBRATION["on"] = False
+    return len(states)

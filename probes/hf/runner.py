@@ -1,0 +1,185 @@
+"""HF transformers learner adapter: teacher-forced forward, fp32 log-softmax."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.probes.base import Runner
+
+
+def token_logprobs(logits: Any, ids: Any) -> Any:
+    """fp32 log-softmax of ``logits[b, t]`` gathered at ``ids[b, t + 1]``: shape [B, T - 1]."""
+    import torch
+
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def record_topk(
+    log_softmax: Any,
+    logits: Any,
+    ids: Any,
+    chunk: list[list[int]],
+    seq_ids: list[int],
+    k: int,
+    support: dict[int, dict[str, np.ndarray]],
+) -> dict[int, dict[str, np.ndarray]]:
+    """From the full distribution of one micro-batch, on its device, one host copy at the end:
+    per sequence ``topk_ids``/``topk_logprobs`` [len-1, K], ``entropy`` and ``rank`` (of the scored
+    token, 1 = most likely) [len-1], and ``lp_at_NAME_topk`` [len-1, K2]: the logprobs at the sampler's
+    top-K ids of each support NAME (NaN where the sampler gave none)."""
+    import torch
+
+    lpf = log_softmax(logits[:, :-1])  # [B, T-1, V] fp32
+    tok = ids[:, 1:]
+    lp_tok = lpf.gather(-1, tok.unsqueeze(-1))
+    top_v, top_i = lpf.topk(k, dim=-1)
+    ent = -(lpf.exp() * lpf).nan_to_num(nan=0.0).sum(-1)
+    rank = (lpf > lp_tok).sum(-1) + 1
+    res = {"topk_ids": top_i, "topk_logprobs": top_v, "entropy": ent, "sampled_rank": rank}
+    names = sorted({n for sid in seq_ids for n in support.get(sid, {})})
+    b, t = tok.shape
+    for name in names:
+        kk = next(support[sid][name].shape[1] for sid in seq_ids if name in support.get(sid, {}))
+        sup = torch.full((b, t, kk), -1, dtype=torch.long)
+        for i, sid in enumerate(seq_ids):
+            a = support.get(sid, {}).get(name)
+            if a is not None:
+                sup[i, : a.shape[0]] = torch.from_numpy(a)
+        sup = sup.to(lpf.device)
+        at = lpf.gather(-1, sup.clamp(min=0))
+        res[f"lp_at_{name}_topk"] = torch.where(sup >= 0, at, torch.full_like(at, float("nan")))
+    host = {key: v.cpu().numpy() for key, v in res.items()}
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for i, (sid, s) in enumerate(zip(seq_ids, chunk, strict=True)):
+        n = len(s) - 1
+        out[sid] = {key: v[i, :n].copy() for key, v in host.items()}
+    return out
+
+
+class HfLearner(Runner):
+    """Single-process HF model, micro-batched with right padding (as RL learners do)."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        vocab_size: int,
+        *,
+        micro_batch_size: int = 8,
+        dtype: str = "bfloat16",
+        device: str | None = None,
+        attn_implementation: str = "sdpa",
+        progress: Any = None,
+        recipe: str | None = None,
+        recipe_ops: set[str] | None = None,
+        recipe_layers: set[int] | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(vocab_size)
+        self.model_dir = Path(model_dir)
+        self.recipe = recipe  # kernels.recipes name (None / 'engine': the model's own ops)
+        self.recipe_ops = recipe_ops  # subset of op classes / decoder layers patched (bisect's ablation)
+        self.recipe_layers = recipe_layers
+        self._patch: Any = None
+        self.micro_batch_size = micro_batch_size
+        self.dtype = dtype
+        self.device = device
+        self.attn_implementation = attn_implementation
+        self.model_kwargs = dict(model_kwargs or {})  # --learner-arg: other from_pretrained kwargs (config overrides)
+        self.progress = progress  # callable(n_done) or None
+        self.model: Any = None
+        self.topk = 0  # --topk K: record own top-K, entropy, sampled-token rank, logprobs at the sampler's top-K
+        self.topk_support: dict[int, dict[str, np.ndarray]] = {}  # seq_id -> name -> sampler ids [len-1, K] (-1: none)
+        self.topk_out: dict[int, dict[str, np.ndarray]] = {}  # seq_id -> recorded arrays (see record_topk)
+
+    def _load_impl(self) -> None:
+        import torch
+        import transformers
+
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.info.auto["device"] = {"value": self.device, "reason": "CUDA available" if self.device == "cuda" else "no CUDA"}
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation,
+            **self.model_kwargs,
+        ).to(self.device)
+        self.model.eval()
+        self._apply_recipe()
+        self.info.settings.update(
+            {
+                "dtype": self.dtype,
+                "device": self.device,
+                "micro_batch_size": self.micro_batch_size,
+                "padding_side": "right",
+                "attn_implementation": self.attn_implementation,
+                **({"learner_args": dict(self.model_kwargs)} if self.model_kwargs else {}),
+                "logsoftmax_dtype": "float32",
+                "transformers_version": transformers.__version__,
+            }
+        )
+
+    def _apply_recipe(self) -> None:
+        """Patch the model's ops with the recipe (kernels.patch_hf); calibrate static NVFP4 scales."""
+        from mismatch_probe.kernels.recipes import parse
+        from mismatch_probe.probes.hf.patch import calibrate, patch, token_logprobs_fn
+
+        r = parse(self.recipe or "engine")
+        self._logprobs = token_logprobs_fn(r)
+        from mismatch_probe.probes.hf.patch import log_softmax_fn
+
+        self._log_softmax = log_softmax_fn(r)
+        if r.is_engine:
+            self.info.settings["recipe"] = r.describe()
+            return
+        self._patch = patch(self.model, r, ops=self.recipe_ops, layers=self.recipe_layers)
+        n_cal = calibrate(self.model, self._patch, self.vocab_size)
+        self.info.settings["recipe"] = self._patch.describe() | {"calibrated_linears": n_cal}
+
+    def _unload_impl(self) -> None:
+        if self._patch is not None:
+            self._patch.undo()
+            self._patch = None
+        self.model = None
+
+    def _score_impl(self, seqs: list[list[int]], seq_ids: list[int]) -> list[np.ndarray]:
+        import contextlib
+
+        import torch
+
+        from mismatch_probe.probes.capture import OpRecorder
+        from mismatch_probe.probes.hf.capture import HfCapture
+
+        out: list[np.ndarray] = []
+        mb = self.micro_batch_size
+        rec = OpRecorder(self.capture) if self.capture is not None else None
+        cap = HfCapture(self.model, rec) if rec is not None else None
+        with torch.inference_mode(), cap if cap is not None else contextlib.nullcontext():
+            for start in range(0, len(seqs), mb):
+                chunk = seqs[start : start + mb]
+                if cap is not None:
+                    cap.set_batch(seq_ids[start : start + mb], [len(s) for s in chunk], max(len(s) for s in chunk))
+                width = max(len(s) for s in chunk)
+                ids = torch.zeros(len(chunk), width, dtype=torch.long)
+                mask = torch.zeros(len(chunk), width, dtype=torch.long)
+                for i, s in enumerate(chunk):
+                    ids[i, : len(s)] = torch.tensor(s)
+                    mask[i, : len(s)] = 1
+                ids, mask = ids.to(self.device), mask.to(self.device)
+                logits = self.model(input_ids=ids, attention_mask=mask).logits
+                lp = self._logprobs(logits, ids).double().cpu().numpy()
+                out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
+                if self.topk:
+                    batch_ids = seq_ids[start : start + mb]
+                    top = record_topk(self._log_softmax, logits, ids, chunk, batch_ids, self.topk, self.topk_support)
+                    self.topk_out.update(top)
+                if self.progress is not None:
+                    self.progress(len(chunk))
+        if rec is not None:
+            self.ops = rec.table()
+            self.info.settings["unobservable_ops"] = list(HfCapture.unobservable)
+        return out

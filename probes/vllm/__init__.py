@@ -1,0 +1,1 @@
+"""The vLLM sampler: runner, op capture hooks, the plugin that installs recipes."""

