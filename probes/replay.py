@@ -64,7 +64,9 @@ def _hf_rope(model: Any, attn: Any, xs: list[Any], pos: Any, which: int) -> Any:
 
     rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
     q, k = (_heads(x, attn.head_dim).transpose(0, 1).unsqueeze(0) for x in xs)  # [1, heads, tokens, dim]
-    cos, sin = model.model.rotary_emb(q, pos.unsqueeze(0))
+    rotary = model.model.rotary_emb
+    per_type = (attn.layer_type,) if getattr(rotary, "layer_types", None) else ()  # a table per layer type (Gemma 3)
+    cos, sin = rotary(q, pos.unsqueeze(0), *per_type)
     out = rope(q, k, cos, sin)[which]
     return out.squeeze(0).transpose(0, 1)
 

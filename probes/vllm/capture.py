@@ -73,6 +73,7 @@ class VllmCapture:
         self.unobservable: list[str] = []
         self.num_layers = 0
         self._cur_layer = -1
+        self._shared: set[int] = set()  # ids of modules shared by layers (hooked once, named by _cur_layer)
         self._pending_ids: Any = None
 
     # ---- token mapping -------------------------------------------------------------------
@@ -208,7 +209,9 @@ class VllmCapture:
                 self._rec(f"{i}.mlp.up", u)
 
             self.hooks.fwd(mlp.gate_up_proj, gate_up)
-            self.hooks.fwd(mlp.act_fn, lambda o: self._rec(f"{i}.mlp.act", first(o)))
+            if id(mlp.act_fn) not in self._shared:  # one module may serve every layer (vLLM's GeluAndMul)
+                self._shared.add(id(mlp.act_fn))
+                self.hooks.fwd(mlp.act_fn, lambda o: self._rec(f"{self._cur_layer}.mlp.act", first(o)))
             self.hooks.fwd(mlp.down_proj, lambda o: self._rec(f"{i}.mlp.down", first(o)))
         else:
             self.hooks.fwd(mlp.gate, lambda o: self._rec(f"{i}.moe.router_logits", first(o)))

@@ -81,21 +81,38 @@ def _on(op: str, module: Any = None) -> bool:
     if layers is None or module is None:
         return True
     idx = getattr(module, "_mp_layer", None)
+    if idx == SHARED:  # one module serves several layers (vLLM's shared rotary, GeluAndMul)
+        idx = _STATE.get("cur_layer")
     return idx is None or idx in layers
 
 
+SHARED = -1  # ``_mp_layer`` of a module that several decoder layers call
+
+
 def tag_modules(model: torch.nn.Module) -> int:
-    """``LLM.apply_model`` helper: record each module's decoder-layer index (for ``layers=``)."""
-    n = 0
-    for name, mod in model.named_modules():
+    """``LLM.apply_model`` helper: record each module's decoder-layer index (for ``layers=``).
+
+    A module reached from several layers (vLLM shares one rotary embedding between layers, and one
+    ``GeluAndMul`` instance) is tagged :data:`SHARED`: it then follows the layer being computed,
+    which a pre-hook on every decoder layer records."""
+    seen: dict[int, set[int]] = {}
+    mods: dict[int, torch.nn.Module] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
         m = _LAYER.search(name)
         if m:
-            mod._mp_layer = int(m.group(1))
-            impl = getattr(mod, "impl", None)
-            if impl is not None:
-                impl._mp_layer = int(m.group(1))
-            n += 1
-    return n
+            seen.setdefault(id(mod), set()).add(int(m.group(1)))
+            mods[id(mod)] = mod
+            if name.endswith(f"layers.{m.group(1)}") and not getattr(mod, "_mp_layer_hook", False):
+                mod.register_forward_pre_hook(lambda _m, _a, i=int(m.group(1)): _STATE.__setitem__("cur_layer", i))
+                mod._mp_layer_hook = True
+    for key, idxs in seen.items():
+        mod = mods[key]
+        tag = next(iter(idxs)) if len(idxs) == 1 else SHARED
+        mod._mp_layer = tag
+        impl = getattr(mod, "impl", None)
+        if impl is not None:
+            impl._mp_layer = tag
+    return len(seen)
 
 
 # --- the overrides -------------------------------------------------------------------------

@@ -183,3 +183,40 @@ def test_hf_patch_gemma3_strict_bitwise_alone_equals_batch_close_to_engine_and_u
     wide.load_state_dict(model.state_dict())
     with patch(wide, "strict", norm_unit_offset=True):
         assert not torch.equal(_logprobs(wide, [seqs[3]], strict=True)[0], batch[3])
+
+
+def test_plugin_layer_subsets_follow_the_calling_layer_for_shared_modules() -> None:
+    """vLLM shares one rotary embedding (and one GeluAndMul) between decoder layers: a layer
+    subset (bisect's ablation) must switch such a module on only while those layers run."""
+    from mismatch_probe.kernels import vllm_plugin as vp
+
+    calls: list[bool] = []
+
+    class Shared(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(vp._on("rope", self))
+            return x
+
+    class Layer(torch.nn.Module):
+        def __init__(self, shared: torch.nn.Module) -> None:
+            super().__init__()
+            self.rotary_emb, self.own = shared, torch.nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rotary_emb(self.own(x))
+
+    shared = Shared()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Layer(shared) for _ in range(3)])
+    vp.tag_modules(model)
+    assert shared._mp_layer == vp.SHARED and model.layers[2].own._mp_layer == 2
+    saved = dict(vp._STATE)
+    try:
+        vp._STATE.update(ops=frozenset({"rope"}), layers=frozenset({1}))
+        x = torch.zeros(1)
+        for layer in model.layers:
+            layer(x)
+        assert calls == [False, True, False]
+    finally:
+        vp._STATE.clear()
+        vp._STATE.update(saved)
