@@ -1,0 +1,108 @@
+"""Recipe patches for model families beyond Llama/Qwen3, without vLLM: the HF patch on a Gemma 3
+text model built here ((1 + w) norms, scaled embedding, GELU-tanh, per-layer rope bases, sliding
+window) and the vLLM plugin's layer tagging of modules that several layers share.
+
+Bitwise tests assert exact equality (``torch.equal``) and say so in their names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _gemma3(window: int = 6) -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+    )
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # HF initializes Gemma's norm weights to 0 (scale 1 + 0): make them matter
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return m.to(torch.bfloat16).eval()
+
+
+def _logprobs(model: torch.nn.Module, batch: list[list[int]], strict: bool) -> list[torch.Tensor]:
+    from mismatch_probe.probes.hf.patch import token_logprobs_fn
+
+    width = max(len(s) for s in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(batch):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    with torch.inference_mode():
+        lp = token_logprobs_fn("strict" if strict else None)(model(input_ids=ids, attention_mask=mask).logits, ids)
+    return [lp[i, : len(s) - 1].clone() for i, s in enumerate(batch)]
+
+
+def test_hf_patch_gemma3_strict_bitwise_alone_equals_batch_close_to_engine_and_undoes() -> None:
+    """(1 + w) norms, the scaled embedding, GELU-tanh, per-layer rope bases and the sliding window
+    all go through the strict patch: a sequence alone == in a padded batch (bitwise), the strict
+    logprobs are close to HF's own (so no scale or offset is lost), and undo restores HF exactly."""
+    from mismatch_probe.probes.hf.patch import patch
+
+    model = _gemma3(window=6)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 11, 27)]  # longer than the window
+    engine = _logprobs(model, seqs, strict=False)
+    with patch(model, "strict", norm_unit_offset=True) as h:
+        attn = [model.model.layers[i].self_attn for i in (0, 1)]
+        assert [a._mp_rope_base for a in attn] == [10_000.0, 1_000_000.0]
+        assert any(n.endswith("mlp.act_fn") for n in h.patched) and "model.embed_tokens" in h.patched
+        batch = _logprobs(model, seqs, strict=True)
+        for i in (0, 3):
+            assert torch.equal(_logprobs(model, [seqs[i]], strict=True)[0], batch[i])
+    gap = max(float((a - b).abs().max()) for a, b in zip(batch, engine, strict=True))
+    assert 0 < gap < 0.05, gap
+    after = _logprobs(model, seqs, strict=False)
+    assert all(torch.equal(a, b) for a, b in zip(engine, after, strict=True))
+    # the window matters: without it (a window as long as the sequences) the strict logprobs change
+    wide = _gemma3(window=64)
+    wide.load_state_dict(model.state_dict())
+    with patch(wide, "strict", norm_unit_offset=True):
+        assert not torch.equal(_logprobs(wide, [seqs[3]], strict=True)[0], batch[3])
+
+
+def test_plugin_layer_subsets_follow_the_calling_layer_for_shared_modules() -> None:
+    """vLLM shares one rotary embedding (and one GeluAndMul) between decoder layers: a layer
+    subset (bisect's ablation) must switch such a module on only while those layers run."""
+    from mismatch_probe.probes.vllm import plugin as vp
+
+    calls: list[bool] = []
+
+    class Shared(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(vp._on("rope", self))
+            return x
+
+    class Layer(torch.nn.Module):
+        def __init__(self, shared: torch.nn.Module) -> None:
+            super().__init__()
+            self.rotary_emb, self.own = shared, torch.nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rotary_emb(self.own(x))
+
+    shared = Shared()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Layer(shared) for _ in range(3)])
+    vp.tag_modules(model)
+    assert shared._mp_layer == vp.SHARED and model.layers[2].own._mp_layer == 2
+    saved = dict(vp._STATE)
+    try:
+        vp._STATE.update(ops=frozenset({"rope"}), layers=frozenset({1}))
+        x = torch.zeros(1)
+        for layer in model.layers:
+            layer(x)
+        assert calls == [False, True, False]
+    finally:
+        vp._STATE.clear()
+        vp._STATE.update(saved)
