@@ -283,8 +283,8 @@ def moe() -> None:
 def decode() -> None:
     """Decode-path variants (bytes in flight per SM: chunks per step x stages; warps), rows vs prefill."""
     from mismatch_probe.kernels import moe_route, nvfp4_quantize, quantize_expert_weights
-    from mismatch_probe.kernels import tc_linear as T
-    from mismatch_probe.kernels.grouped_gemm import gather_rows
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.kernels.nvfp4.grouped import gather_rows
 
     n = k = 8192
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)

@@ -90,7 +90,7 @@ class NVFP4Linear:
         self._wcache: dict[Any, tuple[tuple[Any, ...], list[NVFP4Tensor]]] = {}
         self._tcache: dict[Any, tuple[tuple[Any, ...], list[Any]]] = {}
         self.paths_used: dict[str, int] = {}  # "reference" | "triton:decode" | "triton:prefill" -> calls
-        self.kernel: dict[str, Any] | None = None  # the last Triton kernel record (config, versions)
+        self._last: tuple[int, Any] | None = None  # (M, TCWeight) of the last Triton call
 
     def weight(self, w: torch.Tensor, key: Any = None) -> list[NVFP4Tensor]:
         """Quantized shards of ``w [N, K]`` (computed once per weight version)."""
@@ -122,21 +122,23 @@ class NVFP4Linear:
         return tws
 
     def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any) -> torch.Tensor:
-        from .tc_linear import kernel_record, tc_linear, tc_matmul
+        from .quant_fast import MAX_K, quantize_rows
+        from .tc_linear import OP_DTYPE, choose, tc_matmul
         from .triton_quant import nvfp4_quantize
 
         tws = self.prepared(w, key)
         x2 = x2.detach().contiguous()
-        if self.scheme.per_token:
-            ys = [tc_linear(x2, tw) for tw in tws]
+        op = None
+        if self.scheme.per_token and x2.shape[1] <= MAX_K:  # one pass: codes, scales, amax and the fp16 operand
+            codes, scales, amax_t, op = quantize_rows(x2, None, True, emit_op=OP_DTYPE)
+            qa = NVFP4Tensor(codes, scales, amax_t, True)
         else:
-            qa = nvfp4_quantize(x2, per_token=False, amax=amax)
-            ys = [tc_matmul(qa, tw) for tw in tws]
-        rec = kernel_record(x2.shape[0], tws[0])
-        tag = f"triton:{rec['path']}"
+            qa = nvfp4_quantize(x2, per_token=self.scheme.per_token, amax=amax)
+        ys = [tc_matmul(qa, tw, a_op=op) for tw in tws]  # the activation is quantized once for all shards
+        tag = f"triton:{choose(x2.shape[0], tws[0])}"
         self.paths_used[tag] = self.paths_used.get(tag, 0) + 1
-        self.kernel = rec
-        return torch.cat(ys, dim=-1)
+        self._last = (x2.shape[0], tws[0])
+        return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, key: Any = None) -> torch.Tensor:
         shape = x.shape
@@ -164,7 +166,12 @@ class NVFP4Linear:
     def kernel_summary(self) -> dict[str, Any]:
         """What computed this linear so far: backend per path with call counts, the last Triton
         kernel's config, Triton / torch / CUDA versions (for the run manifest)."""
-        return {"paths_used": dict(sorted(self.paths_used.items())), "kernel": self.kernel}
+        kernel = None
+        if self._last is not None:
+            from .tc_linear import kernel_record
+
+            kernel = kernel_record(*self._last)
+        return {"paths_used": dict(sorted(self.paths_used.items())), "kernel": kernel}
 
     def describe(self) -> dict[str, Any]:
         s = self.scheme

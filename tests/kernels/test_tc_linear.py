@@ -76,23 +76,24 @@ def test_bad_calls_are_one_line_errors():
         T.tc_matmul(a48, w, path="fast")
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4-per-token", "nvfp4-dynamic-tensor"])
-def test_nvfp4_linear_runs_the_kernels_when_selected(monkeypatch, scheme):
+@pytest.mark.parametrize("scheme,parts", [("nvfp4-per-token", None), ("nvfp4-dynamic-tensor", None),
+                                          ("nvfp4-per-token", [32, 16])])
+def test_nvfp4_linear_runs_the_kernels_when_selected(monkeypatch, scheme, parts):
     """The recipes' linear calls the tensor-core kernels where use_kernels() says so (CUDA + bf16;
     forced here onto the interpreter), within the GEMM tolerance of its reference path, and says
     which path ran."""
     x = torch.randn(2, 5, 64, generator=_g(8)).to(torch.bfloat16)
     w = torch.randn(48, 64, generator=_g(9)).to(torch.bfloat16)
-    ref_lin = NL.NVFP4Linear(scheme)
+    ref_lin = NL.NVFP4Linear(scheme, parts)
     y_ref = ref_lin(x, w)
     assert ref_lin.kernel_summary()["paths_used"] == {"reference": 1}
     monkeypatch.setattr(NL, "use_kernels", lambda t: True)
-    lin = NL.NVFP4Linear(scheme)
+    lin = NL.NVFP4Linear(scheme, parts)
     y = lin(x, w)
     assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
     summary = lin.kernel_summary()
     assert summary["paths_used"] == {"triton:decode": 1} and summary["kernel"]["path"] == "decode"
-    assert summary["kernel"]["config"]["NSEG"] == T.nseg_for(48, 64)
+    assert summary["kernel"]["config"]["NSEG"] == T.nseg_for(parts[0] if parts else 48, 64)
     same = (y.view(torch.int16) == y_ref.view(torch.int16)).float().mean().item()
     assert same >= 0.99 and (y.float() - y_ref.float()).abs().max().item() <= 2 ** -6 * y_ref.float().abs().max().item()
     assert lin.describe()["kernels"] == summary
