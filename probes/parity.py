@@ -4,12 +4,15 @@ A weight-sync bug looks exactly like a kernel mismatch downstream, so ``compare`
 Parameters are named as in the HF checkpoint; vLLM's fused parameters are split back
 (``qkv_proj`` -> q/k/v, ``gate_up_proj`` -> gate/up). vLLM's CPU backend repacks linear weights
 into its own layout and empties the original parameter: for those the digest is taken from the
-checkpoint the sampler loaded (``source: "checkpoint"``).
+checkpoint the sampler loaded (``source: "checkpoint"``), cast to the engine's dtype; so are the
+MoE expert weights, which its fused-MoE repacks in place (HF's fused ``experts.gate_up_proj`` /
+``experts.down_proj`` are assembled from the checkpoint's per-expert tensors).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +41,12 @@ def split_vllm_params(model: Any) -> dict[str, Any]:
             g, u = p.chunk(2, 0)
             out[name.replace("gate_up_proj", "gate_proj")] = g
             out[name.replace("gate_up_proj", "up_proj")] = u
-        elif name.endswith("routed_experts.w13_weight"):
-            out[name.replace("experts.routed_experts.w13_weight", "experts.gate_up_proj")] = p
-        elif name.endswith("routed_experts.w2_weight"):
-            out[name.replace("experts.routed_experts.w2_weight", "experts.down_proj")] = p
+        elif name.endswith(("routed_experts.w13_weight", "routed_experts.w2_weight")):
+            hf = name.replace("experts.routed_experts.w13_weight", "experts.gate_up_proj").replace(
+                "experts.routed_experts.w2_weight", "experts.down_proj")
+            # vLLM's CPU fused-MoE repacks the expert weights in place (same shape, other layout):
+            # their digest then comes from the checkpoint, as for emptied parameters
+            out[hf] = None if p.device.type == "cpu" else p
         else:
             out[name] = p
     return out
@@ -55,15 +60,42 @@ def _hf_names(name: str, layers: Any) -> list[str]:
     return [name]
 
 
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
 def checkpoint_tensors(model_dir: Path, names: list[str]) -> dict[str, Any]:
+    """Checkpoint tensors by HF parameter name. HF's fused expert parameters (``experts.gate_up_proj``
+    [E, 2I, H], ``experts.down_proj`` [E, H, I]) are assembled from per-expert checkpoint tensors."""
+    import torch
     from safetensors import safe_open
 
     out: dict[str, Any] = {}
+    parts: dict[str, Any] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
+            keys = set(sf.keys())
             for n in names:
-                if n in sf.keys():
+                if n in keys:
                     out[n] = sf.get_tensor(n)
+                elif m := _FUSED_EXPERTS.match(n):
+                    for k in keys:
+                        if k.startswith(m.group(1) + ".") and k.endswith((".gate_proj.weight", ".up_proj.weight",
+                                                                          ".down_proj.weight")):
+                            parts[k] = sf.get_tensor(k)
+    for n in names:
+        m = _FUSED_EXPERTS.match(n)
+        if n in out or not m:
+            continue
+        base, n_exp = m.group(1), 0
+        while f"{base}.{n_exp}.down_proj.weight" in parts:
+            n_exp += 1
+        if n_exp == 0:
+            continue
+        if m.group(2) == "down_proj":
+            out[n] = torch.stack([parts[f"{base}.{e}.down_proj.weight"] for e in range(n_exp)])
+        else:
+            out[n] = torch.stack([torch.cat([parts[f"{base}.{e}.gate_proj.weight"], parts[f"{base}.{e}.up_proj.weight"]])
+                                  for e in range(n_exp)])
     return out
 
 
@@ -72,7 +104,11 @@ def sampler_weight_digests(llm: Any, model_dir: Path) -> dict[str, dict[str, str
     tensors: dict[str, Any] = llm.apply_model(split_vllm_params)[0]
     res = {n: {"digest": tensor_digest(t), "source": "engine"} for n, t in tensors.items() if t is not None}
     missing = [n for n, t in tensors.items() if t is None]
+    # the engine cast the checkpoint to its dtype (--dtype) before repacking: digest what it held
+    dtype = next((t.dtype for t in tensors.values() if t is not None and t.is_floating_point()), None)
     for n, t in checkpoint_tensors(model_dir, missing).items():
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
         res[n] = {"digest": tensor_digest(t), "source": "checkpoint"}
     return res
 

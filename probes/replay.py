@@ -109,6 +109,18 @@ def hf_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
         return out.reshape(out.shape[0], -1)
 
 
+def _with_forward_context(m: Any, num_tokens: int, fn: Any) -> Any:
+    """vLLM's MoE layer looks itself up in the forward context, set only inside the engine's own
+    forward: set one (no attention metadata) around a replayed call."""
+    cfg = getattr(m, "vllm_config", None)
+    if cfg is None:
+        return fn()
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(None, cfg, num_tokens=num_tokens):
+        return fn()
+
+
 def vllm_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
     """vLLM's implementation of ``op`` (run inside ``LLM.apply_model``)."""
     import torch
@@ -149,6 +161,6 @@ def vllm_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
             "mlp.act": lambda: mlp.act_fn(torch.cat([x, xs[1]], -1)),
             "mlp.down": lambda: t(mlp.down_proj(x)),
             "moe.router_logits": lambda: t(mlp.gate(x)),
-            "moe.out": lambda: t(mlp(x)),
+            "moe.out": lambda: _with_forward_context(m, x.shape[0], lambda: t(mlp(x))),
         }[kind]()
         return out.reshape(out.shape[0], -1).clone()

@@ -8,7 +8,7 @@ from mp_testlib import cli, load_json
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.parametrize(("engine", "side"), [("hf", "learner"), ("vllm", "sampler")])
+@pytest.mark.parametrize(("engine", "side"), [("hf", "learner"), ("vllm", "sampler"), ("fsdp", "learner")])
 def test_capture_one_engine_reproduces_the_run_bitwise(real_run_qwen3, tmp_path, engine, side):
     cap = tmp_path / f"cap-{engine}"
     cli("capture", "--engine", engine, "--from", str(real_run_qwen3), "--out", str(cap), check=True)

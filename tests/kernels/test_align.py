@@ -193,18 +193,19 @@ def test_nvfp4_static_needs_calibration_and_qdq_modes() -> None:
 
 
 FSDP_SCRIPT = r"""
-import os, socket, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-dist.init_process_group("gloo", rank=0, world_size=1)
+dist.init_process_group("gloo")  # started by torch's launcher: 2 ranks
+rank, world = dist.get_rank(), dist.get_world_size()
 import test_align as t
 t.torch.inference_mode = torch.no_grad  # FSDP2's unshard needs version counters (no inference tensors)
-seqs = t._seqs()
+seqs = t._seqs()[rank::world]  # data parallel: each rank scores its own sequences
 plain, sharded = t._load("tiny-qwen3"), t._load("tiny-qwen3")
 for layer in sharded.model.layers:
     fully_shard(layer)
 fully_shard(sharded)
+w = sharded.model.layers[0].mlp.down_proj.weight
+assert w.to_local().numel() * world == w.numel(), "parameters are sharded across the ranks"
 base = t._score(sharded, seqs, None)
 with t.patch(plain, "strict"), t.patch(sharded, "strict") as h:
     assert len(h.patched) > 10
@@ -212,21 +213,26 @@ with t.patch(plain, "strict"), t.patch(sharded, "strict") as h:
 assert all(torch.equal(x, y) for x, y in zip(a, b))
 assert all(torch.equal(x, y) for x, y in zip(base, t._score(sharded, seqs, None)))
 dist.destroy_process_group()
-print("ok")
+print(f"ok rank {rank} of {world}")
 """
 
 
-def test_patch_under_fsdp2_bitwise_equals_plain_model_and_undoes() -> None:
-    """FSDP2 (fully_shard, gloo, one rank in a fresh process): the patched sharded model gives the
-    patched plain model's logprobs bit for bit, and undo restores the sharded model's own."""
+def test_patch_under_fsdp2_bitwise_equals_plain_model_and_undoes(tmp_path: Path) -> None:
+    """FSDP2 (fully_shard per layer and root, gloo, 2 ranks started by torch's launcher, each
+    rank holding half of every parameter): the patched sharded model gives the patched plain
+    model's logprobs bit for bit on every rank, and undo restores the sharded model's own."""
+    import os
     import subprocess
     import sys
-    from pathlib import Path
 
     here = Path(__file__).parent
-    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT], capture_output=True, text=True, timeout=600, cwd=here,
-                          env={**__import__("os").environ, "PYTHONPATH": str(here)})
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    script = tmp_path / "fsdp_patch.py"
+    script.write_text(FSDP_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    env = {**os.environ, "PYTHONPATH": str(here), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=here, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ok rank 0 of 2" in proc.stdout and "ok rank 1 of 2" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize(

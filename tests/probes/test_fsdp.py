@@ -61,6 +61,8 @@ def test_fsdp_logprobs_bitwise_equal_single_process_hf(scored: dict) -> None:
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(ref, got, strict=True)]
     assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), (scored["model"], diffs)
     assert scored["info"].settings["world_size"] == 2 and scored["info"].settings["backend"] == "gloo"
+    # the default MixedPrecisionPolicy: parameters in the model's dtype, gradients reduced in fp32
+    assert scored["info"].settings["mp_param_dtype"] == "bfloat16" and scored["info"].settings["mp_reduce_dtype"] == "float32"
 
 
 def test_fsdp_rank_dataset_has_every_seq_pos_exactly_once(scored: dict) -> None:
@@ -134,13 +136,14 @@ def test_compare_learner_fsdp_end_to_end(tmp_path: Path) -> None:
     proc = cli(
         "compare", "--learner", "fsdp", "--sampler", "vllm", "--nproc", "2", "--model", "tiny-llama",
         "--n", "1", "--max-tokens", "6", "--micro-batch-size", "4", "--out", str(out),
+        "--fsdp-param-dtype", "float32", "--fsdp-reduce-dtype", "bfloat16",  # not the defaults
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = load_json(out / "manifest.json")
     assert m["status"] == "complete"
     learner = m["engines"]["learner"]
     assert learner["engine"] == "fsdp" and learner["world_size"] == 2 and learner["backend"] == "gloo"
-    assert learner["mp_param_dtype"] == "bfloat16" and learner["mp_reduce_dtype"] == "float32"
+    assert learner["mp_param_dtype"] == "float32" and learner["mp_reduce_dtype"] == "bfloat16"
     summary = load_json(out / "compare" / "summary.json")
     assert summary["pairs"]["learner_vs_prefill"]["n_tokens"] > 0
     parts = ds.dataset(out / "learner" / "tokens_by_rank", format="parquet", partitioning="hive").to_table()
@@ -149,6 +152,7 @@ def test_compare_learner_fsdp_end_to_end(tmp_path: Path) -> None:
     ops = ds.dataset(out / "learner" / "ops_by_rank", format="parquet", partitioning="hive").to_table().to_pandas()
     assert sorted(ops["rank"].unique().tolist()) == [0, 1]
     assert len(ops) > 0 and not ops.duplicated(["op", "seq_id", "pos"]).any()
+    assert set(ops["dtype"]) == {"float32"}  # the policy took effect: the forward computed in fp32
 
 
 @pytest.mark.vllm
