@@ -13,8 +13,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from mismatch_probe.families.registry import tiny_models
+
 BUILD_VERSION = 1
-TINY_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
+TINY_MODELS = tuple(tiny_models())  # one per family spec that names a tiny model (its ``tiny_config``)
 DEFAULT_MODEL = "tiny-qwen3"
 VOCAB_SIZE = 512
 MAX_POSITIONS = 512
@@ -87,21 +89,10 @@ def _config(name: str):  # -> transformers.PretrainedConfig
         pad_token_id=0,
         torch_dtype="bfloat16",
     )
-    if name == "tiny-llama":
-        return transformers.LlamaConfig(**common)
-    if name == "tiny-qwen3":
-        return transformers.Qwen3Config(**common)
-    if name == "tiny-qwen3-moe":
-        return transformers.Qwen3MoeConfig(
-            **common,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        )
-    raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_MODELS)}")
+    spec = tiny_models().get(name)
+    if spec is None:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_MODELS)}")
+    return transformers.AutoConfig.for_model(spec.model_type, **{**common, **spec.tiny_config})
 
 
 def _tokenizer():  # -> transformers.PreTrainedTokenizerFast

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mismatch_probe.errors import UsageError
+from mismatch_probe.families import registry
 
-SUPPORTED_FAMILIES = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}
-TINY_NAMES = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
+# {model_type: label} and the embedded tiny models, from the family specs (families/registry.py)
+SUPPORTED_FAMILIES = {t: s.label for t, s in registry.families().items()}
+TINY_NAMES = tuple(registry.tiny_models())
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def inspect_model_dir(path: Path, name: str | None = None) -> ModelInfo:
             vocab_size=int(cfg["vocab_size"]),
             max_positions=int(cfg.get("max_position_embeddings", 2048)),
             num_layers=int(cfg["num_hidden_layers"]),
-            is_moe=mt == "qwen3_moe",
+            is_moe=registry.get(mt).moe,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise UsageError(f"{cfg_path}: missing or invalid field {e}") from None
