@@ -95,15 +95,28 @@ def _config(name: str):  # -> transformers.PretrainedConfig
     return transformers.AutoConfig.for_model(spec.model_type, **{**common, **spec.tiny_config})
 
 
-def _tokenizer():  # -> transformers.PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _tokenizer(kind: str = "word"):  # -> transformers.PreTrainedTokenizerFast
+    """``word``: the word list as a word-level vocabulary. ``byte-bpe``: a byte-level BPE trained on
+    the word list (256 byte symbols, the specials, then merges up to ``VOCAB_SIZE``; deterministic),
+    for model types that transformers loads with a BPE tokenizer class whatever the folder says."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()]
-    )
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    if kind == "byte-bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator([" ".join(_WORDS)] * 3 + [" " + w for w in _WORDS], trainer)
+    elif kind == "word":
+        tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()]
+        )
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    else:
+        raise ValueError(f"unknown tiny tokenizer kind {kind!r}")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
@@ -126,12 +139,27 @@ def build_tiny_model(name: str, out_dir: Path, seed: int = 0) -> Path:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        spec = tiny_models()[name]
+        _random_init(model, spec.tiny_random_init, seed)
     model = model.to(torch.bfloat16)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    _tokenizer().save_pretrained(out_dir)
+    _tokenizer(spec.tiny_tokenizer).save_pretrained(out_dir)
     return out_dir
+
+
+def _random_init(model, suffixes: tuple[str, ...], seed: int) -> None:  # model: a transformers model
+    """Seeded N(0, 0.1) values for the parameters whose names end with one of ``suffixes``."""
+    import torch
+
+    if not suffixes:
+        return
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(tuple(suffixes)):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
 def resolve_tiny_model(name: str) -> Path:

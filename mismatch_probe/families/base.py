@@ -107,6 +107,12 @@ class FamilySpec:
     embed_scale: bool = False  # embedding multiplied by sqrt(hidden) (Gemma)
     sliding_window: bool = False  # some layers attend within a window (config.layer_types)
     tiny_config: Mapping[str, Any] = field(default_factory=dict)  # HF config kwargs added to the shared tiny base
+    # parameter-name suffixes that HF initializes to a constant (biases to 0, Gemma's norm weights to
+    # 0 = scale 1) and the tiny model draws at random instead, so an engine that drops them shows
+    tiny_random_init: tuple[str, ...] = ()
+    # the tiny model's tokenizer: "word" (a word-level vocabulary) or "byte-bpe" (byte-level BPE, for
+    # families whose model_type transformers ties to a BPE tokenizer class, e.g. qwen2)
+    tiny_tokenizer: str = "word"
 
     @property
     def ops(self) -> tuple[str, ...]:
