@@ -128,7 +128,7 @@ PLUGIN_FROM_ENTRY_POINT = r"""
 import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm.plugins import load_general_plugins
-from mismatch_probe.kernels import vllm_plugin as vp
+from mismatch_probe.probes.vllm import plugin as vp
 assert vp.installed() == []
 load_general_plugins()  # what every vLLM engine process does at start-up
 assert vp.active() is not None and vp.active().name == "strict", vp.active()
@@ -151,7 +151,7 @@ def test_moe_fused_expert_weights_assembled_from_the_checkpoint() -> None:
     """The parity pre-flight digests HF's fused expert parameters from per-expert checkpoint tensors."""
     import transformers
 
-    from mismatch_probe.models import resolve_model
+    from mismatch_probe.families.models import resolve_model
     from mismatch_probe.probes.parity import checkpoint_tensors, tensor_digest
 
     mi = resolve_model("tiny-qwen3-moe")

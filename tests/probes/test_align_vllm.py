@@ -171,7 +171,7 @@ import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from importlib.metadata import entry_points
 from mismatch_probe.probes.vllm import plugin as vp
-assert any(e.value.endswith("vllm_plugin:register") for e in entry_points(group="vllm.general_plugins"))
+assert any(e.value == "mismatch_probe.probes.vllm.plugin:register" for e in entry_points(group="vllm.general_plugins"))
 targets = vp._targets()
 before = {(c, a): c.__dict__.get(a) for c, a, _ in targets}
 vp.register()  # no recipe requested: installs nothing
