@@ -67,7 +67,8 @@ class Runner(ABC):
         self.info = RunnerInfo(engine=self.name)
         self._loaded = False
         self.capture: Any = None  # a CapturePlan: record canonical ops while scoring
-        self.ops: Any = None  # the ops table (pyarrow) of the last captured score()
+        self.ops: Any = None  # the ops table (pyarrow) of the last captured score(), when kept in memory
+        self.ops_dest: Any = None  # a path: captured ops stream to this ops.parquet instead (bounded memory)
 
     def __enter__(self) -> Runner:
         self._load_impl()
@@ -92,6 +93,16 @@ class Runner(ABC):
         for s, lp in zip(seqs, out, strict=True):
             assert lp.shape == (len(s) - 1,), (lp.shape, len(s))
         return out
+
+    def _finish_capture(self, rec: Any) -> None:
+        """Close the op recorder: ``self.ops`` holds the table, or None where it streamed to
+        ``self.ops_dest``; the manifest learns what was kept."""
+        if self.ops_dest is not None:
+            rec.close()
+            self.ops = None
+        else:
+            self.ops = rec.table()
+        self.info.settings["capture"] = rec.summary()
 
     @abstractmethod
     def _load_impl(self) -> None: ...

@@ -3,28 +3,31 @@
 
 Modes, chosen per op glob and token range by a :class:`CapturePlan`:
 
-- ``digest``: blake2b-64 of the row's raw bytes (bitwise equality across engines);
+- ``digest``: the ``mp64`` digest of the row's raw bits (probes/digest.py: bit-exact, the same on
+  CUDA, CPU and in the numpy reference; bitwise equality across engines);
 - ``stats``: digest + ``numel, sum, sum_sq, abs_max, n_nan, n_inf`` (mergeable: sums and maxima
   combine across shards and ranks);
 - ``full``: stats + ``values`` (the row's raw bytes, decoded with ``dtype`` and ``shape``);
 - ``off``: nothing.
 
-Engine adapters call :meth:`OpRecorder.record` with a tensor whose leading dimension is tokens
-and the (seq_id, pos) of each of its rows. Recording only reads tensors (``detach().cpu()``): it
+Besides per-op rules, a plan can keep ``full`` values for a bounded window of rows
+(``full_rows``: the first N tokens in (seq_id, pos) order, the rows ``bisect`` replays) and the
+top-k (values, ids) of ``logits`` rows (``topk``).
+
+Engine adapters call :meth:`OpRecorder.record` (probes/recorder.py) with a tensor whose leading
+dimension is tokens and the (seq_id, pos) of each of its rows. Recording only reads tensors: it
 never changes what the engine computes.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from mismatch_probe.errors import UsageError
-from mismatch_probe.families.opnames import matches, split_op
+from mismatch_probe.families.opnames import matches
 
 MODES = ("off", "digest", "stats", "full")
 _RANK = {m: i for i, m in enumerate(MODES)}
@@ -59,116 +62,93 @@ class CaptureRule:
 
 @dataclass
 class CapturePlan:
-    """Default mode plus rules; the last matching rule wins."""
+    """Default mode, then the ``full_rows`` window (rows in it are kept ``full`` where the mode so
+    far is not ``off``), then the rules in order: the last matching rule wins. ``topk``: keep the
+    k largest logits (values and ids) of every ``logits`` row captured in ``stats`` or ``full``."""
 
     default: str = "full"
     rules: list[CaptureRule] = field(default_factory=list)
+    full_rows: int = 0
+    topk: int = 0
 
     def __post_init__(self) -> None:
         if self.default not in MODES:
             raise UsageError(f"capture mode must be one of {', '.join(MODES)}, got {self.default!r}")
+        if self.full_rows < 0 or self.topk < 0:
+            raise UsageError("capture full_rows and topk must be >= 0")
+        self._matching: dict[str, list[CaptureRule]] = {}
 
     def op_modes(self, op: str) -> list[tuple[str, tuple[int, int] | None]]:
         out: list[tuple[str, tuple[int, int] | None]] = [(self.default, None)]
-        out += [(r.mode, r.pos_range) for r in self.rules if matches(op, r.pattern)]
+        out += [(r.mode, r.pos_range) for r in self._rules_for(op)]
         return out
 
-    def modes_for(self, op: str, pos: np.ndarray) -> np.ndarray:
-        """Mode index (into MODES) for each token position of ``op``."""
+    def _rules_for(self, op: str) -> list[CaptureRule]:
+        hit = self._matching.get(op)
+        if hit is None:
+            hit = self._matching[op] = [r for r in self.rules if matches(op, r.pattern)]
+        return hit
+
+    def modes_for(self, op: str, pos: np.ndarray, window: np.ndarray | None = None) -> np.ndarray:
+        """Mode index (into MODES) for each token position of ``op`` (``window``: rows in the
+        ``full_rows`` window)."""
         res = np.full(pos.shape, _RANK[self.default], dtype=np.int8)
-        for mode, rng in self.op_modes(op)[1:]:
-            sel = np.ones(pos.shape, bool) if rng is None else (pos >= rng[0]) & (pos < rng[1])
-            res[sel] = _RANK[mode]
+        if window is not None:
+            res[window & (res > 0)] = _RANK["full"]
+        for r in self._rules_for(op):
+            rng = r.pos_range
+            if rng is None:
+                res[:] = _RANK[r.mode]
+            else:
+                res[(pos >= rng[0]) & (pos < rng[1])] = _RANK[r.mode]
         return res
 
     def to_json(self) -> dict[str, Any]:
-        return {"default": self.default, "rules": [r.__dict__ for r in self.rules]}
+        return {"default": self.default, "rules": [{"pattern": r.pattern, "mode": r.mode, "pos_range": r.pos_range}
+                                                   for r in self.rules],
+                "full_rows": self.full_rows, "topk": self.topk}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CapturePlan:
+        rules = [CaptureRule(r["pattern"], r["mode"], tuple(r["pos_range"]) if r.get("pos_range") else None)
+                 for r in d.get("rules", [])]
+        return cls(d["default"], rules, int(d.get("full_rows", 0)), int(d.get("topk", 0)))
+
+
+FULL_ROWS_DEFAULT = 256  # = bisect's --max-rows default: the rows its input substitution replays
+TOPK_DEFAULT = 8
+KEPT_NOTE = (
+    "every op and token: mp64 digest + stats (numel, sum, sum_sq, abs_max, n_nan, n_inf); raw values "
+    "only for the first full_rows tokens in (seq_id, pos) order (the rows bisect replays, its --max-rows); "
+    "logits: digest + stats + top-k values and ids, not the vocabulary-wide row, unless full_logits"
+)
+
+
+def build_plan(mode: str, rules: list[str], full_rows: int = 0, topk: int = 0, full_logits: bool = False) -> CapturePlan | None:
+    """The plan of the command-line flags (None when capture is off). Unless ``full_logits``, a
+    built-in rule ``logits=stats`` (``logits=digest`` under ``--capture digest``) comes before the
+    user's rules, so the vocabulary-wide logits row is not kept (its top-k is)."""
+    parsed = [CaptureRule.parse(r) for r in rules]
+    if mode == "off" and not parsed:
+        return None
+    builtin = [] if full_logits or mode == "off" else [CaptureRule("logits", "digest" if mode == "digest" else "stats")]
+    return CapturePlan(mode, builtin + parsed, full_rows, topk)
 
 
 def row_digests(t: Any) -> list[str]:
-    """blake2b-64 of each row's raw bytes (``t``: a CPU tensor [rows, ...] or a uint8 array)."""
-    raw = t if isinstance(t, np.ndarray) else _raw_bytes(t)
-    return [hashlib.blake2b(r.tobytes(), digest_size=8).hexdigest() for r in raw]
+    """``mp64`` digest (probes/digest.py) of each row of a tensor [rows, ...] (computed on its
+    device) or of a uint8 array of raw row bytes (the numpy reference, 1-byte words)."""
+    from mismatch_probe.probes.digest import digest_bytes_ref, digest_torch, hex_digests
+
+    if isinstance(t, np.ndarray):
+        return hex_digests(digest_bytes_ref(t, 1))
+    flat = t.detach().reshape(t.shape[0], -1)
+    return hex_digests(digest_torch(flat).cpu().numpy())
 
 
-def _raw_bytes(t: Any) -> np.ndarray:
-    import torch
+from mismatch_probe.probes.recorder import OpRecorder  # noqa: E402  (re-export: the recorder)
 
-    flat = t.detach().to("cpu").contiguous().reshape(t.shape[0], -1)
-    return flat.view(torch.uint8).numpy() if flat.dtype != torch.bool else flat.to(torch.uint8).numpy()
-
-
-class OpRecorder:
-    """Accumulates op rows; :meth:`table` gives the ``ops`` table (schema v1)."""
-
-    def __init__(self, plan: CapturePlan | None = None) -> None:
-        self.plan = plan or CapturePlan()
-        self._chunks: list[dict[str, Any]] = []
-        self.seen_ops: list[str] = []
-
-    def record(self, op: str, tensor: Any, seq_ids: np.ndarray, pos: np.ndarray) -> None:
-        """Record ``tensor[i]`` as op ``op`` of token (``seq_ids[i]``, ``pos[i]``); rows whose
-        ``seq_id`` is negative (padding) are dropped."""
-        import torch
-
-        seq_ids = np.asarray(seq_ids, dtype=np.int64)
-        pos = np.asarray(pos, dtype=np.int64)
-        keep = seq_ids >= 0
-        if not keep.any():
-            return
-        t = tensor.detach()
-        if t.shape[0] != seq_ids.shape[0]:
-            raise RuntimeError(f"capture of {op}: {t.shape[0]} rows for {seq_ids.shape[0]} tokens")
-        modes = self.plan.modes_for(op, pos)
-        keep &= modes > 0
-        if not keep.any():
-            return
-        idx = np.nonzero(keep)[0]
-        t = t[torch.from_numpy(idx).to(t.device)].to("cpu").contiguous()
-        if op not in self.seen_ops:
-            self.seen_ops.append(op)
-        n = t.shape[0]
-        flat = t.reshape(n, -1)
-        raw = _raw_bytes(flat)
-        f64 = flat.double()
-        finite = torch.isfinite(f64)
-        clean = torch.where(finite, f64, torch.zeros_like(f64))
-        m = modes[idx]
-        full = m >= _RANK["full"]
-        values: list[bytes | None] = [raw[i].tobytes() if full[i] else None for i in range(n)]
-        stats_on = m >= _RANK["stats"]
-        self._chunks.append(
-            {
-                "op": [op] * n,
-                "layer": [split_op(op)[0]] * n,
-                "seq_id": seq_ids[idx],
-                "pos": pos[idx],
-                "dtype": [str(t.dtype).removeprefix("torch.")] * n,
-                "shape": [list(t.shape[1:])] * n,
-                "numel": np.where(stats_on, flat.shape[1], 0),
-                "sum": np.where(stats_on, clean.sum(1).numpy(), np.nan),
-                "sum_sq": np.where(stats_on, (clean * clean).sum(1).numpy(), np.nan),
-                "abs_max": np.where(stats_on, clean.abs().amax(1).numpy() if flat.shape[1] else 0.0, np.nan),
-                "n_nan": np.where(stats_on, torch.isnan(f64).sum(1).numpy(), 0),
-                "n_inf": np.where(stats_on, torch.isinf(f64).sum(1).numpy(), 0),
-                "digest": row_digests(raw),
-                "values": values,
-            }
-        )
-
-    def table(self) -> pa.Table:
-        from mismatch_probe.run.schema import OPS_V1
-
-        if not self._chunks:
-            return OPS_V1.empty_table()
-        cols = {}
-        for name in OPS_V1.names:
-            parts = [c[name] for c in self._chunks]
-            if isinstance(parts[0], np.ndarray):
-                cols[name] = pa.array(np.concatenate(parts), OPS_V1.field(name).type)
-            else:
-                cols[name] = pa.array([x for p in parts for x in p], OPS_V1.field(name).type)
-        return pa.table(cols, schema=OPS_V1)
+__all__ = ["MODES", "CapturePlan", "CaptureRule", "OpRecorder", "decode_values", "row_digests"]
 
 
 def decode_values(values: bytes, dtype: str, shape: list[int]) -> Any:

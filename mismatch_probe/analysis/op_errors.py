@@ -62,11 +62,18 @@ def error_stats(s: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     }
 
 
+def _digest_kind(df: pd.DataFrame) -> str:
+    d = df["digest"].dropna()
+    return "blake2b" if len(d) and str(d.iloc[0]).startswith("blake2b:") else "mp64"
+
+
 def op_errors(learner: pd.DataFrame, sampler: pd.DataFrame, num_layers: int) -> pd.DataFrame:
     """One row per op both sides captured, in execution order."""
     key = ["op", "seq_id", "pos"]
     cols = key + ["dtype", "digest", "values"]
     m = learner[cols].merge(sampler[cols], on=key, suffixes=("_l", "_s"), validate="one_to_one")
+    # digests of different definitions (a v1 capture's blake2b vs mp64) never compare: fall back to values
+    same_digest = _digest_kind(learner) == _digest_kind(sampler)
     rows = []
     for op, g in m.groupby("op", sort=False):
         layer, kind = split_op(op)
@@ -81,6 +88,8 @@ def op_errors(learner: pd.DataFrame, sampler: pd.DataFrame, num_layers: int) -> 
             "bitwise_equal_frac": float((g.digest_l == g.digest_s).mean()) if same_dtype else 0.0,
         }
         full = g[g.values_l.notna() & g.values_s.notna()]
+        if same_dtype and not same_digest:
+            row["bitwise_equal_frac"] = float((full.values_l == full.values_s).mean()) if len(full) else math.nan
         if len(full):
             ref = decode_rows(full.values_l, full.dtype_l.iloc[0])
             got = decode_rows(full.values_s, full.dtype_s.iloc[0])

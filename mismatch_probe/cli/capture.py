@@ -57,8 +57,11 @@ def capture(
     source: Path = typer.Option(..., "--from", help="A run directory whose sequences (sequences.parquet) are scored."),
     out: Path = typer.Option(..., "--out", "-o", help="Capture directory to write."),
     model: str | None = typer.Option(None, "--model", "-m", help="Model (default: the run's learner model)."),
-    capture_mode: str = typer.Option("full", "--capture", help="off | digest | stats | full"),
+    capture_mode: str = typer.Option("stats", "--capture", help="off | digest | stats | full"),
     capture_rule: list[str] = typer.Option([], "--capture-rule", help="GLOB=MODE[@START:END] (repeatable)."),
+    capture_full_rows: int = typer.Option(256, "--capture-full-rows", help="Raw values for the first N tokens (bisect's rows)."),
+    capture_topk: int = typer.Option(8, "--capture-topk", help="logits rows: keep the top-k values and ids."),
+    full_logits: bool = typer.Option(False, "--full-logits", help="Keep vocabulary-wide logits rows where capture is full."),
     micro_batch_size: int = typer.Option(8, "--micro-batch-size"),
     nproc: int = typer.Option(2, "--nproc", help="--engine fsdp: ranks."),
     timeout: float = typer.Option(300.0, "--fsdp-timeout", help="--engine fsdp: seconds before a rank counts as hung."),
@@ -74,9 +77,10 @@ def capture(
 ) -> None:
     """Score a run's sequences with ONE engine, capturing logprobs and ops (to `diff` later)."""
     from mismatch_probe.families.models import resolve_model
-    from mismatch_probe.probes.capture import CapturePlan, CaptureRule
+    from mismatch_probe.probes.capture import build_plan
     from mismatch_probe.run.rundir import RunWriter, load_manifest
     from mismatch_probe.run.schema import read_table, write_table
+    from mismatch_probe.steps.ops_stage import describe_capture
 
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -85,8 +89,9 @@ def capture(
         raise UsageError(f"{source} has no sequences.parquet; run compare first")
     seqs = read_table(source / "sequences.parquet", "sequences")
     mi = resolve_model(model or manifest["config"]["model_dir"])
-    rules = [CaptureRule.parse(r) for r in capture_rule]
-    plan = CapturePlan(capture_mode, rules) if capture_mode != "off" or rules else None
+    if capture_full_rows < 0 or capture_topk < 0:
+        raise UsageError("--capture-full-rows and --capture-topk must be >= 0")
+    plan = build_plan(capture_mode, list(capture_rule), capture_full_rows, capture_topk, full_logits)
     d = seqs.to_pydict()
     opts: dict[str, Any] = {"micro_batch_size": micro_batch_size, "dtype": dtype, "nproc": nproc, "timeout": timeout,
                             "recipe": recipe, "sampler_args": list(sampler_arg), "learner_args": list(learner_arg)}
@@ -98,13 +103,17 @@ def capture(
         run.manifest["config"] = {
             "engine": engine, "from": str(source), "model_dir": str(mi.path), "model_type": mi.model_type,
             "num_layers": mi.num_layers, "capture": capture_mode, "capture_rules": list(capture_rule),
+            "capture_full_rows": capture_full_rows, "capture_topk": capture_topk, "full_logits": full_logits,
             **{k: v for k, v in opts.items() if k not in ("engine_kwargs", "engine_auto")},
         }
+        run.manifest["capture"] = describe_capture(plan)
         runner = _runner(engine, mi.path, mi.vocab_size, max_len, opts)
         if engine == "fsdp":
             runner.seq_meta = list(zip(d["seq_id"], d["prompt_id"], d["n_prompt"], strict=True))
             runner.dataset_dest = run.path(f"{engine}/tokens_by_rank")
             runner.ops_dataset_dest = run.path(f"{engine}/ops_by_rank")
+        else:
+            runner.ops_dest = run.path(f"{engine}/ops.parquet")  # streamed while the engine runs
         with console.status(f"{engine}: loading and scoring {len(d['seq_id'])} sequences"), runner:
             runner.capture = plan
             scores = runner.score(d["token_ids"], d["seq_id"])

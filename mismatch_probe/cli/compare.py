@@ -75,13 +75,18 @@ def compare(
     ),
     learner_recipe: str | None = typer.Option(None, "--learner-recipe", help="The learner's recipe (overrides --recipe)."),
     sampler_recipe: str | None = typer.Option(None, "--sampler-recipe", help="The sampler's recipe (overrides --recipe)."),
-    capture: str = typer.Option("full", "--capture", help="Op capture: off | digest | stats | full."),
+    capture: str = typer.Option("stats", "--capture", help="Op capture: off | digest | stats | full."),
     topk: int | None = typer.Option(
         None,
         "--topk",
         help="Keep the top-K logprobs of every position on both sides (0: off) \\[default: 20 when capture is on].",
     ),
     capture_rule: list[str] = typer.Option([], "--capture-rule", help="GLOB=MODE[@START:END] (repeatable; last match wins)."),
+    capture_full_rows: int = typer.Option(
+        256, "--capture-full-rows", help="Keep raw values for the first N tokens (by seq_id, pos): the rows bisect replays."
+    ),
+    capture_topk: int = typer.Option(8, "--capture-topk", help="logits rows: keep the top-k values and ids."),
+    full_logits: bool = typer.Option(False, "--full-logits", help="Keep vocabulary-wide logits rows where capture is full."),
     nproc: int = typer.Option(2, "--nproc", help="--learner fsdp: number of ranks (gloo on CPU, NCCL on CUDA)."),
     fsdp_timeout: float = typer.Option(
         300.0,
@@ -127,6 +132,9 @@ def compare(
         capture=capture,
         topk=topk,
         capture_rules=list(capture_rule),
+        capture_full_rows=capture_full_rows,
+        capture_topk=capture_topk,
+        full_logits=full_logits,
         nproc=nproc,
         fsdp_timeout_s=fsdp_timeout,
         fsdp_param_dtype=fsdp_param_dtype,

@@ -6,8 +6,12 @@ only version); a version newer than the reader, or one without an upgrade, is an
 Schema history is append-only: never edit a released version, add one.
 
 History:
-  v1  sequences, tokens, token_gaps, ops, op_errors (this release). Optional tokens columns
+  v1  sequences, tokens, token_gaps, ops, op_errors. Optional tokens columns
       (``TOKENS_OPTIONAL``) may be added within a version: readers keep the ones they know.
+  v2  ops: ``digest`` is the ``mp64`` row digest (probes/digest.py, one definition on every device;
+      v1's were blake2b-64: the upgrade prefixes them ``blake2b:`` so they never compare equal to
+      an mp64 digest); optional ``topk_ids`` / ``topk_values`` (logits rows); ops.parquet is
+      streamed in row groups (:class:`StreamWriter`). Other kinds are unchanged.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import pyarrow.parquet as pq
 
 from mismatch_probe.errors import SchemaError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 VERSION_KEY = b"mismatch_probe.schema_version"
 KIND_KEY = b"mismatch_probe.kind"
+DIGEST_KEY = b"mismatch_probe.digest"
 
 TOKENS_V1 = pa.schema(
     [
@@ -85,6 +90,12 @@ OPS_V1 = pa.schema(
     ]
 )
 
+OPS_OPTIONAL = {
+    "topk_ids": pa.list_(pa.int32()),  # logits rows: ids of the k largest logits, largest first
+    "topk_values": pa.list_(pa.float32()),  # their values (exact for bf16/fp16/fp32 logits)
+}
+OPTIONAL = {"tokens": TOKENS_OPTIONAL, "ops": OPS_OPTIONAL}
+
 OP_ERRORS_V1 = pa.schema(
     [
         ("op", pa.string()),
@@ -120,8 +131,21 @@ SCHEMAS: dict[str, pa.Schema] = {
     "op_errors": OP_ERRORS_V1,
 }
 
+
+
+def _v1_to_v2(table: pa.Table, kind: str) -> pa.Table:
+    """v1 ops digests were blake2b-64 hex: mark them so they are never taken for mp64 digests."""
+    if kind != "ops" or "digest" not in table.column_names:
+        return table
+    import pyarrow.compute as pc
+
+    i = table.column_names.index("digest")
+    col = table.column(i).cast(pa.string())
+    return table.set_column(i, "digest", pc.if_else(pc.is_null(col), col, pc.binary_join_element_wise("blake2b:", col, "")))
+
+
 # version -> function upgrading a table of that version to version + 1
-_UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {}
+_UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {1: _v1_to_v2}
 
 
 def conform(table: pa.Table, kind: str) -> pa.Table:
@@ -132,11 +156,10 @@ def conform(table: pa.Table, kind: str) -> pa.Table:
         raise SchemaError(f"{kind} table lacks required columns: {', '.join(missing)}")
     cols = [table.column(f.name).cast(f.type) for f in schema]
     fields = list(schema)
-    if kind == "tokens":
-        for name, typ in TOKENS_OPTIONAL.items():
-            if name in table.column_names:
-                cols.append(table.column(name).cast(typ))
-                fields.append(pa.field(name, typ))
+    for name, typ in OPTIONAL.get(kind, {}).items():
+        if name in table.column_names:
+            cols.append(table.column(name).cast(typ))
+            fields.append(pa.field(name, typ))
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))
 
 
@@ -187,6 +210,50 @@ def write_table(path: Path, table: pa.Table, kind: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _stamp(schema: pa.Schema, kind: str, extra: dict[bytes, bytes] | None = None) -> pa.Schema:
+    meta = dict(schema.metadata or {})
+    meta[VERSION_KEY] = str(SCHEMA_VERSION).encode()
+    meta[KIND_KEY] = kind.encode()
+    meta.update(extra or {})
+    return schema.with_metadata(meta)
+
+
+class StreamWriter:
+    """A Parquet table written in row groups while it is produced, atomically: rows go to a temp
+    file beside ``path``; :meth:`close` renames it into place, :meth:`abort` removes it (an
+    interrupted run never leaves a file that reads as complete)."""
+
+    def __init__(self, path: Path, kind: str, schema: pa.Schema, meta: dict[bytes, bytes] | None = None) -> None:
+        self.path = Path(path)
+        self.kind = kind
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.close(fd)
+        self.schema = _stamp(schema, kind, meta)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema)
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        assert self._writer is not None, "StreamWriter already closed"
+        table = conform(table, self.kind)
+        self._writer.write_table(table.replace_schema_metadata(self.schema.metadata))
+        self.rows += table.num_rows
+
+    def close(self) -> Path:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            os.chmod(self._tmp, _FILE_MODE)
+            os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        Path(self._tmp).unlink(missing_ok=True)
 
 
 def read_schema_version(path: Path) -> int:

@@ -49,8 +49,11 @@ class CompareConfig:
     fsdp_timeout_s: float = 300.0  # --learner fsdp: a rank that dies or hangs ends the run within this
     fsdp_param_dtype: str | None = None  # FSDP MixedPrecisionPolicy param dtype (None: --dtype)
     fsdp_reduce_dtype: str = "float32"  # FSDP MixedPrecisionPolicy reduce dtype
-    capture: str = "full"  # off | digest | stats | full: default op-capture mode
+    capture: str = "stats"  # off | digest | stats | full: default op-capture mode
     capture_rules: list[str] = field(default_factory=list)  # GLOB=MODE[@START:END], last match wins
+    capture_full_rows: int = 256  # raw values for the first N tokens (seq_id, pos order): bisect's rows
+    capture_topk: int = 8  # logits rows: keep the top-k values and ids
+    full_logits: bool = False  # keep the vocabulary-wide logits rows where the plan says full
     align: str = "engine"  # --align: engine | strict (every op batch-invariant, identical in both engines)
     recipe: str | None = None  # --recipe (both sides): engine | strict | nvfp4-dynamic-tensor | nvfp4-static | nvfp4-per-token
     learner_recipe: str | None = None  # --learner-recipe: overrides --recipe for the learner

@@ -80,6 +80,8 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
             run.manifest["notes"].append(f"{len(short)} sequences of a single token were left out (nothing to score)")
             rollouts = [r for r in rollouts if len(r.token_ids) >= 2]
         sampler.capture = ops_stage.capture_plan(cfg)
+        sampler.ops_dest = run.path("sampler/ops.parquet")  # streamed while the engine runs
+        run.manifest["capture"] = ops_stage.describe_capture(sampler.capture)
         with step(progress, f"rescoring {len(rollouts)} sequences as a prefill"):
             prefill = sampler.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts])
         ops_stage.write_ops(run, "sampler", sampler)
@@ -218,6 +220,8 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
         if cfg.resolved_topk() and cfg.learner == "hf":
             learner.topk = cfg.resolved_topk()
             learner.topk_support = topk_support(run)
+        if cfg.learner != "fsdp":
+            learner.ops_dest = run.path("learner/ops.parquet")  # streamed while the engine runs
         with step(progress, "learner forward (teacher-forced)", total=len(rollouts)) as advance:
             learner.progress = advance
             scores = learner.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts])

@@ -18,13 +18,22 @@ if TYPE_CHECKING:
 
 
 def capture_plan(cfg: CompareConfig) -> Any:
-    """The CapturePlan of ``--capture`` / ``--capture-rule`` (None when capture is off)."""
-    from mismatch_probe.probes.capture import CapturePlan, CaptureRule
+    """The CapturePlan of ``--capture`` / ``--capture-rule`` / ``--capture-full-rows`` /
+    ``--capture-topk`` / ``--full-logits`` (None when capture is off)."""
+    from mismatch_probe.probes.capture import build_plan
 
-    rules = [CaptureRule.parse(r) for r in cfg.capture_rules]
-    if cfg.capture == "off" and not rules:
-        return None
-    return CapturePlan(cfg.capture, rules)
+    if cfg.capture_full_rows < 0 or cfg.capture_topk < 0:
+        raise UsageError("--capture-full-rows and --capture-topk must be >= 0")
+    return build_plan(cfg.capture, cfg.capture_rules, cfg.capture_full_rows, cfg.capture_topk, cfg.full_logits)
+
+
+def describe_capture(plan: Any) -> dict[str, Any]:
+    """The manifest's ``capture`` section: the plan and what it keeps, and why."""
+    from mismatch_probe.probes.capture import KEPT_NOTE
+
+    if plan is None:
+        return {"plan": None, "kept": "nothing (capture off)"}
+    return {"plan": plan.to_json(), "kept": KEPT_NOTE, "digest": "mp64 (see README, Per-op capture)"}
 
 
 def sampler_preflight(prep: Prepared, run: RunWriter, sampler: Any) -> None:

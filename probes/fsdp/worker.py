@@ -112,18 +112,14 @@ def _wrap_fsdp(model: Any, mesh: Any, spec: dict[str, Any]) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
 
 
-def _capture(model: Any, plan: dict[str, Any] | None) -> tuple[Any, Any]:
+def _capture(model: Any, plan: dict[str, Any] | None, sink: Path) -> tuple[Any, Any]:
     """Op capture on this rank (the FSDP-wrapped model has HF's module tree): recorder, hooks."""
     if plan is None:
         return None, None
-    from mismatch_probe.probes.capture import CapturePlan, CaptureRule, OpRecorder
+    from mismatch_probe.probes.capture import CapturePlan, OpRecorder
     from mismatch_probe.probes.hf.capture import HfCapture
 
-    rules = [
-        CaptureRule(r["pattern"], r["mode"], tuple(r["pos_range"]) if r.get("pos_range") else None)
-        for r in plan.get("rules", [])
-    ]
-    rec = OpRecorder(CapturePlan(plan["default"], rules))
+    rec = OpRecorder(CapturePlan.from_json(plan), sink=sink)
     return rec, HfCapture(model, rec)
 
 
@@ -168,7 +164,9 @@ def run_rank(job: Path, fault: Fault | None) -> None:
         model.eval()
         _wrap_fsdp(model, mesh, spec)  # moves this rank's shards to `device`
 
-        rec, cap = _capture(model, spec.get("capture"))
+        rec, cap = _capture(model, spec.get("capture"), job / "ops" / f"rank={rank}" / "part.parquet")
+        if rec is not None:  # the full-rows window is over all sequences, whichever rank holds them
+            rec.begin([m[0] for m in meta], [len(s) for s in seqs])
         steps = rank_steps(len(seqs), int(spec["micro_batch_size"]), rank, world)
         t_ready = time.monotonic()
         _status(job, rank, phase="sharded", steps_done=0, steps_started=0, n_steps=len(steps), seqs_done=0)
@@ -215,7 +213,7 @@ def run_rank(job: Path, fault: Fault | None) -> None:
         table = table.append_column("source", pa.array(["learner"] * table.num_rows, pa.string()))
         write_table(job / "dataset" / f"rank={rank}" / "part.parquet", table, "tokens")
         if rec is not None:
-            write_table(job / "ops" / f"rank={rank}" / "part.parquet", rec.table(), "ops")
+            rec.close()
         _status(job, rank, phase="done", steps_done=len(steps), n_steps=len(steps), seqs_done=seqs_done,
                 setup_s=round(t_ready - t_start, 3), forward_s=round(t_fwd, 3))
         (job / "status" / f"rank{rank}.done").touch()

@@ -156,30 +156,37 @@ class HfLearner(Runner):
 
         out: list[np.ndarray] = []
         mb = self.micro_batch_size
-        rec = OpRecorder(self.capture) if self.capture is not None else None
+        rec = OpRecorder(self.capture, sink=self.ops_dest) if self.capture is not None else None
         cap = HfCapture(self.model, rec) if rec is not None else None
-        with torch.inference_mode(), cap if cap is not None else contextlib.nullcontext():
-            for start in range(0, len(seqs), mb):
-                chunk = seqs[start : start + mb]
-                if cap is not None:
-                    cap.set_batch(seq_ids[start : start + mb], [len(s) for s in chunk], max(len(s) for s in chunk))
-                width = max(len(s) for s in chunk)
-                ids = torch.zeros(len(chunk), width, dtype=torch.long)
-                mask = torch.zeros(len(chunk), width, dtype=torch.long)
-                for i, s in enumerate(chunk):
-                    ids[i, : len(s)] = torch.tensor(s)
-                    mask[i, : len(s)] = 1
-                ids, mask = ids.to(self.device), mask.to(self.device)
-                logits = self.model(input_ids=ids, attention_mask=mask).logits
-                lp = self._logprobs(logits, ids).double().cpu().numpy()
-                out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
-                if self.topk:
-                    batch_ids = seq_ids[start : start + mb]
-                    top = record_topk(self._log_softmax, logits, ids, chunk, batch_ids, self.topk, self.topk_support)
-                    self.topk_out.update(top)
-                if self.progress is not None:
-                    self.progress(len(chunk))
         if rec is not None:
-            self.ops = rec.table()
+            rec.begin(seq_ids, [len(s) for s in seqs])
+        try:
+            with torch.inference_mode(), cap if cap is not None else contextlib.nullcontext():
+                for start in range(0, len(seqs), mb):
+                    chunk = seqs[start : start + mb]
+                    if cap is not None:
+                        cap.set_batch(seq_ids[start : start + mb], [len(s) for s in chunk], max(len(s) for s in chunk))
+                    width = max(len(s) for s in chunk)
+                    ids = torch.zeros(len(chunk), width, dtype=torch.long)
+                    mask = torch.zeros(len(chunk), width, dtype=torch.long)
+                    for i, s in enumerate(chunk):
+                        ids[i, : len(s)] = torch.tensor(s)
+                        mask[i, : len(s)] = 1
+                    ids, mask = ids.to(self.device), mask.to(self.device)
+                    logits = self.model(input_ids=ids, attention_mask=mask).logits
+                    lp = self._logprobs(logits, ids).double().cpu().numpy()
+                    out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
+                    if self.topk:
+                        batch_ids = seq_ids[start : start + mb]
+                        top = record_topk(self._log_softmax, logits, ids, chunk, batch_ids, self.topk, self.topk_support)
+                        self.topk_out.update(top)
+                    if self.progress is not None:
+                        self.progress(len(chunk))
+        except BaseException:
+            if rec is not None:
+                rec.abort()
+            raise
+        if rec is not None:
+            self._finish_capture(rec)
             self.info.settings["unobservable_ops"] = list(HfCapture.unobservable)
         return out

@@ -235,14 +235,18 @@ class VllmSampler(SamplerRunner):
         from mismatch_probe.probes.capture import OpRecorder
         from mismatch_probe.probes.vllm.capture import VllmCapture
 
-        rec = OpRecorder(self.capture)
+        rec = OpRecorder(self.capture, sink=self.ops_dest)
+        rec.begin(seq_ids, [len(s) for s in seqs])
         cap = VllmCapture(rec, seqs, seq_ids)
         self.llm.apply_model(cap.install)
         try:
             outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        except BaseException:
+            rec.abort()
+            raise
         finally:
             self.llm.apply_model(lambda _m: cap.remove())
-        self.ops = rec.table()
+        self._finish_capture(rec)
         self.info.settings["unobservable_ops"] = cap.unobservable
         self.info.settings["capture_unmatched_rows"] = cap.unmatched_rows
         return outs

@@ -1,0 +1,413 @@
+"""The op recorder: per canonical op and token, the ``mp64`` digest and mergeable stats of the row,
+computed where the tensor lives, plus raw values for the rows the plan keeps in ``full`` and the
+top-k of ``logits`` rows.
+
+Cost model (what keeps capture cheap at scale):
+
+- CUDA: each captured tensor is queued (a reference, no copy); queued tensors of one dtype are
+  digested and reduced by ONE Triton launch (``digest_triton``) into a device arena of
+  ``buffer_rows`` rows. When the arena fills, or the run ends, it is copied to pinned host memory
+  with one asynchronous copy and the other arena takes over; the host converts and writes a
+  chunk only after its copy's event has completed, one chunk behind. No copy per op, no
+  synchronization inside the forward, nothing per row in Python.
+- CPU: a numba kernel (one pass over each row) writes straight into the host arena.
+- ``full`` rows are gathered on the device (``index_select``) and copied with the arena;
+  ``logits`` rows keep the top-k (values and ids) unless the plan keeps them ``full``.
+- Rows stream to ``ops.parquet`` in row groups (:class:`~mismatch_probe.run.schema.StreamWriter`),
+  so host memory is bounded by the arena (``buffer_rows``), the queued bytes and ``buffer_bytes``
+  of values, whatever the number of tokens.
+
+Recording only reads tensors: it never changes what the engine computes (tested: logprobs with
+and without capture are bitwise equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from mismatch_probe.families.opnames import split_op
+from mismatch_probe.probes.digest import digest_stats_cpu, hex_array
+
+FULL, STATS, DIGEST = 3, 2, 1
+_QUEUE_OPS = 64  # queued tensors (CUDA) before a launch
+_QUEUE_BYTES = 1 << 30
+
+
+@dataclass
+class _Rows:
+    """Which rows of a (batch, op) are written, and how (computed once per batch and op)."""
+
+    keep: np.ndarray  # row indices kept (not padding, mode > off)
+    seq: np.ndarray
+    pos: np.ndarray
+    modes: np.ndarray  # of the kept rows
+    full: np.ndarray  # row indices (into the tensor) kept in full mode, ascending
+    full_dev: Any = None
+
+
+@dataclass
+class _Seg:
+    op: str
+    dtype: str
+    shape: list[int]
+    width: int
+    itemsize: int
+    rows: _Rows
+    arena_rows: np.ndarray  # arena row of each kept row
+    has_topk: bool = False
+    topk_rows: np.ndarray | None = None  # row of each kept row in this chunk's top-k block
+
+
+def _ops_schema() -> pa.Schema:
+    from mismatch_probe.run.schema import OPS_OPTIONAL, OPS_V1
+
+    return pa.schema(list(OPS_V1) + [pa.field(k, v) for k, v in OPS_OPTIONAL.items()])
+
+
+class OpRecorder:
+    """Records op rows; writes them to ``sink`` (a path: streamed ``ops.parquet``) or keeps them in
+    memory (``sink=None``: :meth:`table`). Call :meth:`close` when done (``table`` does it)."""
+
+    def __init__(self, plan: Any = None, sink: Path | None = None, *, buffer_rows: int = 1 << 20,
+                 buffer_bytes: int = 256 << 20) -> None:
+        from mismatch_probe.probes.capture import CapturePlan
+
+        self.plan = plan or CapturePlan()
+        self.seen_ops: list[str] = []
+        self.buffer_rows = int(buffer_rows)
+        self.buffer_bytes = int(buffer_bytes)
+        self.rows_written = 0
+        self.value_bytes = 0
+        self._cache: dict[str, tuple[Any, Any, _Rows | None]] = {}
+        self._window: tuple[np.ndarray, np.ndarray] | None = None  # sorted seq ids, full-row limit each
+        self._writer: Any = None
+        self._tables: list[pa.Table] = []
+        if sink is not None:
+            from mismatch_probe.run.schema import DIGEST_KEY, StreamWriter
+
+            self._writer = StreamWriter(Path(sink), "ops", _ops_schema(), {DIGEST_KEY: b"mp64"})
+        self._device: Any = None
+        self._closed = False
+        self._reset_chunk()
+        self._arenas: list[Any] = []
+        self._arena_i = 0
+        self._inflight: list[Any] = []
+        self._queue: dict[Any, list[tuple[Any, int]]] = {}
+        self._queued = (0, 0)
+
+    # ---- setup ---------------------------------------------------------------------------
+    def begin(self, seq_ids: list[int], lengths: list[int]) -> None:
+        """The sequences about to be scored: fixes the rows of the plan's ``full_rows`` window (the
+        first ``full_rows`` tokens in (seq_id, pos) order, the rows bisect replays), so every
+        engine keeps the same rows whatever order it computes them in."""
+        n = int(getattr(self.plan, "full_rows", 0) or 0)
+        if n <= 0:
+            self._window = None
+            return
+        order = np.argsort(np.asarray(seq_ids, np.int64), kind="stable")
+        ids = np.asarray(seq_ids, np.int64)[order]
+        lens = np.asarray(lengths, np.int64)[order]
+        before = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        self._window = (ids, np.clip(n - before, 0, lens))
+        self._cache.clear()
+
+    def _in_window(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
+        if self._window is None:
+            return None
+        ids, lim = self._window
+        j = np.clip(np.searchsorted(ids, seq), 0, len(ids) - 1)
+        return (ids[j] == seq) & (pos < lim[j])
+
+    def _rows(self, op: str, seq: Any, pos: Any) -> _Rows | None:
+        c = self._cache.get(op)
+        if c is not None and c[0] is seq and c[1] is pos:
+            return c[2]
+        s = np.asarray(seq, dtype=np.int64)
+        p = np.asarray(pos, dtype=np.int64)
+        modes = self.plan.modes_for(op, p, window=self._in_window(s, p))
+        keep = np.nonzero((s >= 0) & (modes > 0))[0]
+        rows = None
+        if keep.size:
+            mk = modes[keep]
+            rows = _Rows(keep, s[keep], p[keep], mk, keep[mk == FULL])
+        self._cache[op] = (seq, pos, rows)
+        return rows
+
+    # ---- recording -----------------------------------------------------------------------
+    def record(self, op: str, tensor: Any, seq_ids: Any, pos: Any) -> None:
+        """Record ``tensor[i]`` as op ``op`` of token (``seq_ids[i]``, ``pos[i]``); rows whose
+        ``seq_id`` is negative (padding) are dropped."""
+        import torch
+
+        n_tok = len(seq_ids)
+        t = tensor.detach()
+        if t.shape[0] != n_tok:
+            raise RuntimeError(f"capture of {op}: {t.shape[0]} rows for {n_tok} tokens")
+        rows = self._rows(op, seq_ids, pos)
+        if rows is None:
+            return
+        shape = list(t.shape[1:])
+        t = t.reshape(n_tok, -1) if t.dim() != 2 else t
+        if t.shape[1] and t.stride(-1) != 1:
+            t = t.contiguous()
+        if op not in self.seen_ops:
+            self.seen_ops.append(op)
+        if self._device is None:
+            self._device = t.device
+        cuda = t.device.type == "cuda"
+        k = rows.keep.size
+        need = t.shape[0] if cuda else k
+        if self._used + need > self._cap():
+            self.flush()
+        seg = _Seg(op, str(t.dtype).removeprefix("torch."), shape, int(t.shape[1]), t.element_size(), rows,
+                   np.empty(0, np.int64))
+        off = self._used
+        self._used += need
+        if cuda:
+            seg.arena_rows = off + rows.keep
+            self._enqueue(t, off)
+        else:
+            sel = t if k == t.shape[0] else t[torch.from_numpy(rows.keep)]
+            dig, st = self._arena()
+            digest_stats_cpu(sel, dig[off : off + k], st[off : off + k])
+            seg.arena_rows = np.arange(off, off + k)
+        if rows.full.size:
+            if cuda:
+                if rows.full_dev is None:
+                    rows.full_dev = torch.from_numpy(rows.full).to(t.device, non_blocking=True)
+                v = t.index_select(0, rows.full_dev)
+            else:
+                v = t[torch.from_numpy(rows.full)].contiguous()
+            self._values.append(v)
+            self._vbytes += v.numel() * v.element_size()
+        if op == "logits" and getattr(self.plan, "topk", 0) and (rows.modes >= STATS).any():
+            kk = min(int(self.plan.topk), t.shape[1])
+            src = t if cuda else sel
+            tv, ti = torch.topk(src, kk, dim=1)
+            seg.has_topk = True
+            seg.topk_rows = self._topk_n + (rows.keep if cuda else np.arange(k))
+            self._topk_n += src.shape[0]
+            self._topk.append((tv.float(), ti.int()))
+        self._segs.append(seg)
+        if self._vbytes > self.buffer_bytes:
+            self.flush()
+
+    # ---- device arena (CUDA) ---------------------------------------------------------------
+    def _cap(self) -> int:
+        return self.buffer_rows
+
+    def _reset_chunk(self) -> None:
+        self._segs: list[_Seg] = []
+        self._values: list[Any] = []
+        self._topk: list[tuple[Any, Any]] = []
+        self._topk_n = 0
+        self._vbytes = 0
+        self._used = 0
+
+    def _arena(self) -> tuple[Any, Any]:
+        """(digests, stats) of the current chunk: numpy (CPU) or torch CUDA tensors."""
+        import torch
+
+        while len(self._arenas) <= self._arena_i:
+            if self._device is not None and self._device.type == "cuda":
+                dev = (torch.empty(self.buffer_rows, dtype=torch.int64, device=self._device),
+                       torch.empty(self.buffer_rows, 5, dtype=torch.float64, device=self._device))
+                host = (torch.empty(self.buffer_rows, dtype=torch.int64, pin_memory=True),
+                        torch.empty(self.buffer_rows, 5, dtype=torch.float64, pin_memory=True))
+                self._arenas.append((dev, host))
+            else:
+                self._arenas.append(((np.empty(self.buffer_rows, np.uint64), np.empty((self.buffer_rows, 5))), None))
+        return self._arenas[self._arena_i][0]
+
+    def _enqueue(self, t: Any, off: int) -> None:
+        self._queue.setdefault(t.dtype, []).append((t, off))
+        n, b = self._queued
+        self._queued = (n + 1, b + t.numel() * t.element_size())
+        if self._queued[0] >= _QUEUE_OPS or self._queued[1] >= _QUEUE_BYTES:
+            self._launch()
+
+    def _launch(self) -> None:
+        from mismatch_probe.probes import digest_triton
+
+        if not self._queue:
+            return
+        dig, st = self._arena()
+        for items in self._queue.values():
+            items = [(t, off) for t, off in items if t.shape[1] > 0]
+            for i in range(0, len(items), 512):
+                digest_triton.launch([(t, off, 0) for t, off in items[i : i + 512]], dig, st)
+        self._queue.clear()
+        self._queued = (0, 0)
+
+    # ---- chunks: device -> host -> Arrow -> sink ---------------------------------------------
+    def flush(self) -> None:
+        """End the current chunk: start its copy to the host; write the chunk before it."""
+        import torch
+
+        if not self._segs:
+            return
+        if self._device is not None and self._device.type == "cuda":
+            self._launch()
+            (dig, st), (hd, hs) = self._arenas[self._arena_i]
+            u = self._used
+            hd[:u].copy_(dig[:u], non_blocking=True)
+            hs[:u].copy_(st[:u], non_blocking=True)
+            vals = self._to_host([v.reshape(-1).view(torch.uint8) for v in self._values])
+            tv = self._to_host([a for a, _ in self._topk])
+            ti = self._to_host([b for _, b in self._topk])
+            ev = torch.cuda.Event()
+            ev.record()
+            self._inflight.append((ev, self._segs, hd[:u], hs[:u], vals, tv, ti, self._topk_widths()))
+            self._arena_i ^= 1
+            while len(self._inflight) > 1:
+                self._drain(*self._inflight.pop(0))
+        else:
+            dig, st = self._arena()
+            vals = np.concatenate([v.reshape(-1).view(torch.uint8).numpy() for v in self._values]) if self._values else None
+            tv = torch.cat([a for a, _ in self._topk]).numpy() if self._topk else None
+            ti = torch.cat([b for _, b in self._topk]).numpy() if self._topk else None
+            self._drain(None, self._segs, dig[: self._used], st[: self._used], vals, tv, ti, None)
+        self._reset_chunk()
+
+    def _topk_widths(self) -> int:
+        return int(self._topk[0][0].shape[1]) if self._topk else 0
+
+    @staticmethod
+    def _to_host(parts: list[Any]) -> Any:
+        import torch
+
+        if not parts:
+            return None
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        return host
+
+    def _drain(self, ev: Any, segs: list[_Seg], dig: Any, st: Any, vals: Any, tv: Any, ti: Any, _w: Any) -> None:
+        if ev is not None:
+            ev.synchronize()
+            dig, st = dig.numpy().view(np.uint64), st.numpy()
+            vals = None if vals is None else vals.numpy()
+            tv = None if tv is None else tv.numpy()
+            ti = None if ti is None else ti.numpy()
+        table = _build_table(segs, dig, st, vals, tv, ti)
+        self.rows_written += table.num_rows
+        self.value_bytes += 0 if vals is None else int(vals.size)
+        if self._writer is not None:
+            self._writer.write(table)
+        else:
+            self._tables.append(table)
+
+    def close(self) -> None:
+        """Write everything still buffered; finalize the file (atomic rename)."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+            while self._inflight:
+                self._drain(*self._inflight.pop(0))
+        except BaseException:
+            self.abort()
+            raise
+        if self._writer is not None:
+            self._writer.close()
+        self._closed = True
+        self._arenas.clear()
+
+    def abort(self) -> None:
+        """Drop everything (the temp file too): nothing half-written stays behind."""
+        self._closed = True
+        self._inflight.clear()
+        self._queue.clear()
+        self._arenas.clear()
+        if self._writer is not None:
+            self._writer.abort()
+
+    def summary(self) -> dict[str, Any]:
+        """What was kept, for the manifest."""
+        return {"plan": self.plan.to_json(), "digest": "mp64 (probes/digest.py)", "rows": self.rows_written,
+                "value_bytes": self.value_bytes, "buffer_rows": self.buffer_rows, "buffer_bytes": self.buffer_bytes,
+                "streamed": self._writer is not None}
+
+    def table(self) -> pa.Table:
+        """The whole ``ops`` table (in-memory recorders only)."""
+        from mismatch_probe.run.schema import conform
+
+        self.close()
+        if self._writer is not None:
+            raise RuntimeError("this recorder streamed its rows to a file")
+        if not self._tables:
+            return _ops_schema().empty_table()
+        return conform(pa.concat_tables(self._tables), "ops")
+
+
+def _build_table(segs: list[_Seg], dig: np.ndarray, st: np.ndarray, vals: np.ndarray | None, tv: Any, ti: Any) -> pa.Table:
+    """One chunk's rows as an Arrow table, built column-wise (no Python per row)."""
+    ops = {s.op: None for s in segs}
+    op_code = {o: i for i, o in enumerate(ops)}
+    dtypes = {s.dtype: None for s in segs}
+    dt_code = {d: i for i, d in enumerate(dtypes)}
+    ks = np.array([s.rows.keep.size for s in segs], np.int64)
+    arena = np.concatenate([s.arena_rows for s in segs])
+    seq = np.concatenate([s.rows.seq for s in segs])
+    pos = np.concatenate([s.rows.pos for s in segs])
+    modes = np.concatenate([s.rows.modes for s in segs])
+    width = np.repeat([s.width for s in segs], ks)
+    stats_on = modes >= STATS
+    d = dig[arena]
+    s5 = st[arena]
+    nan = np.where(stats_on[:, None], s5, np.nan)
+    n_total = int(ks.sum())
+    # values: full rows, concatenated in row order (= the order they were gathered)
+    vlen = np.where(modes == FULL, width * np.repeat([s.itemsize for s in segs], ks), 0)
+    voff = np.zeros(n_total + 1, np.int64)
+    np.cumsum(vlen, out=voff[1:])
+    valid = pa.py_buffer(np.packbits(modes == FULL, bitorder="little"))
+    data = pa.py_buffer(vals if vals is not None else b"")
+    values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n_total, [valid, pa.py_buffer(voff), data])
+    # shape: one list per row
+    slen = np.repeat([len(s.shape) for s in segs], ks)
+    soff = np.zeros(n_total + 1, np.int32)
+    np.cumsum(slen, out=soff[1:])
+    svals = np.concatenate([np.tile(np.asarray(s.shape, np.int64), s.rows.keep.size) for s in segs])
+    cols = {
+        "op": pa.DictionaryArray.from_arrays(np.repeat([op_code[s.op] for s in segs], ks).astype(np.int32),
+                                             list(ops)).dictionary_decode(),
+        "layer": np.repeat([split_op(s.op)[0] for s in segs], ks).astype(np.int32),
+        "seq_id": seq.astype(np.int32),
+        "pos": pos.astype(np.int32),
+        "dtype": pa.DictionaryArray.from_arrays(np.repeat([dt_code[s.dtype] for s in segs], ks).astype(np.int32),
+                                                list(dtypes)).dictionary_decode(),
+        "shape": pa.ListArray.from_arrays(soff, svals),
+        "numel": np.where(stats_on, width, 0).astype(np.int64),
+        "sum": nan[:, 0],
+        "sum_sq": nan[:, 1],
+        "abs_max": nan[:, 2],
+        "n_nan": np.where(stats_on, s5[:, 3], 0).astype(np.int64),
+        "n_inf": np.where(stats_on, s5[:, 4], 0).astype(np.int64),
+        "digest": hex_array(d),
+        "values": values.cast(pa.binary()),
+    }
+    cols["topk_ids"], cols["topk_values"] = _topk_cols(segs, ks, stats_on, tv, ti)
+    return pa.table(cols, schema=_ops_schema())
+
+
+def _topk_cols(segs: list[_Seg], ks: np.ndarray, stats_on: np.ndarray, tv: Any, ti: Any) -> tuple[pa.Array, pa.Array]:
+    n = int(ks.sum())
+    has = np.repeat([s.has_topk for s in segs], ks) & stats_on
+    if tv is None or not has.any():
+        return pa.nulls(n, pa.list_(pa.int32())), pa.nulls(n, pa.list_(pa.float32()))
+    k = tv.shape[1]
+    src = np.concatenate([s.topk_rows if s.has_topk else np.zeros(s.rows.keep.size, np.int64) for s in segs])
+    rows = src[has]
+    off = np.zeros(n + 1, np.int32)
+    np.cumsum(np.where(has, k, 0), out=off[1:])
+    mask = pa.array(~has)
+    ids = pa.ListArray.from_arrays(pa.array(off), pa.array(ti[rows].reshape(-1).astype(np.int32)), mask=mask)
+    vals = pa.ListArray.from_arrays(pa.array(off), pa.array(tv[rows].reshape(-1).astype(np.float32)), mask=mask)
+    return ids, vals

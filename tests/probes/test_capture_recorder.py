@@ -1,0 +1,185 @@
+"""The on-device recorder without engines: the mp64 digest bit-exact across implementations (numpy
+reference, torch ops, the numba CPU kernel, the Triton kernel through its interpreter), stats
+merged across ranks and tensor-parallel slices, streamed and atomic ops.parquet, the full-rows
+window and logits top-k, and v1 run directories read through the schema upgrade."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from mismatch_probe.analysis.op_errors import op_errors
+from mismatch_probe.probes import digest as D
+from mismatch_probe.probes.capture import CapturePlan, build_plan, decode_values
+from mismatch_probe.probes.recorder import OpRecorder
+from mismatch_probe.run.schema import VERSION_KEY, read_table
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.bool)
+
+
+def _rand(dtype: torch.dtype, rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * 50
+    if dtype == torch.bool:
+        return x > 0
+    x = x.to(dtype)
+    if dtype.is_floating_point and rows > 2 and cols > 3:
+        x[0, 1], x[1, 2], x[2, 3] = float("nan"), float("inf"), float("-inf")
+    return x
+
+
+def _ref(x: torch.Tensor, col_offset: int = 0) -> np.ndarray:
+    raw = D.word_view(x.contiguous()).numpy().view(np.uint8).reshape(x.shape[0], -1)
+    return D.digest_bytes_ref(raw, x.element_size(), col_offset)
+
+
+def test_digest_known_answer_freezes_the_definition():
+    # two bf16 rows; any change to the mp64 definition changes these hex digits
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    assert D.hex_digests(_ref(x)) == ["49dcb2de63bd0f42", "575da3bc9ce078f2"]
+    m = (1 << 64) - 1
+
+    def term(w: int, i: int) -> int:  # the README's definition in Python integers
+        v = (w ^ (i * D.GOLDEN)) & m
+        v ^= v >> 30
+        v = (v * D.MIX1) & m
+        v ^= v >> 27
+        v = (v * D.MIX2) & m
+        return v ^ (v >> 31)
+
+    for row, want in zip(x.view(torch.int16).tolist(), _ref(x), strict=True):
+        assert sum(term(w & m, i + 1) for i, w in enumerate(row)) & m == int(want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_digest_bitwise_equal_numpy_torch_numba_triton(dtype):
+    from mismatch_probe.probes import digest_triton
+
+    x = _rand(dtype, 9, 1500, seed=1)  # wider than the Triton block: several column chunks
+    ref = _ref(x)
+    assert np.array_equal(D.digest_torch(x).numpy().view(np.uint64), ref)
+    dig, st = np.zeros(9, np.uint64), np.zeros((9, 5))
+    D.digest_stats_cpu(x, dig, st)
+    assert np.array_equal(dig, ref)
+    tdig, tst = torch.zeros(9, dtype=torch.int64), torch.zeros(9, 5, dtype=torch.float64)
+    digest_triton.launch([(x, 0, 0)], tdig, tst)
+    assert np.array_equal(tdig.numpy().view(np.uint64), ref)
+    vals = x.double().numpy() if dtype != torch.bool else x.numpy().astype(float)
+    sref = D.stats_ref(vals)
+    np.testing.assert_allclose(st, sref, rtol=1e-12)
+    np.testing.assert_allclose(tst.numpy(), sref, rtol=1e-12)
+    # one changed element always changes the digest
+    y = x.clone()
+    y[4, 7] = ~y[4, 7] if dtype == torch.bool else y[4, 7] + 1
+    assert _ref(y)[4] != ref[4] and np.array_equal(_ref(y)[:4], ref[:4])
+
+
+def test_digest_and_stats_merge_across_tensor_parallel_slices_and_ranks():
+    # values whose float64 sums are exact, so merged == whole holds bit for bit
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randint(-64, 64, (6, 300), generator=g).float() / 8).to(torch.bfloat16)
+    whole_d = _ref(x)
+    a, b = x[:, :120], x[:, 120:]  # two TP slices of every row
+    with np.errstate(over="ignore"):
+        merged_d = _ref(a, 0) + _ref(b, 120)
+    assert np.array_equal(merged_d, whole_d)
+    sa, sb, sw = (D.stats_ref(t.double().numpy()) for t in (a, b, x))
+    assert np.array_equal(sa[:, :2] + sb[:, :2], sw[:, :2]) and np.array_equal(np.maximum(sa[:, 2], sb[:, 2]), sw[:, 2])
+    # two ranks each record half of the tokens: their rows together are the whole capture's rows
+    seq, pos = np.array([0, 0, 0, 1, 1, 1]), np.array([0, 1, 2, 0, 1, 2])
+    whole = OpRecorder(CapturePlan("stats"))
+    whole.record("0.mlp.down", x, seq, pos)
+    ranks = [OpRecorder(CapturePlan("stats")) for _ in range(2)]
+    ranks[0].record("0.mlp.down", x[:3], seq[:3], pos[:3])
+    ranks[1].record("0.mlp.down", x[3:], seq[3:], pos[3:])
+    cols = ["seq_id", "pos", "numel", "sum", "sum_sq", "abs_max", "n_nan", "n_inf", "digest"]
+    merged = pd.concat([r.table().to_pandas()[cols] for r in ranks], ignore_index=True)
+    pd.testing.assert_frame_equal(merged, whole.table().to_pandas()[cols])
+    per_seq = merged.groupby("seq_id")[["numel", "sum", "sum_sq"]].sum()
+    assert per_seq.loc[0, "sum"] == float(x[:3].double().sum())
+
+
+def test_streamed_ops_parquet_row_groups_atomic_and_equal_to_memory(tmp_path):
+    plan = CapturePlan("stats", full_rows=5, topk=3)
+    dest = tmp_path / "learner" / "ops.parquet"
+    streamed = OpRecorder(plan, sink=dest, buffer_rows=40)
+    mem = OpRecorder(plan)
+    seq_ids, lengths = [7, 2], [3, 4]
+    for r in (streamed, mem):
+        r.begin(seq_ids, lengths)
+    seq = np.array([7, 7, 7, -1, 2, 2, 2, 2])  # one padding row
+    pos = np.array([0, 1, 2, 3, 0, 1, 2, 3])
+    for layer in range(6):
+        x = _rand(torch.bfloat16, 8, 16, seed=layer)
+        for r in (streamed, mem):
+            r.record(f"{layer}.mlp.down", x, seq, pos)
+    logits = _rand(torch.float32, 8, 50, seed=9)
+    for r in (streamed, mem):
+        r.record("logits", logits, seq, pos)
+    assert not dest.exists() and list(dest.parent.glob(".ops.parquet.*.tmp"))  # not final before close
+    streamed.close()
+    assert dest.exists() and not list(dest.parent.glob("*.tmp"))
+    assert pq.ParquetFile(dest).num_row_groups > 1  # written while recording, not at the end
+    got = read_table(dest, "ops").to_pandas()
+    want = mem.table().to_pandas()
+    pd.testing.assert_frame_equal(got, want)
+    # the window: the first 5 tokens in (seq_id, pos) order = seq 2 pos 0..3 and seq 7 pos 0
+    down = got[got.op == "0.mlp.down"]
+    full = set(zip(down[down["values"].notna()].seq_id, down[down["values"].notna()].pos))
+    assert full == {(2, 0), (2, 1), (2, 2), (2, 3), (7, 0)} and len(down) == 7
+    row = down[(down.seq_id == 2) & (down.pos == 1)].iloc[0]
+    assert torch.equal(decode_values(row["values"], "bfloat16", [16]), _rand(torch.bfloat16, 8, 16, seed=0)[5])
+    lg = got[got.op == "logits"].sort_values(["seq_id", "pos"])
+    top = lg[(lg.seq_id == 2) & (lg.pos == 3)].iloc[0]
+    tv, ti = torch.topk(logits[7], 3)
+    assert list(top.topk_ids) == ti.tolist() and np.array_equal(np.asarray(top.topk_values, np.float32), tv.numpy())
+
+
+def test_abort_leaves_no_file(tmp_path):
+    dest = tmp_path / "ops.parquet"
+    r = OpRecorder(CapturePlan("stats"), sink=dest)
+    r.record("embed", _rand(torch.bfloat16, 2, 4, 0), np.array([0, 0]), np.array([0, 1]))
+    r.abort()
+    assert not any(tmp_path.iterdir())
+
+
+def test_default_plan_keeps_logits_as_stats_and_topk():
+    plan = build_plan("stats", [], full_rows=2, topk=4)
+    r = OpRecorder(plan)
+    r.begin([0], [3])
+    seq, pos = np.zeros(3, np.int64), np.arange(3)
+    r.record("logits", _rand(torch.bfloat16, 3, 40, 1), seq, pos)
+    r.record("final_norm", _rand(torch.bfloat16, 3, 8, 2), seq, pos)
+    t = r.table().to_pandas()
+    lg, fn = t[t.op == "logits"], t[t.op == "final_norm"]
+    assert lg["values"].isna().all() and lg.topk_ids.map(len).tolist() == [4, 4, 4]
+    assert fn["values"].notna().tolist() == [True, True, False] and fn.topk_ids.isna().all()
+    full = build_plan("stats", [], full_rows=2, topk=4, full_logits=True)
+    r2 = OpRecorder(full)
+    r2.begin([0], [3])
+    r2.record("logits", _rand(torch.bfloat16, 3, 40, 1), seq, pos)
+    assert r2.table().to_pandas()["values"].notna().tolist() == [True, True, False]
+
+
+def test_v1_ops_files_read_and_compare_by_values(tmp_path):
+    """A run directory of schema v1 (blake2b digests, no top-k columns) still reads; against a new
+    capture its digests are not taken for mp64 ones: equality comes from the values."""
+    x = _rand(torch.bfloat16, 2, 4, 0)
+    raw = [x[i].view(torch.uint8).numpy().tobytes() for i in range(2)]
+    from mismatch_probe.run.schema import OPS_V1
+
+    old = pa.table({"op": ["embed"] * 2, "layer": [-1, -1], "seq_id": [0, 0], "pos": [0, 1], "dtype": ["bfloat16"] * 2,
+                    "shape": [[4], [4]], "numel": [4, 4], "sum": [0.0, 0.0], "sum_sq": [0.0, 0.0], "abs_max": [0.0, 0.0],
+                    "n_nan": [0, 0], "n_inf": [0, 0], "digest": ["00aa", "00bb"], "values": raw}, schema=OPS_V1)
+    p = tmp_path / "ops.parquet"
+    pq.write_table(old.replace_schema_metadata({VERSION_KEY: b"1", b"mismatch_probe.kind": b"ops"}), p)
+    back = read_table(p, "ops").to_pandas()
+    assert back.digest.tolist() == ["blake2b:00aa", "blake2b:00bb"]
+    new = OpRecorder(CapturePlan("full"))
+    new.record("embed", x, np.array([0, 0]), np.array([0, 1]))
+    errs = op_errors(back, new.table().to_pandas(), num_layers=1)
+    assert errs.bitwise_equal_frac.tolist() == [1.0]
