@@ -4,18 +4,19 @@ top-k of ``logits`` rows.
 
 Cost model (what keeps capture cheap at scale):
 
-- CUDA: each captured tensor is queued (a reference, no copy); queued tensors of one dtype are
-  digested and reduced by ONE Triton launch (``digest_triton``) into a device arena of
-  ``buffer_rows`` rows. When the arena fills, or the run ends, it is copied to pinned host memory
-  with one asynchronous copy and the other arena takes over; the host converts and writes a
-  chunk only after its copy's event has completed, one chunk behind. No copy per op, no
-  synchronization inside the forward, nothing per row in Python.
+- CUDA: each captured tensor is queued (a reference, no copy; at most 64 tensors or 1 GiB);
+  queued tensors of one dtype are digested and reduced by ONE Triton launch (``digest_triton``)
+  into a device arena of ``buffer_rows`` rows. When the arena fills, or the run ends, it is
+  copied to pinned host memory with one asynchronous copy; a writer thread waits for that copy's
+  event, builds the Arrow rows and writes them. No copy per op, no synchronization inside the
+  forward, nothing per row in Python.
 - CPU: a numba kernel (one pass over each row) writes straight into the host arena.
 - ``full`` rows are gathered on the device (``index_select``) and copied with the arena;
   ``logits`` rows keep the top-k (values and ids) unless the plan keeps them ``full``.
-- Rows stream to ``ops.parquet`` in row groups (:class:`~mismatch_probe.run.schema.StreamWriter`),
-  so host memory is bounded by the arena (``buffer_rows``), the queued bytes and ``buffer_bytes``
-  of values, whatever the number of tokens.
+- Rows stream to ``ops.parquet`` in row groups (:class:`~mismatch_probe.run.schema.StreamWriter`).
+  Host memory is bounded by ``queue_chunks + 2`` chunks (each ``buffer_rows`` rows of 48 bytes
+  plus at most ``buffer_bytes`` of values), whatever the number of tokens: the recording thread
+  waits when the writer falls behind.
 
 Recording only reads tensors: it never changes what the engine computes (tested: logprobs with
 and without capture are bitwise equal).
@@ -34,6 +35,7 @@ from mismatch_probe.families.opnames import split_op
 from mismatch_probe.probes.digest import digest_stats_cpu, hex_array
 
 FULL, STATS, DIGEST = 3, 2, 1
+BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, one row group)
 _QUEUE_OPS = 64  # queued tensors (CUDA) before a launch
 _QUEUE_BYTES = 1 << 30
 
@@ -73,13 +75,13 @@ class OpRecorder:
     """Records op rows; writes them to ``sink`` (a path: streamed ``ops.parquet``) or keeps them in
     memory (``sink=None``: :meth:`table`). Call :meth:`close` when done (``table`` does it)."""
 
-    def __init__(self, plan: Any = None, sink: Path | None = None, *, buffer_rows: int = 1 << 20,
-                 buffer_bytes: int = 256 << 20) -> None:
+    def __init__(self, plan: Any = None, sink: Path | None = None, *, buffer_rows: int | None = None,
+                 buffer_bytes: int = 256 << 20, batched: bool = False) -> None:
         from mismatch_probe.probes.capture import CapturePlan
 
         self.plan = plan or CapturePlan()
         self.seen_ops: list[str] = []
-        self.buffer_rows = int(buffer_rows)
+        self.buffer_rows = int(buffer_rows or BUFFER_ROWS)
         self.buffer_bytes = int(buffer_bytes)
         self.rows_written = 0
         self.value_bytes = 0
@@ -92,11 +94,14 @@ class OpRecorder:
 
             self._writer = StreamWriter(Path(sink), "ops", _ops_schema(), {DIGEST_KEY: b"mp64"})
         self._device: Any = None
+        self.force_batched = batched
+        self._is_batched: bool | None = None
         self._closed = False
         self._reset_chunk()
         self._arenas: list[Any] = []
-        self._arena_i = 0
-        self._inflight: list[Any] = []
+        self.queue_chunks = 2
+        self._thread: Any = None
+        self._error: BaseException | None = None
         self._queue: dict[Any, list[tuple[Any, int]]] = {}
         self._queued = (0, 0)
 
@@ -159,10 +164,12 @@ class OpRecorder:
             self.seen_ops.append(op)
         if self._device is None:
             self._device = t.device
-        cuda = t.device.type == "cuda"
+        cuda = self._batched(t)
         k = rows.keep.size
         need = t.shape[0] if cuda else k
-        if self._used + need > self._cap():
+        if need > self.buffer_rows:
+            raise ValueError(f"capture of {op}: {need} rows at once exceed buffer_rows={self.buffer_rows}")
+        if self._used + need > self.buffer_rows:
             self.flush()
         seg = _Seg(op, str(t.dtype).removeprefix("torch."), shape, int(t.shape[1]), t.element_size(), rows,
                    np.empty(0, np.int64))
@@ -198,9 +205,6 @@ class OpRecorder:
             self.flush()
 
     # ---- device arena (CUDA) ---------------------------------------------------------------
-    def _cap(self) -> int:
-        return self.buffer_rows
-
     def _reset_chunk(self) -> None:
         self._segs: list[_Seg] = []
         self._values: list[Any] = []
@@ -210,19 +214,16 @@ class OpRecorder:
         self._used = 0
 
     def _arena(self) -> tuple[Any, Any]:
-        """(digests, stats) of the current chunk: numpy (CPU) or torch CUDA tensors."""
+        """(digests, stats) of the current chunk: numpy arrays (CPU) or CUDA tensors."""
         import torch
 
-        while len(self._arenas) <= self._arena_i:
-            if self._device is not None and self._device.type == "cuda":
-                dev = (torch.empty(self.buffer_rows, dtype=torch.int64, device=self._device),
-                       torch.empty(self.buffer_rows, 5, dtype=torch.float64, device=self._device))
-                host = (torch.empty(self.buffer_rows, dtype=torch.int64, pin_memory=True),
-                        torch.empty(self.buffer_rows, 5, dtype=torch.float64, pin_memory=True))
-                self._arenas.append((dev, host))
+        if not self._arenas:
+            if self._is_batched:
+                self._arenas.append((torch.empty(self.buffer_rows, dtype=torch.int64, device=self._device),
+                                     torch.empty(self.buffer_rows, 5, dtype=torch.float64, device=self._device)))
             else:
-                self._arenas.append(((np.empty(self.buffer_rows, np.uint64), np.empty((self.buffer_rows, 5))), None))
-        return self._arenas[self._arena_i][0]
+                self._arenas.append((np.empty(self.buffer_rows, np.uint64), np.empty((self.buffer_rows, 5))))
+        return self._arenas[0]
 
     def _enqueue(self, t: Any, off: int) -> None:
         self._queue.setdefault(t.dtype, []).append((t, off))
@@ -246,51 +247,83 @@ class OpRecorder:
 
     # ---- chunks: device -> host -> Arrow -> sink ---------------------------------------------
     def flush(self) -> None:
-        """End the current chunk: start its copy to the host; write the chunk before it."""
+        """End the current chunk: start its copy to the host and hand it to the writer thread,
+        which waits for the copy, builds the Arrow rows and writes a row group."""
         import torch
 
         if not self._segs:
             return
-        if self._device is not None and self._device.type == "cuda":
+        u = self._used
+        if self._is_batched:
             self._launch()
-            (dig, st), (hd, hs) = self._arenas[self._arena_i]
-            u = self._used
-            hd[:u].copy_(dig[:u], non_blocking=True)
-            hs[:u].copy_(st[:u], non_blocking=True)
+            dig, st = self._arena()
             vals = self._to_host([v.reshape(-1).view(torch.uint8) for v in self._values])
             tv = self._to_host([a for a, _ in self._topk])
             ti = self._to_host([b for _, b in self._topk])
-            ev = torch.cuda.Event()
-            ev.record()
-            self._inflight.append((ev, self._segs, hd[:u], hs[:u], vals, tv, ti, self._topk_widths()))
-            self._arena_i ^= 1
-            while len(self._inflight) > 1:
-                self._drain(*self._inflight.pop(0))
+            hd, hs = self._to_host([dig[:u]]), self._to_host([st[:u]])  # stream-ordered before later kernels
+            ev = None
+            if self._device.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record()
+            job = (ev, self._segs, hd, hs, vals, tv, ti)
         else:
             dig, st = self._arena()
+            self._arenas.clear()  # the writer owns these arrays now; the next chunk gets new ones
             vals = np.concatenate([v.reshape(-1).view(torch.uint8).numpy() for v in self._values]) if self._values else None
             tv = torch.cat([a for a, _ in self._topk]).numpy() if self._topk else None
             ti = torch.cat([b for _, b in self._topk]).numpy() if self._topk else None
-            self._drain(None, self._segs, dig[: self._used], st[: self._used], vals, tv, ti, None)
+            job = (None, self._segs, dig[:u], st[:u], vals, tv, ti)
         self._reset_chunk()
+        self._submit(job)
 
-    def _topk_widths(self) -> int:
-        return int(self._topk[0][0].shape[1]) if self._topk else 0
+    def _submit(self, job: tuple) -> None:
+        import queue
+        import threading
+
+        if self._thread is None:
+            self._jobs: queue.Queue = queue.Queue(maxsize=self.queue_chunks)
+            self._thread = threading.Thread(target=self._writer_loop, name="op-recorder-writer", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)  # blocks while queue_chunks chunks wait: host memory stays bounded
+        if self._error is not None:
+            raise self._error
+
+    def _writer_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._error is None:
+                try:
+                    self._drain(*job)
+                except BaseException as e:  # reported by the recording thread
+                    self._error = e
 
     @staticmethod
     def _to_host(parts: list[Any]) -> Any:
+        """One asynchronous copy into pinned memory (CUDA); a plain copy for CPU tensors."""
         import torch
 
         if not parts:
             return None
         flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if flat.device.type != "cuda":
+            return flat.clone()
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         return host
 
-    def _drain(self, ev: Any, segs: list[_Seg], dig: Any, st: Any, vals: Any, tv: Any, ti: Any, _w: Any) -> None:
+    def _batched(self, t: Any) -> bool:
+        """CUDA tensors (or ``batched=True``: the same path on CPU tensors through Triton's
+        interpreter, for tests) go through the queued Triton launches and the device arena."""
+        if self._is_batched is None:
+            self._is_batched = t.device.type == "cuda" or self.force_batched
+        return self._is_batched
+
+    def _drain(self, ev: Any, segs: list[_Seg], dig: Any, st: Any, vals: Any, tv: Any, ti: Any) -> None:
         if ev is not None:
             ev.synchronize()
+        if not isinstance(dig, np.ndarray):
             dig, st = dig.numpy().view(np.uint64), st.numpy()
             vals = None if vals is None else vals.numpy()
             tv = None if tv is None else tv.numpy()
@@ -303,14 +336,21 @@ class OpRecorder:
         else:
             self._tables.append(table)
 
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
     def close(self) -> None:
         """Write everything still buffered; finalize the file (atomic rename)."""
         if self._closed:
             return
         try:
             self.flush()
-            while self._inflight:
-                self._drain(*self._inflight.pop(0))
+            self._join()
+            if self._error is not None:
+                raise self._error
         except BaseException:
             self.abort()
             raise
@@ -322,8 +362,10 @@ class OpRecorder:
     def abort(self) -> None:
         """Drop everything (the temp file too): nothing half-written stays behind."""
         self._closed = True
-        self._inflight.clear()
         self._queue.clear()
+        if self._thread is not None:
+            self._error = self._error or RuntimeError("aborted")
+            self._join()
         self._arenas.clear()
         if self._writer is not None:
             self._writer.abort()

@@ -183,3 +183,21 @@ def test_v1_ops_files_read_and_compare_by_values(tmp_path):
     new.record("embed", x, np.array([0, 0]), np.array([0, 1]))
     errs = op_errors(back, new.table().to_pandas(), num_layers=1)
     assert errs.bitwise_equal_frac.tolist() == [1.0]
+
+
+def test_batched_device_path_equals_the_cpu_path():
+    """The CUDA code path (queued tensors, one Triton launch per dtype, device arena, chunked host
+    copies), run on CPU tensors through Triton's interpreter, writes the same rows as the numba path."""
+    plan = build_plan("stats", ["0.mlp.*=digest"], full_rows=4, topk=2)
+    recs = [OpRecorder(plan, buffer_rows=30), OpRecorder(plan, buffer_rows=30, batched=True)]
+    seq = np.array([5, 5, 5, 6, 6, -1])
+    pos = np.array([0, 1, 2, 0, 1, 2])
+    for r in recs:
+        r.begin([5, 6], [3, 2])
+        for layer in range(3):
+            r.record(f"{layer}.mlp.down", _rand(torch.bfloat16, 6, 33, layer), seq, pos)
+            r.record(f"{layer}.attn.q", _rand(torch.float32, 6, 12, layer)[:, ::2], seq, pos)  # strided rows
+        r.record("logits", _rand(torch.bfloat16, 6, 20, 7), seq, pos)
+    a, b = (r.table().to_pandas() for r in recs)
+    pd.testing.assert_frame_equal(a, b)
+    assert len(a) == 7 * 5 and a[a.op == "0.mlp.down"]["numel"].eq(0).all()

@@ -27,7 +27,7 @@ def _check_run_files(run: Path) -> None:
         ("compare/token_gaps.parquet", "token_gaps"),
     ):
         validate_file(run / rel, kind)
-        assert pq.read_schema(run / rel).metadata[b"mismatch_probe.schema_version"] == b"1"
+        assert pq.read_schema(run / rel).metadata[b"mismatch_probe.schema_version"] == str(SCHEMA_VERSION).encode()
     assert not list(run.parent.glob(".*partial*"))
 
 

@@ -1,0 +1,329 @@
+"""Capture cost: forward time with capture off / digest / stats / full-window, bytes written per
+token, peak host memory; plus the mp64 digest of CUDA (Triton) against the numpy reference.
+
+Models are built in memory from a config with random weights (no download): Qwen3-0.6B-shaped
+(28 layers, hidden 1024, vocab 151,936) and Qwen3-8B-shaped (36 layers, hidden 4096), and for the
+CPU a ~129M-parameter Llama-shaped model (12 layers, hidden 768, vocab 32,000). Scoring goes
+through the real ``HfLearner`` (micro-batched, right padding, fp32 log-softmax) and the real
+recorder streaming ``ops.parquet`` to disk.
+
+Timings per mode (median of ``--repeats``):
+  forward  = score() until the last op is recorded (device work included: CUDA synchronize);
+             chunks still being written by the writer thread are not waited for, but the
+             recording thread blocks when the writer is ``queue_chunks`` chunks behind
+  total    = score() including close(): every row written and the file renamed into place
+
+    python bench/bench_capture.py --device cuda --shapes qwen3-0.6b,qwen3-8b --out results.json
+    python bench/bench_capture.py --device cpu --shapes llama-129m --seq-len 512 --seqs-per-mb 4 --mbs 2
+    python bench/bench_capture.py --cli-check   # `capture --engine hf` off vs stats, 16 sequences, CPU
+    python bench/bench_capture.py --rss         # peak RSS vs number of tokens (64 x 2,048 tokens)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(family="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "qwen3-8b": dict(family="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                     tie_word_embeddings=False),
+    "llama-129m": dict(family="llama", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                       num_key_value_heads=4, head_dim=64, intermediate_size=2048, vocab_size=32000,
+                       tie_word_embeddings=False),
+    "tiny-qwen3": dict(family="qwen3", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=1024,
+                       tie_word_embeddings=True),
+}
+
+
+def build_model(shape: str, device: str) -> Any:
+    import torch
+    import transformers
+
+    spec = dict(SHAPES[shape])
+    fam = spec.pop("family")
+    cls = transformers.Qwen3Config if fam == "qwen3" else transformers.LlamaConfig
+    cfg = cls(**spec, max_position_embeddings=8192, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval()
+
+
+def learner(model: Any, device: str, mb: int) -> Any:
+    from mismatch_probe.probes.hf.runner import HfLearner
+
+    r = HfLearner(Path("."), model.config.vocab_size, micro_batch_size=mb, device=device)
+    r.model = model
+    r._apply_recipe()  # the engine recipe: the model's own ops, fp32 log-softmax
+    r._loaded = True
+    return r
+
+
+def plans(full_rows: int) -> dict[str, Any]:
+    from mismatch_probe.probes.capture import CapturePlan, build_plan
+
+    return {"off": None, "digest": CapturePlan("digest"), "stats": CapturePlan("stats"),
+            "full-window": build_plan("stats", [], full_rows=full_rows, topk=8)}
+
+
+def _peak_rss_reset() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, repeats: int, full_rows: int,
+               buffer_rows: int, tmp: Path, modes: list[str]) -> list[dict[str, Any]]:
+    from mismatch_probe.probes import recorder as recmod
+
+    model = build_model(shape, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, model.config.vocab_size, seq_len).tolist() for _ in range(per_mb * mbs)]
+    ids = list(range(len(seqs)))
+    r = learner(model, device, per_mb)
+    tokens = per_mb * mbs * seq_len
+    closes: list[float] = []
+    orig_close = recmod.OpRecorder.close
+
+    def timed_close(self: Any) -> None:
+        t = time.perf_counter()
+        orig_close(self)
+        closes.append(time.perf_counter() - t)
+
+    recmod.BUFFER_ROWS = buffer_rows
+    recmod.OpRecorder.close = timed_close
+    out = []
+    ref_lp = None
+    try:
+        for mode in modes:
+            plan = plans(full_rows)[mode]
+            r.capture = plan
+            dest = tmp / f"{shape}-{mode}.parquet"
+            r.ops_dest = dest if plan is not None else None
+            fwd, tot = [], []
+            for i in range(repeats + 1):  # the first run warms up (Triton compile, allocator)
+                closes.clear()
+                _sync(device)
+                _peak_rss_reset()
+                t0 = time.perf_counter()
+                lp = r.score(seqs, ids)
+                _sync(device)
+                t1 = time.perf_counter()
+                if i:
+                    tot.append(t1 - t0)
+                    fwd.append(t1 - t0 - (closes[0] if closes else 0.0))
+            if ref_lp is None:
+                ref_lp = lp
+            row = {"shape": shape, "params_m": round(n_params / 1e6, 1), "device": device, "mode": mode,
+                   "tokens": tokens, "micro_batch_tokens": per_mb * seq_len, "forward_s": statistics.median(fwd),
+                   "total_s": statistics.median(tot), "forward_all": fwd, "total_all": tot,
+                   "peak_rss_mb": round(_peak_rss_mb(), 1),
+                   "logprobs_equal_off": all(np.array_equal(a, b) for a, b in zip(lp, ref_lp, strict=True))}
+            if plan is not None:
+                size = dest.stat().st_size
+                row.update(bytes=size, bytes_per_token=size / tokens, rows=r.info.settings["capture"]["rows"])
+                row["digest_check"] = _check_full_rows(dest)
+            out.append(row)
+            print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
+    finally:
+        recmod.OpRecorder.close = orig_close
+    del model, r
+    return out
+
+
+def _check_full_rows(path: Path) -> dict[str, Any]:
+    """Digests recorded on the device vs the numpy reference on the kept raw values."""
+    import pyarrow.parquet as pq
+
+    from mismatch_probe.probes.digest import digest_bytes_ref, hex_digests
+
+    t = pq.read_table(path, columns=["op", "dtype", "digest", "values"]).to_pandas()
+    t = t[t["values"].notna()]
+    if t.empty:
+        return {"rows": 0}
+    t = t.groupby("op").head(8)
+    size = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "bool": 1}
+    ok = 0
+    for (dt, n), g in t.groupby([t.dtype, t["values"].map(len)]):
+        raw = np.frombuffer(b"".join(g["values"]), np.uint8).reshape(len(g), n)
+        ok += int((np.array(hex_digests(digest_bytes_ref(raw, size[dt]))) == g.digest.to_numpy()).sum())
+    return {"rows": len(t), "equal": ok}
+
+
+def cuda_digest_check() -> dict[str, Any]:
+    """Random tensors of each dtype: the Triton kernel on CUDA == the numpy reference, bit for bit."""
+    import torch
+
+    from mismatch_probe.probes import digest as D
+    from mismatch_probe.probes import digest_triton
+
+    res = {}
+    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.bool):
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(257, 5003, device="cuda", generator=g) * 100
+        x = (x > 0) if dt == torch.bool else x.to(dt)
+        dig = torch.zeros(257, dtype=torch.int64, device="cuda")
+        st = torch.zeros(257, 5, dtype=torch.float64, device="cuda")
+        digest_triton.launch([(x, 0, 0)], dig, st)
+        xc = x.cpu()
+        raw = D.word_view(xc).numpy().view(np.uint8).reshape(257, -1)
+        ref = D.digest_bytes_ref(raw, xc.element_size())
+        res[str(dt).removeprefix("torch.")] = bool(np.array_equal(dig.cpu().numpy().view(np.uint64), ref))
+    return res
+
+
+def cli_check(seq_len: int, n_seqs: int, repeats: int) -> list[dict[str, Any]]:
+    """`mismatch-probe capture --engine hf --capture off|stats` on n_seqs sequences of a 129M model."""
+    import pyarrow as pa
+    import torch
+
+    from mismatch_probe.run.rundir import RunWriter
+    from mismatch_probe.run.schema import write_table
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-capture-cli-"))
+    model = build_model("llama-129m", "cpu")
+    model.save_pretrained(tmp / "model")
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 32000, seq_len).tolist() for _ in range(n_seqs)]
+    with RunWriter(tmp / "run") as run:
+        run.manifest["config"] = {"model_dir": str(tmp / "model")}
+        write_table(run.path("sequences.parquet"), pa.table({"seq_id": list(range(n_seqs)), "prompt_id": list(range(n_seqs)),
+                                                             "n_prompt": [seq_len // 2] * n_seqs, "token_ids": seqs}),
+                    "sequences")
+        run.finish()
+    out = []
+    exe = [sys.executable, "-m", "mismatch_probe"]
+    for mode in ["off", "stats"] * repeats:
+        dest = tmp / f"cap-{mode}"
+        t0 = time.perf_counter()
+        subprocess.run(exe + ["capture", "--engine", "hf", "--from", str(tmp / "run"), "--out", str(dest), "--capture", mode,
+                              "--overwrite"], check=True, capture_output=True)
+        dt = time.perf_counter() - t0
+        ops = dest / "hf" / "ops.parquet"
+        out.append({"mode": mode, "seconds": dt, "ops_bytes": ops.stat().st_size if ops.exists() else 0})
+        print(json.dumps(out[-1]), flush=True)
+    med = {m: statistics.median(r["seconds"] for r in out if r["mode"] == m) for m in ("off", "stats")}
+    print(json.dumps({"cli_median_s": med, "ratio": med["stats"] / med["off"], "params_m": n_params / 1e6,
+                      "threads": torch.get_num_threads()}))
+    return out
+
+
+def rss_check(n_seqs: list[int], seq_len: int) -> list[dict[str, Any]]:
+    """Peak RSS of a stats + full-window capture, tiny model on CPU, growing token counts: each count
+    runs in a fresh process so the peaks do not mix."""
+    res = []
+    for n in n_seqs:
+        code = (f"import sys; sys.argv=['x']; from bench.bench_capture import _rss_child; _rss_child({n}, {seq_len})")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).resolve().parents[1])
+        res.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        print(json.dumps(res[-1]), flush=True)
+    return res
+
+
+def _rss_child(n_seqs: int, seq_len: int) -> None:
+    import torch
+
+    model = build_model("tiny-qwen3", "cpu")
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 1024, seq_len).tolist() for _ in range(n_seqs)]
+    r = learner(model, "cpu", 4)
+    r.capture = plans(256)["full-window"]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-rss-"))
+    r.ops_dest = tmp / "ops.parquet"
+    base = _peak_rss_mb()
+    _peak_rss_reset()
+    t0 = time.perf_counter()
+    r.score(seqs, list(range(n_seqs)))
+    print(json.dumps({"seqs": n_seqs, "tokens": n_seqs * seq_len, "rows": r.info.settings["capture"]["rows"],
+                      "ops_mb": round(r.ops_dest.stat().st_size / 1e6, 1), "seconds": round(time.perf_counter() - t0, 1),
+                      "rss_before_mb": round(base, 1), "peak_rss_during_mb": round(_peak_rss_mb(), 1),
+                      "buffer_rows": r.info.settings["capture"]["buffer_rows"], "threads": torch.get_num_threads()}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
+    ap.add_argument("--modes", default="off,digest,stats,full-window")
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--seqs-per-mb", type=int, default=4)
+    ap.add_argument("--mbs", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--full-rows", type=int, default=256)
+    ap.add_argument("--buffer-rows", type=int, default=1 << 22)
+    ap.add_argument("--cli-check", action="store_true")
+    ap.add_argument("--cli-seq-len", type=int, default=512)
+    ap.add_argument("--rss", action="store_true")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    res: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "argv": sys.argv,
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if a.cli_check:
+        res["cli"] = cli_check(a.cli_seq_len, 16, a.repeats)
+    elif a.rss:
+        res["rss"] = rss_check([16, 64], 2048)
+    else:
+        import torch
+
+        if a.device == "cuda":
+            res["gpu"] = torch.cuda.get_device_name()
+            res["cuda_digest_equal_numpy"] = cuda_digest_check()
+            print(json.dumps(res["cuda_digest_equal_numpy"]), flush=True)
+        tmp = Path(tempfile.mkdtemp(prefix="bench-capture-"))
+        res["runs"] = []
+        for shape in a.shapes.split(","):
+            res["runs"] += time_modes(shape, a.device, a.seq_len, a.seqs_per_mb, a.mbs, a.repeats, a.full_rows,
+                                      a.buffer_rows, tmp, a.modes.split(","))
+            for f in tmp.glob("*.parquet"):
+                f.unlink()
+        print(f"\n{'shape':12} {'mode':12} {'forward s':>10} {'x off':>6} {'total s':>8} {'x off':>6} {'B/token':>9} "
+              f"{'rows':>10} {'peak RSS MB':>11} {'lp==off':>7}")
+        base: dict[str, dict[str, float]] = {}
+        for r in res["runs"]:
+            if r["mode"] == "off":
+                base[r["shape"]] = r
+            b = base.get(r["shape"], r)
+            print(f"{r['shape']:12} {r['mode']:12} {r['forward_s']:10.4f} {r['forward_s'] / b['forward_s']:6.2f} "
+                  f"{r['total_s']:8.3f} {r['total_s'] / b['total_s']:6.2f} {r.get('bytes_per_token', 0):9.0f} "
+                  f"{r.get('rows', 0):10d} {r['peak_rss_mb']:11.0f} {str(r['logprobs_equal_off']):>7}")
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
