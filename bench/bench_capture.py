@@ -78,8 +78,10 @@ def learner(model: Any, device: str, mb: int) -> Any:
 def plans(full_rows: int) -> dict[str, Any]:
     from mismatch_probe.probes.capture import CapturePlan, build_plan
 
+    # full-window = compare's default (stats everywhere, raw values for full_rows tokens, logits top-k);
+    # full-all = the old default (--capture full before issue #11: every row's values, logits included)
     return {"off": None, "digest": CapturePlan("digest"), "stats": CapturePlan("stats"),
-            "full-window": build_plan("stats", [], full_rows=full_rows, topk=8)}
+            "full-window": build_plan("stats", [], full_rows=full_rows, topk=8), "full-all": CapturePlan("full")}
 
 
 def _peak_rss_reset() -> None:

@@ -77,13 +77,26 @@ def stats_ref(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def hex_array(d: np.ndarray) -> pa.Array:
-    """uint64 digests -> Arrow strings of 16 hex digits (vectorized: one hex pass, no per-row Python)."""
-    d = np.ascontiguousarray(d).view(np.uint64)
-    n = d.shape[0]
-    data = d.astype(">u8").tobytes().hex().encode()
+def hex_chars(d: Any) -> Any:
+    """Digests (uint64/int64 [n], numpy or torch on any device) -> their 16 lowercase hex digits as
+    uint8 [n, 16], in array ops (no per-row Python; on CUDA before the host copy)."""
+    if isinstance(d, np.ndarray):
+        b = np.ascontiguousarray(d).view(np.uint8).reshape(-1, 8)[:, ::-1]
+        nib = np.stack((b >> 4, b & 15), axis=2).reshape(-1, 16)
+        return nib + np.uint8(48) + (nib > 9).astype(np.uint8) * np.uint8(39)
+    import torch
+
+    b = d.contiguous().view(torch.uint8).reshape(-1, 8).flip(1)
+    nib = torch.stack((b >> 4, b & 15), dim=2).reshape(-1, 16)
+    return nib + 48 + (nib > 9).to(torch.uint8) * 39
+
+
+def hex_array(d: np.ndarray, chars: np.ndarray | None = None) -> pa.Array:
+    """uint64 digests (or their ``hex_chars``) -> Arrow strings of 16 hex digits."""
+    c = np.ascontiguousarray(hex_chars(np.asarray(d)) if chars is None else chars)
+    n = c.shape[0]
     offsets = np.arange(0, 16 * (n + 1), 16, dtype=np.int32)
-    return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data))
+    return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(c))
 
 
 def hex_digests(d: np.ndarray) -> list[str]:

@@ -37,7 +37,8 @@ def _rmax(x):
 
 
 @_jit
-def _rows_kernel(desc_ptr, dig_ptr, st_ptr, DTYPE: tl.constexpr, ITYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _rows_kernel(desc_ptr, dig_ptr, st_ptr, DTYPE: tl.constexpr, ITYPE: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK: tl.constexpr):
     row = tl.program_id(0)
     d = desc_ptr + tl.program_id(1) * 6
     n_rows = tl.load(d + 1)
@@ -66,7 +67,10 @@ def _rows_kernel(desc_ptr, dig_ptr, st_ptr, DTYPE: tl.constexpr, ITYPE: tl.const
             x = x * 0x94D049BB133111EB
             x = x ^ (x >> 31)
             acc += tl.where(m, x, 0)
-            f = v.to(tl.float64)
+            if HALF:
+                f = v.to(tl.float32).to(tl.float64)
+            else:
+                f = v.to(tl.float64)
             fin = (f - f) == 0.0
             c = tl.where(fin, f, 0.0)
             s += c
@@ -90,7 +94,8 @@ def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any) -> None:
     desc = [[t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), out, coff] for t, out, coff in items]
     max_rows = max(t.shape[0] for t, _, _ in items)
     grid = (max_rows, len(items))
-    args = dict(DTYPE=_TL[t0.dtype], ITYPE=_ITL[t0.element_size()], BLOCK=BLOCK)
+    args = dict(DTYPE=_TL[t0.dtype], ITYPE=_ITL[t0.element_size()], HALF=t0.dtype in (torch.bfloat16, torch.float16),
+                BLOCK=BLOCK)
     if INTERPRET:
         import numpy as np
 

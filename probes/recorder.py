@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from mismatch_probe.families.opnames import split_op
-from mismatch_probe.probes.digest import digest_stats_cpu, hex_array
+from mismatch_probe.probes.digest import digest_stats_cpu, hex_array, hex_chars
 
 FULL, STATS, DIGEST = 3, 2, 1
 BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, one row group)
@@ -52,7 +52,7 @@ class _Rows:
     full_dev: Any = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Seg:
     op: str
     dtype: str
@@ -60,9 +60,20 @@ class _Seg:
     width: int
     itemsize: int
     rows: _Rows
-    arena_rows: np.ndarray  # arena row of each kept row
+    arena_off: int  # arena row of the tensor's first row (batched) or of the first kept row (CPU)
+    batched: bool  # arena rows: arena_off + rows.keep (batched) or arena_off + arange(kept)
     has_topk: bool = False
     topk_rows: np.ndarray | None = None  # row of each kept row in this chunk's top-k block
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dt: Any) -> str:
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt).removeprefix("torch.")
+    return name
 
 
 def _ops_schema() -> pa.Schema:
@@ -81,6 +92,7 @@ class OpRecorder:
 
         self.plan = plan or CapturePlan()
         self.seen_ops: list[str] = []
+        self._seen: set[str] = set()
         self.buffer_rows = int(buffer_rows or BUFFER_ROWS)
         self.buffer_bytes = int(buffer_bytes)
         self.rows_written = 0
@@ -160,7 +172,8 @@ class OpRecorder:
         t = t.reshape(n_tok, -1) if t.dim() != 2 else t
         if t.shape[1] and t.stride(-1) != 1:
             t = t.contiguous()
-        if op not in self.seen_ops:
+        if op not in self._seen:
+            self._seen.add(op)
             self.seen_ops.append(op)
         if self._device is None:
             self._device = t.device
@@ -171,18 +184,15 @@ class OpRecorder:
             raise ValueError(f"capture of {op}: {need} rows at once exceed buffer_rows={self.buffer_rows}")
         if self._used + need > self.buffer_rows:
             self.flush()
-        seg = _Seg(op, str(t.dtype).removeprefix("torch."), shape, int(t.shape[1]), t.element_size(), rows,
-                   np.empty(0, np.int64))
         off = self._used
+        seg = _Seg(op, _dtype_name(t.dtype), shape, int(t.shape[1]), t.element_size(), rows, off, cuda)
         self._used += need
         if cuda:
-            seg.arena_rows = off + rows.keep
             self._enqueue(t, off)
         else:
             sel = t if k == t.shape[0] else t[torch.from_numpy(rows.keep)]
             dig, st = self._arena()
             digest_stats_cpu(sel, dig[off : off + k], st[off : off + k])
-            seg.arena_rows = np.arange(off, off + k)
         if rows.full.size:
             if cuda:
                 if rows.full_dev is None:
@@ -260,7 +270,8 @@ class OpRecorder:
             vals = self._to_host([v.reshape(-1).view(torch.uint8) for v in self._values])
             tv = self._to_host([a for a, _ in self._topk])
             ti = self._to_host([b for _, b in self._topk])
-            hd, hs = self._to_host([dig[:u]]), self._to_host([st[:u]])  # stream-ordered before later kernels
+            # hex digits made on the device: the host thread only slices bytes (short GIL holds)
+            hd, hs = self._to_host([hex_chars(dig[:u])]), self._to_host([st[:u]])  # stream-ordered
             ev = None
             if self._device.type == "cuda":
                 ev = torch.cuda.Event()
@@ -324,7 +335,7 @@ class OpRecorder:
         if ev is not None:
             ev.synchronize()
         if not isinstance(dig, np.ndarray):
-            dig, st = dig.numpy().view(np.uint64), st.numpy()
+            dig, st = dig.numpy(), st.numpy()  # dig: hex digits uint8 [rows, 16]
             vals = None if vals is None else vals.numpy()
             tv = None if tv is None else tv.numpy()
             ti = None if ti is None else ti.numpy()
@@ -395,13 +406,13 @@ def _build_table(segs: list[_Seg], dig: np.ndarray, st: np.ndarray, vals: np.nda
     dtypes = {s.dtype: None for s in segs}
     dt_code = {d: i for i, d in enumerate(dtypes)}
     ks = np.array([s.rows.keep.size for s in segs], np.int64)
-    arena = np.concatenate([s.arena_rows for s in segs])
+    arena = np.concatenate([s.arena_off + (s.rows.keep if s.batched else np.arange(s.rows.keep.size)) for s in segs])
     seq = np.concatenate([s.rows.seq for s in segs])
     pos = np.concatenate([s.rows.pos for s in segs])
     modes = np.concatenate([s.rows.modes for s in segs])
     width = np.repeat([s.width for s in segs], ks)
     stats_on = modes >= STATS
-    d = dig[arena]
+    hexc = dig[arena] if dig.ndim == 2 else hex_chars(dig[arena])
     s5 = st[arena]
     nan = np.where(stats_on[:, None], s5, np.nan)
     n_total = int(ks.sum())
@@ -432,7 +443,7 @@ def _build_table(segs: list[_Seg], dig: np.ndarray, st: np.ndarray, vals: np.nda
         "abs_max": nan[:, 2],
         "n_nan": np.where(stats_on, s5[:, 3], 0).astype(np.int64),
         "n_inf": np.where(stats_on, s5[:, 4], 0).astype(np.int64),
-        "digest": hex_array(d),
+        "digest": hex_array(None, hexc),
         "values": values.cast(pa.binary()),
     }
     cols["topk_ids"], cols["topk_values"] = _topk_cols(segs, ks, stats_on, tv, ti)
