@@ -46,10 +46,10 @@ def test_newer_version_is_rejected(tmp_path):
 
 
 def test_version_without_upgrade_is_rejected(tmp_path):
-    """v1 is the only version: an older (unknown) one is a one-line SchemaError, not a KeyError."""
+    """An older version with no upgrade step is a one-line SchemaError, not a KeyError."""
     from mismatch_probe.run import schema
 
-    assert schema._UPGRADES == {}  # the README says the upgrade table is empty today
+    assert sorted(schema._UPGRADES) == [1]  # the README: v1 -> v2 is the only step so far
     p = tmp_path / "t.parquet"
     pq.write_table(_tokens().replace_schema_metadata({VERSION_KEY: b"0"}), p)
     with pytest.raises(SchemaError, match="cannot read or upgrade"):
