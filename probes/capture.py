@@ -124,10 +124,15 @@ KEPT_NOTE = (
 )
 
 
-def build_plan(mode: str, rules: list[str], full_rows: int = 0, topk: int = 0, full_logits: bool = False) -> CapturePlan | None:
-    """The plan of the command-line flags (None when capture is off). Unless ``full_logits``, a
-    built-in rule ``logits=stats`` (``logits=digest`` under ``--capture digest``) comes before the
-    user's rules, so the vocabulary-wide logits row is not kept (its top-k is)."""
+def build_plan(mode: str, rules: list[str], full_rows: int | None = None, topk: int = 0,
+               full_logits: bool = False) -> CapturePlan | None:
+    """The plan of the command-line flags (None when capture is off). ``full_rows`` None: the
+    default window (FULL_ROWS_DEFAULT) under ``stats``, none under the other modes (``digest``
+    keeps no values unless asked; ``full`` keeps all). Unless ``full_logits``, a built-in rule
+    ``logits=stats`` (``logits=digest`` under ``--capture digest``) comes before the user's rules,
+    so the vocabulary-wide logits row is not kept (its top-k is)."""
+    if full_rows is None:
+        full_rows = FULL_ROWS_DEFAULT if mode == "stats" else 0
     parsed = [CaptureRule.parse(r) for r in rules]
     if mode == "off" and not parsed:
         return None

@@ -59,7 +59,10 @@ def capture(
     model: str | None = typer.Option(None, "--model", "-m", help="Model (default: the run's learner model)."),
     capture_mode: str = typer.Option("stats", "--capture", help="off | digest | stats | full"),
     capture_rule: list[str] = typer.Option([], "--capture-rule", help="GLOB=MODE[@START:END] (repeatable)."),
-    capture_full_rows: int = typer.Option(256, "--capture-full-rows", help="Raw values for the first N tokens (bisect's rows)."),
+    capture_full_rows: int | None = typer.Option(
+        None, "--capture-full-rows",
+        help="Raw values for the first N tokens (bisect's rows) \\[default: 256 under --capture stats].",
+    ),
     capture_topk: int = typer.Option(8, "--capture-topk", help="logits rows: keep the top-k values and ids."),
     full_logits: bool = typer.Option(False, "--full-logits", help="Keep vocabulary-wide logits rows where capture is full."),
     micro_batch_size: int = typer.Option(8, "--micro-batch-size"),
@@ -89,7 +92,7 @@ def capture(
         raise UsageError(f"{source} has no sequences.parquet; run compare first")
     seqs = read_table(source / "sequences.parquet", "sequences")
     mi = resolve_model(model or manifest["config"]["model_dir"])
-    if capture_full_rows < 0 or capture_topk < 0:
+    if (capture_full_rows or 0) < 0 or capture_topk < 0:
         raise UsageError("--capture-full-rows and --capture-topk must be >= 0")
     plan = build_plan(capture_mode, list(capture_rule), capture_full_rows, capture_topk, full_logits)
     d = seqs.to_pydict()

@@ -82,8 +82,10 @@ def compare(
         help="Keep the top-K logprobs of every position on both sides (0: off) \\[default: 20 when capture is on].",
     ),
     capture_rule: list[str] = typer.Option([], "--capture-rule", help="GLOB=MODE[@START:END] (repeatable; last match wins)."),
-    capture_full_rows: int = typer.Option(
-        256, "--capture-full-rows", help="Keep raw values for the first N tokens (by seq_id, pos): the rows bisect replays."
+    capture_full_rows: int | None = typer.Option(
+        None, "--capture-full-rows",
+        help="Keep raw values for the first N tokens (by seq_id, pos), the rows bisect replays "
+        "\\[default: 256 under --capture stats].",
     ),
     capture_topk: int = typer.Option(8, "--capture-topk", help="logits rows: keep the top-k values and ids."),
     full_logits: bool = typer.Option(False, "--full-logits", help="Keep vocabulary-wide logits rows where capture is full."),

@@ -51,7 +51,7 @@ class CompareConfig:
     fsdp_reduce_dtype: str = "float32"  # FSDP MixedPrecisionPolicy reduce dtype
     capture: str = "stats"  # off | digest | stats | full: default op-capture mode
     capture_rules: list[str] = field(default_factory=list)  # GLOB=MODE[@START:END], last match wins
-    capture_full_rows: int = 256  # raw values for the first N tokens (seq_id, pos order): bisect's rows
+    capture_full_rows: int | None = None  # raw values for the first N tokens (seq_id, pos order); None: 256 under stats
     capture_topk: int = 8  # logits rows: keep the top-k values and ids
     full_logits: bool = False  # keep the vocabulary-wide logits rows where the plan says full
     align: str = "engine"  # --align: engine | strict (every op batch-invariant, identical in both engines)

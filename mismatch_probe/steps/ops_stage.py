@@ -22,7 +22,7 @@ def capture_plan(cfg: CompareConfig) -> Any:
     ``--capture-topk`` / ``--full-logits`` (None when capture is off)."""
     from mismatch_probe.probes.capture import build_plan
 
-    if cfg.capture_full_rows < 0 or cfg.capture_topk < 0:
+    if (cfg.capture_full_rows or 0) < 0 or cfg.capture_topk < 0:
         raise UsageError("--capture-full-rows and --capture-topk must be >= 0")
     return build_plan(cfg.capture, cfg.capture_rules, cfg.capture_full_rows, cfg.capture_topk, cfg.full_logits)
 
