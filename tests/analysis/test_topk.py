@@ -112,3 +112,20 @@ def test_learner_topk_recording_leaves_logprobs_unchanged(tmp_path: Path) -> Non
     assert np.isnan(at[1]).all() and np.isnan(rec[0]["lp_at_prefill_topk"]).all()  # no support: NaN
     ent = rec[0]["entropy"]
     assert np.all(ent > 0) and np.all(ent <= math.log(m.vocab_size) + 1e-5)
+
+
+@pytest.mark.vllm
+def test_topk_changes_no_logprob(real_run_qwen3: Path, tmp_path: Path) -> None:
+    """Observer effect: the shared tiny-qwen3 run (capture full, --topk 20 by default) against the same
+    command with --topk 0 --capture off: the same sampled tokens and bitwise the same logprobs."""
+    from mp_testlib import cli
+
+    out = tmp_path / "plain"
+    cli("compare", "--model", "tiny-qwen3", "--out", str(out), "--topk", "0", "--capture", "off", check=True)
+    assert load_json(out / "manifest.json")["config"]["topk_resolved"] == 0
+    for rel in ("sampler/tokens.parquet", "learner/tokens.parquet"):
+        a = pd.read_parquet(real_run_qwen3 / rel)
+        b = pd.read_parquet(out / rel)
+        assert "topk_ids" in a and "topk_ids" not in b
+        cols = ["seq_id", "pos", "token_id", "source", "logprob"]
+        assert a[cols].equals(b[cols]), rel
