@@ -189,4 +189,7 @@ class HfLearner(Runner):
         if rec is not None:
             self._finish_capture(rec)
             self.info.settings["unobservable_ops"] = list(HfCapture.unobservable)
+        if self._patch is not None and isinstance(self.info.settings.get("recipe"), dict):
+            # which NVFP4 GEMM path ran per linear (reference / triton:decode / triton:prefill)
+            self.info.settings["recipe"]["nvfp4_kernels"] = self._patch.describe()["nvfp4_kernels"]
         return out

@@ -151,6 +151,8 @@ def test_nvfp4_story(runs: Runs, real_run_qwen3: Path) -> None:
     m = json.loads((runs["nvfp4-mismatched"] / "manifest.json").read_text())
     assert m["engines"]["learner"]["recipe"]["linear"] == "nvfp4-dynamic-tensor"
     assert m["engines"]["sampler"]["recipe"]["linear"] == "nvfp4-static"
+    kernels = m["engines"]["learner"]["recipe"]["nvfp4_kernels"]  # which GEMM ran, per linear
+    assert kernels and all(set(k["paths_used"]) == {"reference"} for k in kernels.values())  # CPU: the reference
 
 
 def test_bisect_names_first_quantized_linear_and_its_reason(runs: Runs) -> None:
