@@ -196,14 +196,20 @@ def _kind(name: str, module: torch.nn.Module, lm_head: torch.nn.Module, embed: t
 
 
 def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | None = None,
-          layers: Iterable[int] | None = None, *, norm_unit_offset: bool = False) -> PatchHandle:
+          layers: Iterable[int] | None = None, *, norm_unit_offset: bool | None = None) -> PatchHandle:
     """Patch ``model`` (an HF causal LM, possibly FSDP2-sharded) with ``recipe``'s ops.
 
-    ``norm_unit_offset``: the model's RMSNorms scale by ``1 + w`` (Gemma). Per-layer rope bases
+    ``norm_unit_offset``: the model's RMSNorms scale by ``1 + w`` (Gemma); None: as the model's
+    family spec says (:attr:`FamilySpec.norm_unit_offset`, by ``config.model_type``). Per-layer rope bases
     (``rope_parameters`` per layer type), sliding-window layers (``sliding_window`` of the
     attention module), the activation (by its HF class) and a scaled embedding (``embed_scale``
     of the embedding module) are read from the model."""
     r = parse(recipe) if isinstance(recipe, str) else recipe
+    if norm_unit_offset is None:
+        from mismatch_probe.families import registry
+
+        spec = registry.families().get(getattr(model.config, "model_type", ""))
+        norm_unit_offset = bool(spec and spec.norm_unit_offset)
     chosen = r.ops() if ops is None else frozenset(ops) & r.ops()
     bad = set(ops or ()) - set(OP_KINDS)
     if bad:
