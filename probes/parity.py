@@ -101,7 +101,12 @@ def checkpoint_tensors(model_dir: Path, names: list[str]) -> dict[str, Any]:
 
 def sampler_weight_digests(llm: Any, model_dir: Path) -> dict[str, dict[str, str]]:
     """{hf_name: {"digest", "source"}} of what the vLLM engine holds."""
-    tensors: dict[str, Any] = llm.apply_model(split_vllm_params)[0]
+    from mismatch_probe.probes.vllm import tp as vllm_tp
+
+    if vllm_tp.engine_tp_size(llm) > 1:  # every rank's shards, merged
+        tensors: dict[str, Any] = vllm_tp.merge_param_shards(llm.apply_model(vllm_tp.shard_params), model_dir)
+    else:
+        tensors = llm.apply_model(split_vllm_params)[0]
     res = {n: {"digest": tensor_digest(t), "source": "engine"} for n, t in tensors.items() if t is not None}
     missing = [n for n, t in tensors.items() if t is None]
     # the engine cast the checkpoint to its dtype (--dtype) before repacking: digest what it held

@@ -159,7 +159,8 @@ class VllmCapture:
                 keys = pending.pop()
                 seq, pos = keys[:, 0].copy(), keys[:, 1].copy()
                 t = first(out)
-                self.rec.record("logits", t.reshape(t.shape[0], -1), seq, pos)
+                if t is not None:  # None on TP ranks > 0 when vLLM gathers the logits to rank 0
+                    self.rec.record("logits", t.reshape(t.shape[0], -1), seq, pos)
 
             self.hooks.pre(lp, logits_in)
             self.hooks.fwd(lp, logits_out)

@@ -86,6 +86,7 @@ class VllmSampler(SamplerRunner):
         self.llm: Any = None
         self.topk = 0  # --topk K: keep the top-K logprobs of every position (decode and prefill)
         self.prefill_topk: list[tuple[np.ndarray, np.ndarray]] | None = None  # per scored seq: ids, lps [len-1, K]
+        self.tp = 1  # tensor_parallel_size (probes/vllm/tp.py)
 
     def _load_impl(self) -> None:
         vllm = import_vllm()
@@ -113,6 +114,11 @@ class VllmSampler(SamplerRunner):
         if self.topk > 20:  # vLLM's default max_logprobs is 20
             kwargs["max_logprobs"] = self.topk
         kwargs.update(self.llm_kwargs)
+        from mismatch_probe.probes.vllm import tp as vllm_tp
+
+        self.tp = vllm_tp.tp_size(kwargs)
+        if self.tp > 1:
+            vllm_tp.prepare(kwargs, self.llm_kwargs, on_cpu, self.info.auto)
         if self.llm_kwargs:
             from mismatch_probe.probes.engine_args import jsonable
 
@@ -235,6 +241,10 @@ class VllmSampler(SamplerRunner):
         from mismatch_probe.probes.capture import OpRecorder
         from mismatch_probe.probes.vllm.capture import VllmCapture
 
+        if self.tp > 1:
+            from mismatch_probe.probes.vllm import tp
+
+            return tp.captured_generate(self, prompts, sp, seqs, seq_ids)
         rec = OpRecorder(self.capture, sink=self.ops_dest)
         rec.begin(seq_ids, [len(s) for s in seqs])
         cap = VllmCapture(rec, seqs, seq_ids)
