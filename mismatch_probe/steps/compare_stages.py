@@ -215,6 +215,7 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
     with step(progress, f"loading {learner.name.upper()} learner"):
         learner.__enter__()
     try:
+        _tp_row_split(cfg, prep, learner)
         ops_stage.learner_preflight(prep, run, learner)
         learner.capture = ops_stage.capture_plan(cfg)
         if cfg.resolved_topk() and cfg.learner == "hf":
@@ -233,6 +234,26 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
     if getattr(learner, "topk_out", None):
         table = with_topk(table, learner.topk_out, LEARNER_TOPK_COLUMNS)
     write_table(run.path("learner/tokens.parquet"), table, "tokens")
+
+
+def _tp_row_split(cfg: CompareConfig, prep: Prepared, learner: Any) -> None:
+    """Strict recipe on both sides and a tensor-parallel sampler: the learner's row-parallel linears
+    reduce K in the sampler's N slices (kernels/strict_tp.py), so both compute one reduction tree."""
+    from mismatch_probe.kernels.recipes import parse
+
+    n = int(prep.sampler_kwargs.get("tensor_parallel_size") or 1)
+    recipes = [parse(cfg.side_recipe(side)) for side in ("learner", "sampler")]
+    if n <= 1 or getattr(learner, "model", None) is None or any(r.is_engine or r.nvfp4 for r in recipes):
+        return
+    from mismatch_probe.kernels.strict_tp import split_row_parallel
+
+    names = split_row_parallel(learner.model, n)
+    learner.info.settings["row_parallel_k_slices"] = n
+    learner.info.auto["row_parallel_k_slices"] = {
+        "value": n,
+        "reason": f"the sampler splits o_proj/down_proj along K over {n} TP ranks: the learner's strict linear "
+        f"reduces K in the same {n} slices (fp32 partials, fixed tree, one rounding) on {len(names)} modules",
+    }
 
 
 def compare_tokens(run: RunWriter, progress: Progress) -> dict[str, Any]:

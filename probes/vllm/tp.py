@@ -78,13 +78,28 @@ def prepare(kwargs: dict[str, Any], user: dict[str, Any], on_cpu: bool, auto: di
         else:
             auto["VLLM_CPU_OMP_THREADS_BIND"] = {"value": bind, "reason": "set by the user (environment)"}
         if "gpu_memory_utilization" not in user:  # each rank reserves its fraction of the node's RAM
-            kwargs["gpu_memory_utilization"] = round(max(0.02, kwargs["gpu_memory_utilization"] / tp), 3)
+            kwargs["gpu_memory_utilization"] = rank_memory_fraction(kwargs["gpu_memory_utilization"], tp)
             auto["gpu_memory_utilization"] = {
                 "value": kwargs["gpu_memory_utilization"],
-                "reason": f"the single-process fraction divided by the {tp} ranks (each reserves it on CPU)",
+                "reason": f"each of the {tp} CPU ranks reserves this fraction of the node's RAM and checks it against "
+                "the free (not cached) memory at start: the single-process fraction / ranks, at most half the free "
+                "memory / ranks",
             }
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     auto["VLLM_ALLOW_INSECURE_SERIALIZATION"] = {"value": "1", "reason": SERIAL_WHY}
+
+
+def rank_memory_fraction(single: float, tp: int) -> float:
+    """Per-rank ``gpu_memory_utilization`` on CPU: ``single`` (or half the free memory) split over
+    the ranks, but at least 1.5 GiB a rank (a rank's weights and buffers come out of it first)."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        free, floor = 0.5 * vm.free / vm.total, 1.5 * 2**30 / vm.total
+    except Exception:
+        free, floor = single, 0.05
+    return round(max(floor, min(single, free) / tp), 3)
 
 
 # ---- capture in every worker ---------------------------------------------------------------
