@@ -135,8 +135,10 @@ class Engines:
 
         # the run's own engine settings (--sampler-arg / --learner-arg), checked again for this use
         s_recipe = "strict" if align else recipes.get("sampler")
-        skw, sauto = ea.sampler_kwargs(ea.split_pairs(cfg.get("sampler_args"), "--sampler-arg"), capture_on=True,
-                                       recipe=s_recipe or "engine")
+        raw = ea.split_pairs(cfg.get("sampler_args"), "--sampler-arg")
+        # replay and ablation switch ops inside one process: the sampler runs unsharded here
+        self.dropped = {k: raw.pop(k) for k in ("tensor_parallel_size", "distributed_executor_backend") if k in raw}
+        skw, sauto = ea.sampler_kwargs(raw, capture_on=True, recipe=s_recipe or "engine")
         lkw = ea.learner_kwargs(ea.split_pairs(cfg.get("learner_args"), "--learner-arg"), ml.path)
         self.sampler = VllmSampler(ms.path, ms.vocab_size, max_model_len=min(ms.max_positions, 512), dtype=dtype,
                                    recipe=s_recipe, llm_kwargs=skw)
