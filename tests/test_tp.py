@@ -64,10 +64,13 @@ def test_tp2_capture_rows_once_with_the_single_process_rows_and_shapes(tp_strict
     s, learner = _ops(tp_strict_run, "sampler"), _ops(tp_strict_run, "learner")
     keys = ["op", "seq_id", "pos"]
     assert not s.duplicated(keys).any()
-    assert set(map(tuple, s[keys].to_numpy())) == set(map(tuple, learner[keys].to_numpy()))
+    tokens = set(map(tuple, learner[learner["op"] == "embed"][["seq_id", "pos"]].to_numpy()))
+    for op, rows in s.groupby("op"):  # every op of every token, once
+        assert set(map(tuple, rows[["seq_id", "pos"]].to_numpy())) == tokens, op
     shape_s = s.groupby("op")["shape"].first().map(list).to_dict()
     shape_l = learner.groupby("op")["shape"].first().map(list).to_dict()
-    assert shape_s == shape_l
+    assert set(shape_l) <= set(shape_s)  # (the strict learner computes rotary inside its attention: not observed)
+    assert {op: shape_s[op] for op in shape_l} == shape_l
     assert shape_s["0.attn.q"] == [4 * 32] and shape_s["0.mlp.gate"] == [256]  # whole heads / columns, not a shard
 
 
