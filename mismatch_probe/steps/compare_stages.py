@@ -238,14 +238,14 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
 
 def _tp_row_split(cfg: CompareConfig, prep: Prepared, learner: Any) -> None:
     """Strict recipe on both sides and a tensor-parallel sampler: the learner's row-parallel linears
-    reduce K in the sampler's N slices (kernels/strict_tp.py), so both compute one reduction tree."""
+    reduce K in the sampler's N slices (kernels/strict/tp.py), so both compute one reduction tree."""
     from mismatch_probe.kernels.recipes import parse
 
     n = int(prep.sampler_kwargs.get("tensor_parallel_size") or 1)
     recipes = [parse(cfg.side_recipe(side)) for side in ("learner", "sampler")]
     if n <= 1 or getattr(learner, "model", None) is None or any(r.is_engine or r.nvfp4 for r in recipes):
         return
-    from mismatch_probe.kernels.strict_tp import split_row_parallel
+    from mismatch_probe.probes.hf.tp import split_row_parallel
 
     names = split_row_parallel(learner.model, n)
     learner.info.settings["row_parallel_k_slices"] = n

@@ -357,9 +357,9 @@ def _targets() -> list[tuple[type, str, Callable[..., Any]]]:
     except ImportError:  # a CUDA build: strict attention is CPU-only for now (see README)
         pass
     t.append((Sampler, "compute_logprobs", _compute_logprobs))
-    from .strict_tp import targets as tp_targets
+    from .tp import row_parallel_targets
 
-    t += tp_targets()  # row-parallel linears under tensor parallelism (kernels/strict_tp.py)
+    t += row_parallel_targets()  # row-parallel linears under tensor parallelism (kernels/strict/tp.py)
     return t
 
 

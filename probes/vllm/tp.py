@@ -9,12 +9,15 @@ vLLM runs N worker processes (multiprocessing executor), each holding a shard of
 - vocab-parallel logits are gathered (to rank 0, or to all ranks).
 
 Capture runs in every worker (hooks installed through ``LLM.apply_model``; a capture job stays on
-the worker's model between calls) and comes back to the driver, which merges the shards into the
-canonical unsharded rows: the sharded ops' row bytes are concatenated in rank order (key/value heads
-that vLLM replicates when there are fewer of them than ranks are taken once), then digests and stats
-are computed on the merged rows exactly as a single-process capture computes them; replicated ops
-come from rank 0. Weight parity merges the parameter shards the same way (concatenated along the
-dimension where a shard is smaller than the checkpoint's tensor, vocab padding cut off).
+the worker's model between calls) and its raw rows come back to the driver, which merges the shards
+into the canonical unsharded rows: the sharded ops' row bytes are concatenated in rank order
+(key/value heads that vLLM replicates when there are fewer of them than ranks are taken once),
+replicated ops come from rank 0; then one recorder with the run's plan computes digests, stats and
+top-k exactly as a single-process capture does. (Cost: the workers ship the raw rows of every
+selected op; narrow the selection with ``--capture-rule`` on large models.) Weight parity merges the
+parameter shards the same way (concatenated along the dimension where a shard is smaller than the
+checkpoint's tensor, vocab padding cut off). Under the strict recipe, row-parallel linears compute
+kernels/strict/tp.py's K-sliced strict linear (:func:`row_parallel_targets`).
 """
 
 from __future__ import annotations
@@ -106,8 +109,8 @@ def rank_memory_fraction(single: float, tp: int) -> float:
 
 
 def _full_plan(plan: Any) -> Any:
-    """The same selection as ``plan`` with every selected row in ``full`` mode (shards are merged
-    from their bytes, then the user's modes are applied)."""
+    """The same selection as ``plan`` with every selected row kept in ``full`` (raw values): the
+    driver merges the shards from their bytes, then records them with the user's plan."""
     from mismatch_probe.probes.capture import CapturePlan, CaptureRule
 
     def up(mode: str) -> str:
@@ -117,13 +120,13 @@ def _full_plan(plan: Any) -> Any:
 
 
 class _RankRecorder:
-    """What one worker records: sharded ops in full (to merge), replicated ops on rank 0 only."""
+    """What one worker records, raw: the sharded ops (its kept kv heads) on every rank, the
+    replicated ops on rank 0 only."""
 
     def __init__(self, plan: Any, rank: int, kv_keep: bool) -> None:
-        from mismatch_probe.probes.capture import OpRecorder
+        from mismatch_probe.probes.recorder import OpRecorder
 
-        self.main = OpRecorder(plan)
-        self.shard = OpRecorder(_full_plan(plan))
+        self.rec = OpRecorder(_full_plan(plan))
         self.rank = rank
         self.kv_keep = kv_keep
 
@@ -134,9 +137,9 @@ class _RankRecorder:
         if suffix in SHARDED:
             if suffix in KV_OPS and not self.kv_keep:
                 return
-            self.shard.record(op, tensor, seq_ids, pos)
-        elif self.rank == 0:
-            self.main.record(op, tensor, seq_ids, pos)
+        elif self.rank != 0:
+            return
+        self.rec.record(op, tensor, seq_ids, pos)
 
 
 def _ipc(table: Any) -> bytes:
@@ -164,7 +167,7 @@ class CaptureJob:
     def __call__(self, model: Any) -> int:
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from mismatch_probe.probes.vllm_capture import VllmCapture
+        from mismatch_probe.probes.vllm.capture import VllmCapture
 
         rank = get_tensor_model_parallel_rank()
         qkv = model.model.layers[0].self_attn.qkv_proj
@@ -177,7 +180,7 @@ class CaptureJob:
 
 
 def collect(model: Any) -> dict[str, Any]:
-    """Remove the worker's hooks; return its rank, tables (Arrow IPC bytes) and capture notes."""
+    """Remove the worker's hooks; return its rank, raw rows (Arrow IPC bytes) and capture notes."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     cap, rec = model._mp_tp_capture
@@ -185,61 +188,62 @@ def collect(model: Any) -> dict[str, Any]:
     del model._mp_tp_capture
     return {
         "rank": get_tensor_model_parallel_rank(),
-        "main": _ipc(rec.main.table()),
-        "shard": _ipc(rec.shard.table()),
+        "rows": _ipc(rec.rec.table()),
         "unobservable": cap.unobservable,
         "unmatched_rows": cap.unmatched_rows,
     }
 
 
-def merge_captures(parts: list[dict[str, Any]], plan: Any) -> Any:
-    """One canonical ``ops`` table from every rank's capture (see the module doc)."""
-    import pyarrow as pa
+def merge_into(parts: list[dict[str, Any]], recorder: Any) -> None:
+    """Record every rank's raw rows, merged into canonical unsharded rows (see the module doc),
+    into ``recorder`` (which applies the user's plan: digests, stats, values, top-k)."""
     import torch
 
-    from mismatch_probe.probes.capture import OpRecorder
-    from mismatch_probe.schema import OPS_V1
-
-    parts = sorted(parts, key=lambda p: p["rank"])
-    merged = OpRecorder(plan)
-    shards = [_from_ipc(p["shard"]).to_pandas() for p in parts]
-    ops = list(dict.fromkeys(op for df in shards for op in df["op"].tolist()))  # execution order
+    tables = [_from_ipc(p["rows"]).to_pandas() for p in sorted(parts, key=lambda p: p["rank"])]
+    ops = list(dict.fromkeys(op for df in tables for op in df["op"].tolist()))  # execution order
     for op in ops:
-        pieces, keys = [], None
-        for df in shards:
+        pieces, keys, dtype = [], None, ""
+        for df in tables:
             d = df[df["op"] == op]
             if d.empty:
-                continue  # a rank that holds a replicated kv head it does not keep
+                continue  # a replicated op (rank 0 only) or a kv head this rank does not keep
             d = d.sort_values(["seq_id", "pos"], kind="stable")
-            k = d[["seq_id", "pos"]].to_numpy()
+            k = d[["seq_id", "pos"]].to_numpy(np.int64)
             if keys is None:
-                keys, dtype = k, d["dtype"].iloc[0]
+                keys, dtype = k, str(d["dtype"].iloc[0])
             elif not np.array_equal(keys, k):
                 raise RuntimeError(f"tensor-parallel capture of {op}: the ranks captured different tokens")
-            raw = np.frombuffer(b"".join(d["values"].tolist()), np.uint8).reshape(len(d), -1)
-            pieces.append(raw)
+            pieces.append(np.frombuffer(b"".join(d["values"].tolist()), np.uint8).reshape(len(d), -1))
         if keys is None:
             continue
-        full = np.ascontiguousarray(np.concatenate(pieces, axis=1))
-        t = torch.from_numpy(full).view(getattr(torch, dtype))
-        merged.record(op, t, keys[:, 0], keys[:, 1])
-    main = _from_ipc(parts[0]["main"]).cast(OPS_V1)
-    return pa.concat_tables([main, merged.table().cast(OPS_V1)])
+        raw = np.ascontiguousarray(np.concatenate(pieces, axis=1))
+        recorder.record(op, torch.from_numpy(raw).view(getattr(torch, dtype)), keys[:, 0], keys[:, 1])
 
 
 def captured_generate(sampler: Any, prompts: list[Any], sp: Any, seqs: list[list[int]], seq_ids: list[int]) -> Any:
-    """``generate`` with the capture installed in every TP worker; sets ``sampler.ops``."""
+    """``generate`` with the capture installed in every TP worker; the merged rows go through one
+    recorder with the run's plan (streamed to ``sampler.ops_dest`` where set)."""
+    from mismatch_probe.probes.recorder import OpRecorder
+
     llm = sampler.llm
     llm.apply_model(CaptureJob(sampler.capture, seqs, seq_ids))
     try:
         outs = llm.generate(prompts, sp, use_tqdm=False)
     finally:
         parts = llm.apply_model(collect)
-    sampler.ops = merge_captures(parts, sampler.capture)
+    rec = OpRecorder(sampler.capture, sink=sampler.ops_dest)
+    rec.begin(seq_ids, [len(s) for s in seqs])
+    try:
+        merge_into(parts, rec)
+    except BaseException:
+        rec.abort()
+        raise
+    sampler._finish_capture(rec)
     sampler.info.settings["unobservable_ops"] = parts[0]["unobservable"]
     sampler.info.settings["capture_unmatched_rows"] = max(p["unmatched_rows"] for p in parts)
     sampler.info.settings["capture_merge"] = (
-        f"{len(parts)} TP ranks: sharded ops ({', '.join(SHARDED)}) concatenated in rank order, others from rank 0"
+        f"{len(parts)} TP ranks: the raw rows of the sharded ops ({', '.join(SHARDED)}) concatenated in rank "
+        "order, the others from rank 0, then recorded once with the run's plan"
     )
     return outs
 
@@ -304,3 +308,37 @@ def merge_param_shards(parts: list[dict[str, Any]], model_dir: Path) -> dict[str
             cat = torch.cat(ts, d)
         out[name] = cat.narrow(d, 0, full[d])  # vocab padding cut off
     return out
+
+
+# ---- strict row-parallel linears (the sampler's side of kernels/strict/tp.py) ---------------
+
+
+def _row_parallel_forward(orig: Any) -> Any:
+    def forward(self: Any, input_: Any) -> Any:
+        from mismatch_probe.kernels.strict import tp as stp
+        from mismatch_probe.probes.vllm import plugin
+
+        r = plugin.active()
+        w = getattr(self, "_mp_weight", None)
+        strict_here = r is not None and not r.nvfp4 and w is not None and plugin._on("linear", self)
+        if self.tp_size <= 1 or not strict_here or not self.reduce_results:
+            return orig(self, input_)
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        x = input_ if self.input_is_parallel else input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+        part = stp.partial(x, w).unsqueeze(0).contiguous()
+        parts = tensor_model_parallel_all_gather(part, dim=0)  # [ranks, ...], rank order
+        out = stp.combine(parts, None if self.skip_bias_add else self.bias, x.dtype)
+        if not self.return_bias:
+            return out
+        return out, (self.bias if self.skip_bias_add else None)
+
+    return forward
+
+
+def row_parallel_targets() -> list[tuple[type, str, Any]]:
+    """The vLLM plugin's override of row-parallel linears: vLLM's own forward unless the strict
+    linear is on for the layer and the layer is split over ranks."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    return [(RowParallelLinear, "forward", _row_parallel_forward)]

@@ -20,8 +20,9 @@ import torch
 from mp_testlib import cli, load_json
 
 from mismatch_probe.errors import UsageError
-from mismatch_probe.probes import vllm_tp
-from mismatch_probe.probes.capture import CapturePlan, CaptureRule, OpRecorder
+from mismatch_probe.probes.capture import CapturePlan, CaptureRule
+from mismatch_probe.probes.recorder import OpRecorder
+from mismatch_probe.probes.vllm import tp as vllm_tp
 
 TP_ARGS = ("--sampler-arg", "tensor_parallel_size=2", "--sampler-arg", "max_num_seqs=16",
            "--learner-arg", "attn_implementation=eager", "--n", "1", "--max-tokens", "8")
@@ -129,9 +130,10 @@ def test_cpu_bind() -> None:
         vllm_tp.cpu_bind(2, [0])
 
 
-def test_merge_captures_equals_the_unsharded_capture() -> None:
+def test_merge_equals_the_unsharded_capture() -> None:
     """Shards of q (column-parallel), k with kv heads replicated over ranks, and a replicated op:
-    the merged table has the single-process digests, stats and values, in every capture mode."""
+    recorded through the merge, the table is the single-process one (digests, stats, values), under
+    a plan with several modes."""
     torch.manual_seed(0)
     n, seqs, pos = 5, np.array([0, 0, 1, 1, 1]), np.array([1, 2, 1, 2, 3])
     q, k, h = torch.randn(n, 8).bfloat16(), torch.randn(n, 2).bfloat16(), torch.randn(n, 6).bfloat16()
@@ -145,12 +147,13 @@ def test_merge_captures_equals_the_unsharded_capture() -> None:
         rec.record("0.attn.q", q[:, rank * 4 : (rank + 1) * 4], seqs, pos)
         rec.record("0.attn.k", k, seqs, pos)
         rec.record("0.out", h, seqs, pos)
-        parts.append({"rank": rank, "main": vllm_tp._ipc(rec.main.table()), "shard": vllm_tp._ipc(rec.shard.table())})
-    got = vllm_tp.merge_captures(parts[::-1], plan).to_pandas()
-    want = ref.table().to_pandas()
+        parts.append({"rank": rank, "rows": vllm_tp._ipc(rec.rec.table())})
+    merged = OpRecorder(plan)
+    vllm_tp.merge_into(parts[::-1], merged)
+    got, want = merged.table().to_pandas(), ref.table().to_pandas()
     keys = ["op", "seq_id", "pos"]
     got, want = got.sort_values(keys).reset_index(drop=True), want.sort_values(keys).reset_index(drop=True)
-    assert got[keys].equals(want[keys])
+    assert got[keys].equals(want[keys]) and len(got) == 3 * n
     for col in ("digest", "values", "numel", "dtype"):
         assert got[col].tolist() == want[col].tolist(), col
     assert np.allclose(got["sum"].fillna(0), want["sum"].fillna(0), rtol=1e-12)
@@ -192,8 +195,8 @@ def test_merge_param_shards(tmp_path: Path) -> None:
 def test_ksplit_linear_is_rank_partials_combined_once() -> None:
     """The learner's K-split strict linear = what the sampler's ranks compute: each slice's fp32
     partial, summed in rank order in fp32, rounded once (emulated here without vLLM)."""
-    from mismatch_probe.kernels import strict_ops as so
-    from mismatch_probe.kernels import strict_tp
+    from mismatch_probe.kernels.strict import ops as so
+    from mismatch_probe.kernels.strict import tp as strict_tp
 
     torch.manual_seed(0)
     x, w = torch.randn(7, 64).bfloat16(), torch.randn(16, 64).bfloat16()
