@@ -162,3 +162,21 @@ def test_moe_fused_expert_weights_assembled_from_the_checkpoint() -> None:
     params = dict(model.named_parameters())
     assert {n: tensor_digest(got[n]) for n in names} == {n: tensor_digest(params[n]) for n in names}
     assert json.dumps(sorted(got)) == json.dumps(sorted(names))
+
+
+def test_tokenizer_preflight_lists_each_prompt_tokenized_differently() -> None:
+    """The pre-flight's comparison (the real runs above check the agreeing case end to end)."""
+    from types import SimpleNamespace
+
+    from mismatch_probe.steps.ops_stage import tokenizer_mismatches
+
+    specs = [SimpleNamespace(text="a b", line=1), SimpleNamespace(text=None, line=2), SimpleNamespace(text="c", line=3)]
+    vocab = {"a": 5, "b": 6, "c": 7}
+
+    def encode(text: str) -> list[int]:
+        return [vocab[w] for w in text.split()]
+
+    assert tokenizer_mismatches(specs, [[5, 6], [1, 2], [7]], encode) == []  # token-id prompts are not re-tokenized
+    assert tokenizer_mismatches(specs, [[5, 6], [1, 2], [9]], encode) == [
+        {"prompt": 2, "line": 3, "learner_ids": [9], "sampler_ids": [7]}
+    ]

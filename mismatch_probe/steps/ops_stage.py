@@ -36,18 +36,23 @@ def describe_capture(plan: Any) -> dict[str, Any]:
     return {"plan": plan.to_json(), "kept": KEPT_NOTE, "digest": "mp64 (see README, Per-op capture)"}
 
 
+def tokenizer_mismatches(specs: list[Any], prompt_ids: list[list[int]], encode: Any) -> list[dict[str, Any]]:
+    """Text prompts that the sampler's tokenizer (``encode``) turns into other ids than the learner's."""
+    mismatched = []
+    for i, (spec, ids) in enumerate(zip(specs, prompt_ids, strict=True)):
+        if spec.text is None:
+            continue
+        theirs = list(encode(spec.text))
+        if theirs != ids:
+            mismatched.append({"prompt": i, "line": spec.line, "learner_ids": ids, "sampler_ids": theirs})
+    return mismatched
+
+
 def sampler_preflight(prep: Prepared, run: RunWriter, sampler: Any) -> None:
     """With the sampler loaded: its tokenization of the prompts, and the weights it holds."""
     from mismatch_probe.probes.parity import sampler_weight_digests
 
-    tok = sampler.llm.get_tokenizer()
-    mismatched = []
-    for i, (spec, ids) in enumerate(zip(prep.specs, prep.prompt_ids, strict=True)):
-        if spec.text is None:
-            continue
-        theirs = list(tok.encode(spec.text))
-        if theirs != ids:
-            mismatched.append({"prompt": i, "line": spec.line, "learner_ids": ids, "sampler_ids": theirs})
+    mismatched = tokenizer_mismatches(prep.specs, prep.prompt_ids, sampler.llm.get_tokenizer().encode)
     run.manifest.setdefault("parity", {})["tokenizer"] = {"ok": not mismatched, "mismatches": mismatched}
     atomic_write_json(run.path("sampler/weights.json"), sampler_weight_digests(sampler.llm, prep.sampler_model.path))
 

@@ -106,6 +106,20 @@ def test_real_run_gate_passes_and_fails(run_dir: Path, tmp_path: Path, cli) -> N
     assert re.search(r"^\| k3 \| .* pass \|", text, re.M)
 
 
+def test_real_run_gate_max_kl(run_dir: Path, tmp_path: Path, cli) -> None:
+    """--max-kl bounds the top-K KL that compare records by default (capture on: --topk 20)."""
+    fv = json.loads((run_dir / "compare" / "summary.json").read_text())["pairs"]["learner_vs_decode"]["full_vocab"]
+    kl = max(fv["kl_fwd"], fv["kl_rev"])
+    assert kl > 0
+    p, md, xml = _gate(cli, run_dir, tmp_path, "--max-kl", repr(kl * 2))
+    assert p.code == 0, p.out + p.err
+    _check_junit(xml, 2, 0)
+    for name in ("kl_fwd", "kl_rev"):
+        assert re.search(rf"^\| {name} \| learner_vs_decode \| .* pass \|", md.read_text(), re.M), name
+    p, md, xml = _gate(cli, run_dir, tmp_path, "--max-kl", repr(kl / 2))
+    assert p.code == 1, p.out + p.err
+
+
 def test_real_run_gate_from_toml(run_dir: Path, tmp_path: Path, cli) -> None:
     cfg = tmp_path / "gate.toml"
     cfg.write_text('[gate]\nmax_k3 = 1.0\nchecks = ["prefill_vs_decode.max_abs_dlogp <= 10"]\n')
