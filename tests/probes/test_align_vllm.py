@@ -178,6 +178,14 @@ targets = vp._targets()
 before = {(c, a): c.__dict__.get(a) for c, a, _ in targets}
 vp.register()  # no recipe requested: installs nothing
 assert vp.installed() == []
+# an engine worker process: the recipe comes through the environment variable and vLLM's own
+# plugin loader (entry point group vllm.general_plugins), not through a call of ours
+os.environ[vp.ENV] = "strict"
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+assert vp.active() is not None and vp.active().name == "strict" and len(vp.installed()) == len(targets)
+vp.deactivate()
+assert vp.installed() == [] and all(c.__dict__.get(a) is before[(c, a)] for c, a, _ in targets)
 vp.activate("strict")
 assert len(vp.installed()) == len(targets) and os.environ[vp.ENV] == "strict"
 assert all(c.__dict__.get(a) is not before[(c, a)] for c, a, _ in targets)
@@ -188,5 +196,7 @@ print("ok", len(targets))
 
 
 def test_plugin_off_restores_vllm_methods_exactly() -> None:
+    """Activation through the entry point with the recipe variable set (a fresh process), then
+    deactivate puts vLLM's methods back exactly."""
     proc = subprocess.run([sys.executable, "-c", PLUGIN_RESTORE], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
