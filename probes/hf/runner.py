@@ -18,6 +18,9 @@ def token_logprobs(logits: Any, ids: Any) -> Any:
     return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
+TOPK_CHUNK_ELEMS = 1 << 26  # fp32 elements of one [positions, V] slice (256 MB): bounds the extra memory
+
+
 def record_topk(
     log_softmax: Any,
     logits: Any,
@@ -28,20 +31,18 @@ def record_topk(
     support: dict[int, dict[str, np.ndarray]],
 ) -> dict[int, dict[str, np.ndarray]]:
     """From the full distribution of one micro-batch, on its device, one host copy at the end:
-    per sequence ``topk_ids``/``topk_logprobs`` [len-1, K], ``entropy`` and ``rank`` (of the scored
-    token, 1 = most likely) [len-1], and ``lp_at_NAME_topk`` [len-1, K2]: the logprobs at the sampler's
-    top-K ids of each support NAME (NaN where the sampler gave none)."""
+    per sequence ``topk_ids``/``topk_logprobs`` [len-1, K], ``entropy`` and ``sampled_rank`` (of the
+    scored token, 1 = most likely) [len-1], and ``lp_at_NAME_topk`` [len-1, K2]: the logprobs at the
+    sampler's top-K ids of each support NAME (NaN where the sampler gave none). Positions are taken
+    in slices of at most ``TOPK_CHUNK_ELEMS / V`` rows, so the extra memory stays bounded."""
     import torch
 
-    lpf = log_softmax(logits[:, :-1])  # [B, T-1, V] fp32
-    tok = ids[:, 1:]
-    lp_tok = lpf.gather(-1, tok.unsqueeze(-1))
-    top_v, top_i = lpf.topk(k, dim=-1)
-    ent = -(lpf.exp() * lpf).nan_to_num(nan=0.0).sum(-1)
-    rank = (lpf > lp_tok).sum(-1) + 1
-    res = {"topk_ids": top_i, "topk_logprobs": top_v, "entropy": ent, "sampled_rank": rank}
+    lg = logits[:, :-1]
+    b, t, v = lg.shape
+    lg = lg.reshape(b * t, v)
+    tok = ids[:, 1:].reshape(b * t)
     names = sorted({n for sid in seq_ids for n in support.get(sid, {})})
-    b, t = tok.shape
+    sups = {}
     for name in names:
         kk = next(support[sid][name].shape[1] for sid in seq_ids if name in support.get(sid, {}))
         sup = torch.full((b, t, kk), -1, dtype=torch.long)
@@ -49,14 +50,31 @@ def record_topk(
             a = support.get(sid, {}).get(name)
             if a is not None:
                 sup[i, : a.shape[0]] = torch.from_numpy(a)
-        sup = sup.to(lpf.device)
-        at = lpf.gather(-1, sup.clamp(min=0))
-        res[f"lp_at_{name}_topk"] = torch.where(sup >= 0, at, torch.full_like(at, float("nan")))
-    host = {key: v.cpu().numpy() for key, v in res.items()}
+        sups[name] = sup.reshape(b * t, kk).to(lg.device)
+    parts: dict[str, list[Any]] = {}
+    step = max(1, TOPK_CHUNK_ELEMS // v)
+    for a in range(0, b * t, step):
+        lpf = log_softmax(lg[a : a + step])  # [rows, V] fp32
+        lp_tok = lpf.gather(-1, tok[a : a + step, None])
+        top_v, top_i = lpf.topk(k, dim=-1)
+        got = {
+            "topk_ids": top_i,
+            "topk_logprobs": top_v,
+            "entropy": -(lpf.exp() * lpf).nan_to_num(nan=0.0).sum(-1),
+            "sampled_rank": (lpf > lp_tok).sum(-1) + 1,
+        }
+        for name, sup in sups.items():
+            sl = sup[a : a + step]
+            at = lpf.gather(-1, sl.clamp(min=0))
+            got[f"lp_at_{name}_topk"] = torch.where(sl >= 0, at, torch.full_like(at, float("nan")))
+        for key, val in got.items():
+            parts.setdefault(key, []).append(val)
+        del lpf
+    host = {key: torch.cat(vals).reshape(b, t, *vals[0].shape[1:]).cpu().numpy() for key, vals in parts.items()}
     out: dict[int, dict[str, np.ndarray]] = {}
     for i, (sid, s) in enumerate(zip(seq_ids, chunk, strict=True)):
         n = len(s) - 1
-        out[sid] = {key: v[i, :n].copy() for key, v in host.items()}
+        out[sid] = {key: val[i, :n].copy() for key, val in host.items()}
     return out
 
 

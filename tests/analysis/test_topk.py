@@ -112,6 +112,21 @@ def test_learner_topk_recording_leaves_logprobs_unchanged(tmp_path: Path) -> Non
     assert np.isnan(at[1]).all() and np.isnan(rec[0]["lp_at_prefill_topk"]).all()  # no support: NaN
     ent = rec[0]["entropy"]
     assert np.all(ent > 0) and np.all(ent <= math.log(m.vocab_size) + 1e-5)
+    # slices of 3 positions (memory bound) record the same values as one slice
+    import mismatch_probe.probes.hf.runner as hr
+
+    old_chunk = hr.TOPK_CHUNK_ELEMS
+    hr.TOPK_CHUNK_ELEMS = 3 * m.vocab_size
+    try:
+        with HfLearner(m.path, m.vocab_size, micro_batch_size=2, device="cpu") as sliced:
+            sliced.topk = 5
+            sliced.topk_support = top.topk_support
+            sliced.score(seqs, [0, 1, 2])
+    finally:
+        hr.TOPK_CHUNK_ELEMS = old_chunk
+    for sid, arrays in rec.items():
+        for key, val in arrays.items():
+            assert np.array_equal(sliced.topk_out[sid][key], val, equal_nan=True), (sid, key)
 
 
 @pytest.mark.vllm
