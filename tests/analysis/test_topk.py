@@ -143,4 +143,8 @@ def test_topk_changes_no_logprob(real_run_qwen3: Path, tmp_path: Path) -> None:
         b = pd.read_parquet(out / rel)
         assert "topk_ids" in a and "topk_ids" not in b
         cols = ["seq_id", "pos", "token_id", "source", "logprob"]
-        assert a[cols].equals(b[cols]), rel
+        if not a[cols].equals(b[cols]):
+            j = a[cols].merge(b[cols], on=["seq_id", "pos", "source"], how="outer", suffixes=("", "_off"), indicator=True)
+            diff = j[(j._merge != "both") | (j.token_id != j.token_id_off) | (j.logprob != j.logprob_off)]
+            auto = [load_json(r / "manifest.json")["auto"] for r in (real_run_qwen3, out)]
+            pytest.fail(f"{rel}: {len(diff)} rows differ, e.g.\n{diff.head(5)}\nauto settings: {auto}")
