@@ -40,10 +40,10 @@ def _agree(ref: list[np.ndarray], got: list[np.ndarray]) -> dict[str, Any]:
 def main() -> None:
     import torch
 
-    from mismatch_probe.families.models import resolve_model
     from mismatch_probe.probes.capture import CapturePlan
     from mismatch_probe.probes.fsdp.runner import FsdpLearner
     from mismatch_probe.probes.hf.runner import HfLearner
+    from mismatch_probe.probes.models import resolve_model
 
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

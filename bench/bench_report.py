@@ -26,7 +26,7 @@ from mismatch_probe.reports import build_report
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the synthetic-run fixture lives under tests/
 from fixtures.synthetic import make_run  # noqa: E402
 
-CLI = [sys.executable, "-c", "import sys; from mismatch_probe.cli.app import main; main(sys.argv[1:])"]
+CLI = [sys.executable, "-c", "import sys; from mismatch_probe.cli.main import main; main(sys.argv[1:])"]
 
 
 def main() -> None:

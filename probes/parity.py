@@ -1,12 +1,14 @@
 """Pre-flight parity: do both engines hold the same weights and tokenize prompts the same way?
 
 A weight-sync bug looks exactly like a kernel mismatch downstream, so ``compare`` checks first.
-Parameters are named as in the HF checkpoint; vLLM's fused parameters are split back
-(``qkv_proj`` -> q/k/v, ``gate_up_proj`` -> gate/up). vLLM's CPU backend repacks linear weights
-into its own layout and empties the original parameter: for those the digest is taken from the
-checkpoint the sampler loaded (``source: "checkpoint"``), cast to the engine's dtype; so are the
-MoE expert weights, which its fused-MoE repacks in place (HF's fused ``experts.gate_up_proj`` /
-``experts.down_proj`` are assembled from the checkpoint's per-expert tensors).
+Parameters are named as in the HF checkpoint; vLLM's fused parameters are split back by the model
+class's ``packed_modules_mapping`` (``qkv_proj`` -> q/k/v, ``gate_up_proj`` -> gate/up; the family
+spec's ``packed_modules`` where the class has none), MoE expert weights renamed by the spec.
+vLLM's CPU backend repacks linear weights into its own layout and empties the original
+parameter: for those the digest is taken from the checkpoint the sampler loaded (``source:
+"checkpoint"``), cast to the engine's dtype; so are the MoE expert weights, which its fused-MoE
+repacks in place (HF's fused ``experts.gate_up_proj`` / ``experts.down_proj`` are assembled from
+the checkpoint's per-expert tensors).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mismatch_probe.families import registry
+from mismatch_probe.families.base import FamilySpec, resolve_path
+
 
 def tensor_digest(t: Any) -> str:
     import torch
@@ -24,40 +29,54 @@ def tensor_digest(t: Any) -> str:
     return hashlib.blake2b(raw, digest_size=16).hexdigest() + f":{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}"
 
 
+def packed_modules(model: Any, spec: FamilySpec) -> dict[str, tuple[str, ...]]:
+    """Fused vLLM module -> its HF parts, in order: vLLM's own ``packed_modules_mapping`` of the
+    model class where it has one, else the family spec's declared fallback."""
+    mapping = getattr(model, "packed_modules_mapping", None) or getattr(type(model), "packed_modules_mapping", None)
+    if mapping:
+        return {k: tuple(v) for k, v in mapping.items()}
+    return dict(spec.packed_modules)
+
+
+def _split_sizes(model: Any, name: str, n: int, rows: int) -> list[int] | None:
+    """Row sizes of a fused parameter's parts: q/k/v from the attention module, else the fused
+    module's ``output_sizes``; None: equal parts."""
+    module_path = name.rpartition(".")[0]
+    parent = resolve_path(model, module_path.rpartition(".")[0])
+    if n == 3 and hasattr(parent, "q_size"):
+        return [int(parent.q_size), int(parent.kv_size), int(parent.kv_size)]
+    sizes = getattr(resolve_path(model, module_path), "output_sizes", None)
+    if sizes and len(sizes) == n and sum(sizes) == rows:
+        return [int(x) for x in sizes]
+    return None
+
+
 def split_vllm_params(model: Any) -> dict[str, Any]:
     """vLLM named parameters -> HF-named tensors (fused ones split); emptied ones -> None."""
+    cfg = getattr(model, "config", None) or getattr(model.model, "config", None)
+    spec = registry.get(cfg.model_type)
+    packed = packed_modules(model, spec)
     out: dict[str, Any] = {}
-    layers = model.model.layers
     for name, p in model.named_parameters():
-        if p.numel() == 0:
-            for hf in _hf_names(name, layers):
-                out[hf] = None
+        fused = next((f for f in packed if f".{f}." in name), None)
+        if fused is not None:
+            parts = packed[fused]
+            hf_names = [name.replace(f".{fused}.", f".{part}.") for part in parts]
+            if p.numel() == 0:
+                out.update(dict.fromkeys(hf_names))
+                continue
+            sizes = _split_sizes(model, name, len(parts), p.shape[0])
+            pieces = p.split(sizes, 0) if sizes else p.chunk(len(parts), 0)
+            out.update(zip(hf_names, pieces, strict=True))
             continue
-        if ".qkv_proj." in name:
-            a = layers[int(name.split(".")[2])].self_attn
-            for part, t in zip(("q_proj", "k_proj", "v_proj"), p.split([a.q_size, a.kv_size, a.kv_size], 0), strict=True):
-                out[name.replace("qkv_proj", part)] = t
-        elif ".gate_up_proj." in name:
-            g, u = p.chunk(2, 0)
-            out[name.replace("gate_up_proj", "gate_proj")] = g
-            out[name.replace("gate_up_proj", "up_proj")] = u
-        elif name.endswith(("routed_experts.w13_weight", "routed_experts.w2_weight")):
-            hf = name.replace("experts.routed_experts.w13_weight", "experts.gate_up_proj").replace(
-                "experts.routed_experts.w2_weight", "experts.down_proj")
+        renamed = next((name[: -len(a)] + b for a, b in spec.vllm_param_renames.items() if name.endswith(a)), None)
+        if renamed is not None:
             # vLLM's CPU fused-MoE repacks the expert weights in place (same shape, other layout):
             # their digest then comes from the checkpoint, as for emptied parameters
-            out[hf] = None if p.device.type == "cpu" else p
-        else:
-            out[name] = p
+            out[renamed] = None if p.device.type == "cpu" or p.numel() == 0 else p
+            continue
+        out[name] = None if p.numel() == 0 else p
     return out
-
-
-def _hf_names(name: str, layers: Any) -> list[str]:
-    if ".qkv_proj." in name:
-        return [name.replace("qkv_proj", x) for x in ("q_proj", "k_proj", "v_proj")]
-    if ".gate_up_proj." in name:
-        return [name.replace("gate_up_proj", x) for x in ("gate_proj", "up_proj")]
-    return [name]
 
 
 _FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")

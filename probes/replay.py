@@ -1,15 +1,19 @@
 """Replay of single canonical ops in each engine, on given input tensors (input substitution).
 
-``OP_INPUTS`` says which captured op feeds each replayable op; ``hf_replay`` / ``vllm_replay``
-run the engine's own module for that op. Attention (needs the whole sequence, and in vLLM its
-paged KV cache and forward context), the residual adds and the embedding are not replayed.
-Norms that follow a residual add are replayed with their add (vLLM fuses the two).
+The family spec's ``replay_inputs`` say which captured ops feed each replayable op;
+``hf_replay`` / ``vllm_replay`` run the engine's own module for that op (the module at the spec's
+site; q/k norms, rotary, the activation and the MoE block by their engine's own attributes).
+Attention (needs the whole sequence, and in vLLM its paged KV cache and forward context), the
+residual adds and the embedding are not replayed. Norms that follow a residual add are replayed
+with their add (vLLM fuses the two).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mismatch_probe.families import registry
+from mismatch_probe.families.base import FamilySpec, parse_site, resolve_path
 from mismatch_probe.families.opnames import split_op
 
 REPLAYABLE = (
@@ -19,40 +23,42 @@ REPLAYABLE = (
 )
 
 
-def op_inputs(op: str, num_layers: int, available: set[str]) -> list[str] | None:
-    """Canonical ops whose captured outputs are the inputs of ``op`` (None: not replayable).
+def family_of(model_type: str | None, available: set[str]) -> FamilySpec:
+    """The run's family spec (from the manifest's ``model_type``; runs that predate it: guessed
+    from the ops they captured)."""
+    if model_type:
+        return registry.get(model_type)
+    if any(".moe." in o for o in available):
+        return registry.get("qwen3_moe")
+    return registry.get("qwen3" if any(o.endswith(".attn.q_norm") for o in available) else "llama")
+
+
+def op_inputs(op: str, num_layers: int, available: set[str], model_type: str | None = None) -> list[str] | None:
+    """Canonical ops whose captured outputs are the inputs of ``op`` (None: not replayable), from
+    the family spec's ``replay_inputs`` (see :mod:`mismatch_probe.families.base`).
 
     Norms after a residual add take ``[branch output, residual]``: vLLM fuses the add into the
     norm (and may normalize the unrounded sum), so the norm is replayed together with its add."""
+    spec = family_of(model_type, available)
     layer, kind = split_op(op)
     if kind not in REPLAYABLE:
         return None
-    mlp_out = "moe.out" if any(".moe." in o for o in available) else "mlp.down"
     if kind == "final_norm":
-        return [f"{num_layers - 1}.{mlp_out}", f"{num_layers - 1}.resid_mid"]
+        return [f"{num_layers - 1}.{r}" for r in spec.final_norm_inputs]
     if kind == "logits":
         return ["final_norm"]
-    L = layer
-    prev_out = f"{L - 1}.out" if L > 0 else "embed"
-    qk = [f"{L}.attn.q_norm", f"{L}.attn.k_norm"] if f"{L}.attn.q_norm" in available else [f"{L}.attn.q", f"{L}.attn.k"]
-    return {
-        "attn.rope_q": qk,
-        "attn.rope_k": qk,
-        "input_norm": [f"{L - 1}.{mlp_out}", f"{L - 1}.resid_mid"] if L > 0 else ["embed"],
-        "attn.q": [f"{L}.input_norm"],
-        "attn.k": [f"{L}.input_norm"],
-        "attn.v": [f"{L}.input_norm"],
-        "attn.q_norm": [f"{L}.attn.q"],
-        "attn.k_norm": [f"{L}.attn.k"],
-        "attn.o": [f"{L}.attn.core"],
-        "post_attn_norm": [f"{L}.attn.o", prev_out],
-        "mlp.gate": [f"{L}.post_attn_norm"],
-        "mlp.up": [f"{L}.post_attn_norm"],
-        "mlp.act": [f"{L}.mlp.gate", f"{L}.mlp.up"],
-        "mlp.down": [f"{L}.mlp.act"],
-        "moe.router_logits": [f"{L}.post_attn_norm"],
-        "moe.out": [f"{L}.post_attn_norm"],
-    }[kind]
+    refs = spec.replay_inputs.get(kind)
+    if refs is None:
+        return None
+    out: list[str] = []
+    for r in refs:
+        if r.startswith("-1."):
+            name = f"{layer - 1}.{r[3:]}" if layer > 0 else "embed"
+        else:
+            name = f"{layer}.{r}"
+        if name not in out:
+            out.append(name)
+    return out
 
 
 def _heads(x: Any, head_dim: int) -> Any:
@@ -88,24 +94,21 @@ def hf_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
         ly = m.layers[layer]
         a, mlp = ly.self_attn, ly.mlp
         x = xs[0]
-        out = {
-            "input_norm": lambda: ly.input_layernorm(resid(xs)),
-            "attn.q": lambda: a.q_proj(x),
-            "attn.k": lambda: a.k_proj(x),
-            "attn.v": lambda: a.v_proj(x),
+        special = {
             "attn.q_norm": lambda: a.q_norm(_heads(x, a.head_dim)),
             "attn.k_norm": lambda: a.k_norm(_heads(x, a.head_dim)),
             "attn.rope_q": lambda: _hf_rope(model, a, xs, pos, 0),
             "attn.rope_k": lambda: _hf_rope(model, a, xs, pos, 1),
-            "attn.o": lambda: a.o_proj(x),
-            "post_attn_norm": lambda: ly.post_attention_layernorm(resid(xs)),
-            "mlp.gate": lambda: mlp.gate_proj(x),
-            "mlp.up": lambda: mlp.up_proj(x),
             "mlp.act": lambda: mlp.act_fn(x) * xs[1],
-            "mlp.down": lambda: mlp.down_proj(x),
             "moe.router_logits": lambda: mlp.gate(x)[0],
             "moe.out": lambda: mlp(x.unsqueeze(0)).squeeze(0),
-        }[kind]()
+        }
+        if kind in special:
+            out = special[kind]()
+        else:  # the module at the family spec's HF site: a norm (after its residual add) or a linear
+            spec = registry.get(model.config.model_type)
+            mod = resolve_path(ly, parse_site(spec.hf_layer[kind])[0])
+            out = mod(resid(xs)) if kind.endswith("norm") else mod(x)
         return out.reshape(out.shape[0], -1)
 
 
@@ -142,25 +145,36 @@ def vllm_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
         a, mlp = ly.self_attn, ly.mlp
         x = xs[0]
 
-        def qkv(i: int) -> Any:
-            return t(a.qkv_proj(x)).split([a.q_size, a.kv_size, a.kv_size], -1)[i]
-
-        out = {
-            "input_norm": lambda: norm(ly.input_layernorm, xs),
-            "attn.q": lambda: qkv(0),
-            "attn.k": lambda: qkv(1),
-            "attn.v": lambda: qkv(2),
+        special = {
             "attn.q_norm": lambda: a.q_norm(_heads(x, a.head_dim)),
             "attn.k_norm": lambda: a.k_norm(_heads(x, a.head_dim)),
             "attn.rope_q": lambda: a.rotary_emb(pos, xs[0].clone(), xs[1].clone())[0],
             "attn.rope_k": lambda: a.rotary_emb(pos, xs[0].clone(), xs[1].clone())[1],
-            "attn.o": lambda: t(a.o_proj(x)),
-            "post_attn_norm": lambda: norm(ly.post_attention_layernorm, xs),
-            "mlp.gate": lambda: t(mlp.gate_up_proj(x)).chunk(2, -1)[0],
-            "mlp.up": lambda: t(mlp.gate_up_proj(x)).chunk(2, -1)[1],
             "mlp.act": lambda: mlp.act_fn(torch.cat([x, xs[1]], -1)),
-            "mlp.down": lambda: t(mlp.down_proj(x)),
             "moe.router_logits": lambda: t(mlp.gate(x)),
             "moe.out": lambda: _with_forward_context(m, x.shape[0], lambda: t(mlp(x))),
-        }[kind]()
+        }
+        if kind in special:
+            out = special[kind]()
+        else:
+            out = _vllm_site(model, ly, kind, xs, t, norm)
         return out.reshape(out.shape[0], -1).clone()
+
+
+def _vllm_site(model: Any, ly: Any, kind: str, xs: list[Any], t: Any, norm: Any) -> Any:
+    """``kind`` computed by the module the family spec names: a fused linear's part, an add-norm,
+    or a plain module."""
+    cfg = getattr(model, "config", None) or getattr(model.model, "config", None)
+    spec = registry.get(cfg.model_type)
+    for path, parts in spec.vllm_fused.items():
+        if kind in parts:
+            mod, parent = resolve_path(ly, path), resolve_path(ly, path.rpartition(".")[0])
+            y = t(mod(xs[0]))
+            if len(parts) == 3 and hasattr(parent, "q_size"):
+                return y.split([parent.q_size, parent.kv_size, parent.kv_size], -1)[parts.index(kind)]
+            return y.chunk(len(parts), -1)[parts.index(kind)]
+    for path, (normed, _resid) in spec.vllm_add_norms.items():
+        if kind == normed:
+            return norm(resolve_path(ly, path), xs)
+    mod = resolve_path(ly, parse_site(spec.vllm_layer[kind])[0])
+    return norm(mod, xs) if kind.endswith("norm") else t(mod(xs[0]))

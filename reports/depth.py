@@ -13,9 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch_probe.reports.plots import _finish, _num, plt
+from mismatch_probe.reports.plots import PER_OP_MAX, _finish, _num, plt  # noqa: F401 (PER_OP_MAX: re-exported)
 
-PER_OP_MAX = 120  # up to this many ops, the per-op bar chart stays (about 8 layers)
 KIND_GROUPS = (  # op kind -> group, first match wins
     ("norm", re.compile(r"(^|_|\.)norm$|norm\b")),
     ("attention", re.compile(r"^attn\.")),

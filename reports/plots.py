@@ -18,6 +18,8 @@ import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+PER_OP_MAX = 120  # up to this many ops, the per-op bar chart stays (about 8 layers); deeper: reports.depth
+
 plt.rcParams.update(
     {
         "svg.fonttype": "none",
@@ -106,8 +108,7 @@ def _floor(values: np.ndarray) -> float:
 
 def drift_chart(ops: pd.DataFrame, first: dict[str, dict[str, Any] | None], local: list[dict[str, Any]] | None) -> str:
     """Op error along depth (execution order); first divergent ops marked; local vs inherited error
-    per op (up to ``depth.PER_OP_MAX`` ops; deeper runs get the aggregated charts of ``depth``)."""
-    from mismatch_probe.reports.depth import PER_OP_MAX
+    per op (up to ``PER_OP_MAX`` ops; deeper runs get the aggregated charts of ``depth``)."""
 
     if local and len(ops) > PER_OP_MAX:
         local = None

@@ -12,9 +12,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from mismatch_probe.families.models import resolve_model  # noqa: E402
 from mismatch_probe.probes.capture import CapturePlan  # noqa: E402
 from mismatch_probe.probes.hf.runner import HfLearner  # noqa: E402
+from mismatch_probe.probes.models import resolve_model  # noqa: E402
 from mismatch_probe.probes.vllm.runner import VllmSampler  # noqa: E402
 
 

@@ -114,7 +114,7 @@ def test_moe_fused_expert_weights_assembled_from_the_checkpoint() -> None:
     """The parity pre-flight digests HF's fused expert parameters from per-expert checkpoint tensors."""
     import transformers
 
-    from mismatch_probe.families.models import resolve_model
+    from mismatch_probe.probes.models import resolve_model
     from mismatch_probe.probes.parity import checkpoint_tensors, tensor_digest
 
     mi = resolve_model("tiny-qwen3-moe")

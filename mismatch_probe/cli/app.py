@@ -1,4 +1,7 @@
-"""The ``mismatch-probe`` command line (Typer + Rich).
+"""The ``mismatch-probe`` Typer app, its consoles and the parser-error handling.
+
+Command modules (``cli/<command>.py``) register on :data:`app`; :mod:`.main` imports them and
+runs the app (so the app never imports a command: no import cycle).
 
 Engines are imported lazily inside commands: start-up stays fast, and one broken backend never
 breaks the CLI. User errors (:class:`ProbeError`) print one line and exit with code 2. The parser's
@@ -9,12 +12,8 @@ usage error); ``--help`` and ``--version`` exit 0.
 
 from __future__ import annotations
 
-import sys
-
 import typer
 from rich.console import Console
-
-from mismatch_probe.errors import ProbeError
 
 app = typer.Typer(
     name="mismatch-probe",
@@ -64,37 +63,6 @@ def _root(
     """Measure and explain learner-vs-sampler logprob mismatch in RL pipelines."""
 
 
-def _register() -> None:
-    # Each module registers its commands on `app`; they import engines only when run.
-    from mismatch_probe.cli import bisect, capture, compare, engines  # noqa: F401
-
-    for optional in ("mismatch_probe.cli.report", "mismatch_probe.cli.kernels"):
-        try:
-            __import__(optional)
-        except ModuleNotFoundError as e:
-            if e.name != optional:
-                raise
-
-
-def main(argv: list[str] | None = None) -> None:
-    _register()
-    try:
-        rv = app(args=argv, standalone_mode=False)
-        if isinstance(rv, int) and rv != 0:
-            sys.exit(rv)
-    except ProbeError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted[/]")
-        sys.exit(130)
-    except Exception as e:  # the parser's own exceptions, from whatever click typer uses
-        code = parser_exit(e)
-        if code is None:
-            raise
-        sys.exit(code)
-
-
 def parser_exit(e: BaseException) -> int | None:
     """Report an exception of the command-line parser and return the exit code, or None for others.
 
@@ -112,9 +80,3 @@ def parser_exit(e: BaseException) -> int | None:
         err_console.print("[bold red]aborted[/]")
         return 1
     return None
-
-
-if __name__ == "__main__":  # ``python -m mismatch_probe.cli.app``: run the imported module's app, not a copy
-    from mismatch_probe.cli.app import main as _main
-
-    _main()

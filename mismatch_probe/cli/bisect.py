@@ -102,7 +102,10 @@ def _ablation(run: Path, cfg: dict, engines: object, min_share: float) -> dict:
     from mismatch_probe.steps.ablation import run_ablation
 
     seqs = read_table(run / "sequences.parquet", "sequences").to_pydict()
-    moe = cfg.get("model_type") == "qwen3_moe"
+    from mismatch_probe.families.registry import families
+
+    spec = families().get(cfg.get("model_type", ""))
+    moe = spec.moe if spec else cfg.get("model_type") == "qwen3_moe"
     kinds = [k for k in OP_KINDS if moe or k != "moe"]
     with console.status("ablation: aligning op classes, then layers"):
         res = run_ablation(engines, seqs["token_ids"], seqs["n_prompt"], kinds, int(cfg.get("num_layers", 0)), min_share)
@@ -123,7 +126,7 @@ def _nvfp4_reason(cfg: dict, op: str, learner: object, engines: object) -> dict 
     from mismatch_probe.steps.bisect import _tensors
 
     full = learner[learner["values"].notna()]
-    ins = op_inputs(op, int(cfg.get("num_layers", 0)), set(full.op))
+    ins = op_inputs(op, int(cfg.get("num_layers", 0)), set(full.op), cfg.get("model_type"))
     if not ins or ins[0] not in set(full.op):
         return None
     rows = full[full.op == ins[0]]

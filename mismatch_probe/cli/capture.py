@@ -79,8 +79,8 @@ def capture(
     ),
 ) -> None:
     """Score a run's sequences with ONE engine, capturing logprobs and ops (to `diff` later)."""
-    from mismatch_probe.families.models import resolve_model
     from mismatch_probe.probes.capture import build_plan
+    from mismatch_probe.probes.models import resolve_model
     from mismatch_probe.run.rundir import RunWriter, load_manifest
     from mismatch_probe.run.schema import read_table, write_table
     from mismatch_probe.steps.ops_stage import describe_capture

@@ -12,7 +12,7 @@ from functools import cache
 from mismatch_probe.errors import UsageError
 from mismatch_probe.families.base import FamilySpec
 
-_NOT_FAMILIES = {"base", "registry", "opnames", "models"}
+_NOT_FAMILIES = {"base", "registry", "opnames"}
 
 
 @cache

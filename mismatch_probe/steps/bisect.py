@@ -84,7 +84,7 @@ def local_errors(cfg: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFra
     skipped: list[str] = []
     available = set(keys_l.index) & set(keys_s.index)
     for op in sorted(available, key=lambda o: exec_order(o, n_layers)):
-        ins = op_inputs(op, n_layers, available)
+        ins = op_inputs(op, n_layers, available, cfg.get("model_type"))
         if ins is None or any(i not in available for i in ins):
             skipped.append(op)
             continue
@@ -123,8 +123,8 @@ class Engines:
     def __init__(self, cfg: dict[str, Any], align: bool) -> None:
         """Each side runs the recipe it ran in the run (``config.recipes``); ``align`` (ablation,
         engine recipes only) builds vLLM with the strict plugin, idle until switched on."""
-        from mismatch_probe.families.models import inspect_model_dir
         from mismatch_probe.probes.hf.runner import HfLearner
+        from mismatch_probe.probes.models import inspect_model_dir
         from mismatch_probe.probes.vllm.runner import VllmSampler
 
         self.align = align

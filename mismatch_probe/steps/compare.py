@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
 from mismatch_probe.errors import UsageError
-from mismatch_probe.families.models import ModelInfo, resolve_model
+from mismatch_probe.probes.models import ModelInfo, resolve_model
 from mismatch_probe.run.rundir import RunWriter
+from mismatch_probe.steps.progress import progress_bars
 from mismatch_probe.steps.prompts import PromptSpec, load_prompts
 
 LEARNERS = ("hf", "fsdp")
@@ -203,33 +194,12 @@ def prepare(cfg: CompareConfig) -> Prepared:
                     sampler_kwargs=skw, sampler_auto=sauto, learner_kwargs=lkw)
 
 
-@contextmanager
-def _progress(console: Console) -> Iterator[Progress]:
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as p:
-        yield p
-
-
-@contextmanager
-def step(progress: Progress, description: str, total: float | None = 1) -> Iterator[Any]:
-    task = progress.add_task(description, total=total)
-    yield lambda n=1: progress.advance(task, n)
-    progress.update(task, completed=total if total is not None else 1, total=total or 1)
-
-
 def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, Any]]:
     """Everything ``mismatch-probe compare`` does; returns the run path and the summary."""
     from mismatch_probe.steps import compare_stages as stages
 
     prep = prepare(cfg)
-    with RunWriter(cfg.out, overwrite=cfg.overwrite) as run, _progress(console) as progress:
+    with RunWriter(cfg.out, overwrite=cfg.overwrite) as run, progress_bars(console) as progress:
         run.manifest["config"] = {
             **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
             "model_dir": str(prep.model.path),

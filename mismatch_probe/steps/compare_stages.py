@@ -20,6 +20,7 @@ from mismatch_probe.analysis.token_gaps import (
 from mismatch_probe.probes.base import GenerateParams, Rollout
 from mismatch_probe.run.schema import atomic_write_json, read_table, write_table
 from mismatch_probe.steps import ops_stage
+from mismatch_probe.steps.progress import step
 
 if TYPE_CHECKING:
     from mismatch_probe.run.rundir import RunWriter
@@ -37,7 +38,6 @@ def _record(run: RunWriter, side: str, runner: Any) -> None:
 def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progress) -> list[Rollout]:
     """Generate (or take the given responses), then rescore every full sequence as a prefill."""
     from mismatch_probe.probes.vllm.runner import VllmSampler
-    from mismatch_probe.steps.compare import step
 
     max_len = max(len(p) for p in prep.prompt_ids) + max(
         [cfg.max_tokens] + [len(s.response_token_ids or []) for s in prep.specs]
@@ -180,7 +180,6 @@ def write_trainer_tokens(run: RunWriter, prep: Prepared, rollouts: list[Rollout]
 def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rollout], progress: Progress) -> None:
     """Teacher-forced learner forward on exactly the sampler's token ids."""
     from mismatch_probe.probes.hf.runner import HfLearner
-    from mismatch_probe.steps.compare import step
 
     learner: Any
     if cfg.learner == "fsdp":
@@ -258,7 +257,6 @@ def _tp_row_split(cfg: CompareConfig, prep: Prepared, learner: Any) -> None:
 
 def compare_tokens(run: RunWriter, progress: Progress) -> dict[str, Any]:
     """Join the token tables and compute the summary metrics of the three pairs."""
-    from mismatch_probe.steps.compare import step
 
     with step(progress, "comparing token logprobs"):
         s = read_table(run.path("sampler/tokens.parquet"), "tokens").to_pandas()

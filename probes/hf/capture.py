@@ -1,4 +1,5 @@
-"""Canonical-op capture for HF Llama / Qwen3 / Qwen3-MoE (also FSDP-wrapped: same module tree).
+"""Canonical-op capture for HF models (also FSDP-wrapped: same module tree), at the sites the
+model's family spec names (:attr:`FamilySpec.hf_layer`, ``hf_model``, ``hf_rope_fn``).
 
 Rows are ``[batch, time, ...]`` (or flattened ``[batch * time, ...]`` inside the MoE block);
 :meth:`HfCapture.set_batch` tells which sequence each batch row holds and its true length, so
@@ -12,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from mismatch_probe.families import registry
+from mismatch_probe.families.base import parse_site, resolve_path
 from mismatch_probe.probes.capture import OpRecorder
 from mismatch_probe.probes.hooks import HookSet, first
 
@@ -32,7 +35,7 @@ class HfCapture:
         self._seq = np.zeros(0, np.int64)
         self._pos = np.zeros(0, np.int64)
         self._layer = -1
-        self._rope_patch: tuple[Any, Any] | None = None
+        self._rope_patch: tuple[Any, str, Any] | None = None
 
     def set_batch(self, seq_ids: list[int], lengths: list[int], width: int) -> None:
         """The next forward holds ``len(seq_ids)`` rows padded to ``width`` tokens."""
@@ -52,10 +55,10 @@ class HfCapture:
     def _on_input(self, module: Any, op: str) -> None:
         self.hooks.pre(module, lambda args, kw: self._rec(op, args[0] if args else next(iter(kw.values()))))
 
-    def _wrap_rope(self, attn: Any) -> None:
-        """Observe rotary: wrap ``apply_rotary_pos_emb`` of the attention's modeling module."""
+    def _wrap_rope(self, attn: Any, fn_name: str) -> None:
+        """Observe rotary: wrap the rope function (``fn_name``) of the attention's modeling module."""
         mod = sys.modules[type(attn).__module__]
-        orig = getattr(mod, "apply_rotary_pos_emb", None)
+        orig = getattr(mod, fn_name, None)
         if orig is None:
             return
 
@@ -66,46 +69,41 @@ class HfCapture:
                 self._rec(f"{self._layer}.attn.rope_k", ke.transpose(1, 2))
             return qe, ke
 
-        mod.apply_rotary_pos_emb = observed
-        self._rope_patch = (mod, orig)
+        setattr(mod, fn_name, observed)
+        self._rope_patch = (mod, fn_name, orig)
+
+    def _site(self, root: Any, site: str, op: str) -> None:
+        path, what = parse_site(site)
+        module = resolve_path(root, path)
+        if module is None:
+            return  # this checkpoint's variant lacks the module (a spec lists the family's superset)
+        if what == "in":
+            self._on_input(module, op)
+        elif what == "out":
+            self._on(module, op)
+        else:
+            n = int(what[3:])
+            self._on(module, op, lambda o, n=n: o[n])
 
     def __enter__(self) -> HfCapture:
+        spec = registry.get(self.model.config.model_type)
         m = self.model.model
-        self._on(m.embed_tokens, "embed")
-        self._wrap_rope(m.layers[0].self_attn)
+        self._site(self.model, spec.hf_model["embed"], "embed")
+        if spec.hf_rope_fn:
+            self._wrap_rope(m.layers[0].self_attn, spec.hf_rope_fn)
         for i, layer in enumerate(m.layers):
             self.hooks.pre(layer, lambda _a, _k, i=i: setattr(self, "_layer", i))
-            a = layer.self_attn
-            self._on(layer.input_layernorm, f"{i}.input_norm")
-            self._on(a.q_proj, f"{i}.attn.q")
-            self._on(a.k_proj, f"{i}.attn.k")
-            self._on(a.v_proj, f"{i}.attn.v")
-            if hasattr(a, "q_norm"):
-                self._on(a.q_norm, f"{i}.attn.q_norm")
-                self._on(a.k_norm, f"{i}.attn.k_norm")
-            self._on_input(a.o_proj, f"{i}.attn.core")
-            self._on(a.o_proj, f"{i}.attn.o")
-            self._on_input(layer.post_attention_layernorm, f"{i}.resid_mid")
-            self._on(layer.post_attention_layernorm, f"{i}.post_attn_norm")
-            mlp = layer.mlp
-            if hasattr(mlp, "gate_proj"):
-                self._on(mlp.gate_proj, f"{i}.mlp.gate")
-                self._on(mlp.up_proj, f"{i}.mlp.up")
-                self._on_input(mlp.down_proj, f"{i}.mlp.act")
-                self._on(mlp.down_proj, f"{i}.mlp.down")
-            else:  # Qwen3-MoE: the router returns (logits, top-k weights, top-k ids)
-                self._on(mlp.gate, f"{i}.moe.router_logits", lambda o: o[0])
-                self._on(mlp.gate, f"{i}.moe.topk_weights", lambda o: o[1])
-                self._on(mlp.gate, f"{i}.moe.topk_ids", lambda o: o[2])
-                self._on(mlp, f"{i}.moe.out")
-            self._on(layer, f"{i}.out")
-        self._on(m.norm, "final_norm")
-        self._on(self.model.lm_head, "logits")
+            for kind in spec.layer_ops:
+                site = spec.hf_layer.get(kind)
+                if site is not None:
+                    self._site(layer, site, f"{i}.{kind}")
+        self._site(self.model, spec.hf_model["final_norm"], "final_norm")
+        self._site(self.model, spec.hf_model["logits"], "logits")
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.hooks.remove()
         if self._rope_patch is not None:
-            mod, orig = self._rope_patch
-            mod.apply_rotary_pos_emb = orig
+            mod, fn_name, orig = self._rope_patch
+            setattr(mod, fn_name, orig)
             self._rope_patch = None

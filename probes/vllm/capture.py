@@ -11,7 +11,8 @@ fuses modules; this adapter undoes both:
   arrive in order) and when several sequences share a step. Sequences with identical tokens are
   interchangeable: their rows are the same computation. Unmatched rows (padding) are dropped.
   ``embed`` is the first decoder layer's input (after any embedding scale outside the module).
-- fused modules: ``qkv_proj`` is split into q, k, v; ``gate_up_proj`` into gate, up; the fused
+- modules and fused modules come from the model's family spec (``vllm_layer``, ``vllm_fused``,
+  ``vllm_add_norms``): ``qkv_proj`` is split into q, k, v; ``gate_up_proj`` into gate, up; a fused
   add + RMSNorm returns ``(normed, residual)`` where ``residual`` is the true residual stream, so
   ``L.resid_mid`` is taken from ``post_attention_layernorm`` and ``L.out`` from the next layer's
   ``input_layernorm`` (the last layer's from the final norm).
@@ -27,11 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from mismatch_probe.families import registry
+from mismatch_probe.families.base import FamilySpec, parse_site, resolve_path
 from mismatch_probe.probes.capture import OpRecorder, row_digests
 from mismatch_probe.probes.hooks import HookSet, first
-
-# vLLM computes top-k routing inside its fused-MoE kernel: not observable from modules.
-UNOBSERVABLE_MOE = ("moe.topk_ids", "moe.topk_weights")
 
 
 def _segments(positions: np.ndarray, qsl: np.ndarray | None) -> list[tuple[int, int]]:
@@ -116,20 +116,28 @@ class VllmCapture:
     # ---- hooks ----------------------------------------------------------------------------
     def install(self, model: Any) -> None:
         m = model.model
+        cfg = getattr(model, "config", None) or getattr(m, "config", None)
+        spec = registry.get(cfg.model_type)
         self.num_layers = len(m.layers)
-        if not hasattr(m.layers[0].mlp, "gate_up_proj"):
-            self.unobservable = list(UNOBSERVABLE_MOE)
+        self.unobservable = list(spec.vllm_unobservable)
         self.hooks.pre(m.layers[0], self._map_step)
         # vLLM may embed the tokens before the model's forward: keep ids and output until mapped
         self.hooks.pre(m.embed_tokens, lambda a, k: setattr(self, "_pending_ids", a[0] if a else k.get("input_ids")))
-        rope_seen: set[int] = set()
+        # modules several layers share (one activation module, one rotary table) are hooked once and
+        # name their ops after the calling layer
+        seen: dict[int, int] = {}
+        for layer in m.layers:
+            for site in (*spec.vllm_layer.values(), *spec.vllm_fused, *spec.vllm_add_norms, spec.vllm_rope or ""):
+                mod = resolve_path(layer, parse_site(site)[0]) if site else None
+                if mod is not None and mod is not layer:
+                    seen[id(mod)] = seen.get(id(mod), 0) + 1
+        shared = {k for k, n in seen.items() if n > 1}
         for i, layer in enumerate(m.layers):
             self.hooks.pre(layer, lambda _a, _k, i=i: setattr(self, "_cur_layer", i))
-            self._layer(i, layer)
-            rope = getattr(layer.self_attn, "rotary_emb", None)
-            if rope is not None and id(rope) not in rope_seen:  # often one module shared by all layers
-                rope_seen.add(id(rope))
-                self.hooks.fwd(rope, self._rope)
+            self._layer(i, layer, spec, shared)
+            rope = resolve_path(layer, spec.vllm_rope) if spec.vllm_rope else None
+            if rope is not None:
+                self._hook(rope, self._rope)
 
         def final(out: Any) -> None:
             if isinstance(out, tuple):
@@ -142,7 +150,7 @@ class VllmCapture:
                 if self._seq[r] >= 0:  # equal rows (shared prefixes) queue up: each is consumed once
                     self._norm_rows.setdefault(d, deque()).append((int(self._seq[r]), int(self._pos[r])))
 
-        self.hooks.fwd(m.norm, final)
+        self.hooks.fwd(resolve_path(model, spec.vllm_final_norm), final)
         lp = getattr(model, "logits_processor", None)
         if lp is not None:
             pending: list[np.ndarray] = []
@@ -170,53 +178,70 @@ class VllmCapture:
             self._rec(f"{self._cur_layer}.attn.rope_q", out[0])
             self._rec(f"{self._cur_layer}.attn.rope_k", out[1])
 
-    def _layer(self, i: int, layer: Any) -> None:
-        a = layer.self_attn
+    def _name(self, i: int, kind: str, shared: bool) -> Any:
+        """Op-name function for a hook: fixed layer ``i``, or the calling layer for a module that
+        several layers share (hooked once); ``-1.kind`` is the previous layer's op."""
+        def name() -> str:
+            layer = self._cur_layer if shared else i
+            return f"{layer - 1}.{kind[3:]}" if kind.startswith("-1.") else f"{layer}.{kind}"
+        return name
 
-        def input_norm(out: Any) -> None:
-            if isinstance(out, tuple):
-                self._rec(f"{i}.input_norm", out[0])
-                self._rec(f"{i - 1}.out", out[1])  # hidden + residual of the previous layer
-            else:
-                self._rec(f"{i}.input_norm", out)
+    def _hook(self, module: Any, fn: Any) -> bool:
+        """Hook ``module`` once (several layers may share it); False if it was hooked already."""
+        if id(module) in self._shared:
+            return False
+        self._shared.add(id(module))
+        self.hooks.fwd(module, fn)
+        return True
 
-        self.hooks.fwd(layer.input_layernorm, input_norm)
-        q_size, kv_size = int(a.q_size), int(a.kv_size)
+    def _layer(self, i: int, layer: Any, spec: FamilySpec, shared: set[int]) -> None:
+        # norms that fuse the residual add: norm(x, residual) -> (normed, x + residual)
+        for path, (normed, resid) in spec.vllm_add_norms.items():
+            mod = resolve_path(layer, path)
+            if mod is None:
+                continue
+            nn, rn = self._name(i, normed, id(mod) in shared), self._name(i, resid, id(mod) in shared)
 
-        def qkv(out: Any) -> None:
-            q, k, v = first(out).split([q_size, kv_size, kv_size], dim=-1)
-            self._rec(f"{i}.attn.q", q)
-            self._rec(f"{i}.attn.k", k)
-            self._rec(f"{i}.attn.v", v)
+            def add_norm(out: Any, nn: Any = nn, rn: Any = rn) -> None:
+                if isinstance(out, tuple):
+                    self._rec(nn(), out[0])
+                    self._rec(rn(), out[1])
+                else:
+                    self._rec(nn(), out)
 
-        self.hooks.fwd(a.qkv_proj, qkv)
-        if hasattr(a, "q_norm"):
-            self.hooks.fwd(a.q_norm, lambda o: self._rec(f"{i}.attn.q_norm", first(o)))
-            self.hooks.fwd(a.k_norm, lambda o: self._rec(f"{i}.attn.k_norm", first(o)))
-        self.hooks.fwd(a.attn, lambda o: self._rec(f"{i}.attn.core", first(o)))
-        self.hooks.fwd(a.o_proj, lambda o: self._rec(f"{i}.attn.o", first(o)))
+            self._hook(mod, add_norm)
+        # fused linears: the output splits into canonical ops (q/k/v by the attention's sizes)
+        for path, parts in spec.vllm_fused.items():
+            mod = resolve_path(layer, path)
+            if mod is None:
+                continue
+            parent = resolve_path(layer, path.rpartition(".")[0])
+            sizes = None
+            if len(parts) == 3 and hasattr(parent, "q_size"):
+                sizes = [int(parent.q_size), int(parent.kv_size), int(parent.kv_size)]
+            names = [self._name(i, k, id(mod) in shared) for k in parts]
 
-        def post_norm(out: Any) -> None:
-            self._rec(f"{i}.post_attn_norm", out[0])
-            self._rec(f"{i}.resid_mid", out[1])
+            def fused(out: Any, names: list[Any] = names, sizes: list[int] | None = sizes) -> None:
+                t = first(out)
+                pieces = t.split(sizes, dim=-1) if sizes else t.chunk(len(names), dim=-1)
+                for nm, piece in zip(names, pieces, strict=True):
+                    self._rec(nm(), piece)
 
-        self.hooks.fwd(layer.post_attention_layernorm, post_norm)
-        mlp = layer.mlp
-        if hasattr(mlp, "gate_up_proj"):
-
-            def gate_up(out: Any) -> None:
-                g, u = first(out).chunk(2, dim=-1)
-                self._rec(f"{i}.mlp.gate", g)
-                self._rec(f"{i}.mlp.up", u)
-
-            self.hooks.fwd(mlp.gate_up_proj, gate_up)
-            if id(mlp.act_fn) not in self._shared:  # one module may serve every layer (vLLM's GeluAndMul)
-                self._shared.add(id(mlp.act_fn))
-                self.hooks.fwd(mlp.act_fn, lambda o: self._rec(f"{self._cur_layer}.mlp.act", first(o)))
-            self.hooks.fwd(mlp.down_proj, lambda o: self._rec(f"{i}.mlp.down", first(o)))
-        else:
-            self.hooks.fwd(mlp.gate, lambda o: self._rec(f"{i}.moe.router_logits", first(o)))
-            self.hooks.fwd(mlp, lambda o: self._rec(f"{i}.moe.out", first(o)))
+            self._hook(mod, fused)
+        # modules that compute one op each
+        for kind, site in spec.vllm_layer.items():
+            path, what = parse_site(site)
+            mod = resolve_path(layer, path)
+            if mod is None:
+                continue
+            nm = self._name(i, kind, id(mod) in shared)
+            if what == "in":
+                if id(mod) not in self._shared:
+                    self._shared.add(id(mod))
+                    self.hooks.pre(mod, lambda a, k, nm=nm: self._rec(nm(), a[0] if a else next(iter(k.values()))))
+                continue
+            n = 0 if what == "out" else int(what[3:])
+            self._hook(mod, lambda o, nm=nm, n=n: self._rec(nm(), o[n] if n else first(o)))
 
     def remove(self) -> None:
         self.hooks.remove()

@@ -18,7 +18,7 @@ from mismatch_probe.errors import SchemaError, UsageError
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
-    from mismatch_probe.cli.app import main
+    from mismatch_probe.cli.main import main
 
     capsys.readouterr()
     try:
@@ -251,7 +251,7 @@ def test_report_and_gate_code_needs_no_engine(token_run: Path, tmp_path: Path) -
 def test_cli_report_and_gate_need_no_engine(token_run: Path, tmp_path: Path) -> None:
     """The same through the `mismatch-probe` entry point (every command module gets imported)."""
     code = (
-        "from mismatch_probe.cli.app import main\n"
+        "from mismatch_probe.cli.main import main\n"
         f"main(['gate', {str(token_run)!r}, '--max-k3', '1'])\n"
         f"main(['report', {str(token_run)!r}, '--out', {str(tmp_path / 'r.html')!r}])\n"
     )

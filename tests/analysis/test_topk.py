@@ -90,8 +90,8 @@ def test_engine_recipe_topk_kl_consistent_with_k3(real_run_qwen3: Path, tmp_path
 
 def test_learner_topk_recording_leaves_logprobs_unchanged(tmp_path: Path) -> None:
     """Observer effect: the HF learner's token logprobs are bitwise the same with --topk on."""
-    from mismatch_probe.families.models import resolve_model
     from mismatch_probe.probes.hf.runner import HfLearner
+    from mismatch_probe.probes.models import resolve_model
 
     m = resolve_model("tiny-qwen3")
     seqs = [[1, 5, 9, 13, 2], [7, 3, 3], [4, 4, 8, 1, 1, 6, 2]]

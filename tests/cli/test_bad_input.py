@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mp_testlib import cli
 
-from mismatch_probe.families.models import resolve_model
+from mismatch_probe.probes.models import resolve_model
 
 
 def _assert_clean_failure(proc, out: Path, *needles: str) -> None:

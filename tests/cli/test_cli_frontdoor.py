@@ -36,7 +36,7 @@ def _commands() -> tuple[list[tuple[str, ...]], list[tuple[tuple[str, ...], obje
     """(groups, leaf commands) of the app as (path, click command); the root group is ``()``."""
     import typer
 
-    from mismatch_probe.cli import app as cli
+    from mismatch_probe.cli import main as cli
 
     cli._register()
     groups: list[tuple[str, ...]] = []
@@ -182,7 +182,7 @@ def test_startup_imports_no_engine() -> None:
     """Parsing (help, usage errors, --version) never imports torch, transformers or vLLM."""
     code = (
         "import sys\n"
-        "from mismatch_probe.cli import app as cli\n"
+        "from mismatch_probe.cli import main as cli\n"
         "for argv in (['--version'], ['compare', '--help'], ['compare', '--bogus'], []):\n"
         "    try:\n"
         "        cli.main(argv)\n"

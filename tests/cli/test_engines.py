@@ -33,7 +33,7 @@ def test_a_broken_engine_is_shown_with_its_reason(tmp_path):
 
 def test_cli_start_up_imports_no_engine():
     code = (
-        "import sys; from mismatch_probe.cli import app as cli; cli._register(); "
+        "import sys; from mismatch_probe.cli import main as cli; cli._register(); "
         "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

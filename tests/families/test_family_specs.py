@@ -7,8 +7,8 @@ import pytest
 from mismatch_probe.errors import UsageError
 from mismatch_probe.families import registry
 from mismatch_probe.families.base import parse_site
-from mismatch_probe.families.models import SUPPORTED_FAMILIES, TINY_NAMES
 from mismatch_probe.families.opnames import LAYER_OPS
+from mismatch_probe.probes.models import SUPPORTED_FAMILIES, TINY_NAMES
 
 SPECS = list(registry.families().values())
 

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from mp_testlib import REPO, cli, load_json
 
-from mismatch_probe.families.models import resolve_model
+from mismatch_probe.probes.models import resolve_model
 from mismatch_probe.run.schema import validate_file
 
 pytestmark = pytest.mark.vllm

@@ -61,7 +61,7 @@ def test_settings_the_tool_needs() -> None:
 
 
 def test_learner_args(tmp_path) -> None:
-    from mismatch_probe.families.models import resolve_model
+    from mismatch_probe.probes.models import resolve_model
 
     model = resolve_model("tiny-qwen3").path
     assert ea.learner_kwargs({"attn_implementation": "eager", "rms_norm_eps": "1e-5"}, model) == {

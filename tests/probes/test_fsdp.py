@@ -18,11 +18,11 @@ import pyarrow.dataset as ds
 import pytest
 from mp_testlib import cli, load_json
 
-from mismatch_probe.families.models import resolve_model
 from mismatch_probe.probes.capture import CapturePlan
 from mismatch_probe.probes.fsdp.runner import FsdpLearner, FsdpRankError, merge_rank_dataset
 from mismatch_probe.probes.fsdp.worker import rank_steps
 from mismatch_probe.probes.hf.runner import HfLearner
+from mismatch_probe.probes.models import resolve_model
 from mismatch_probe.run.schema import write_table
 
 MICRO_BATCH = 2  # 7 sequences -> 4 micro-batches -> 2 per rank; the odd one tests the dummy step

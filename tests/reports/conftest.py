@@ -20,7 +20,7 @@ class CliResult:
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
     """Call ``mismatch-probe ARGV`` through ``cli.main``: exit codes as the shell sees them."""
-    from mismatch_probe.cli.app import main
+    from mismatch_probe.cli.main import main
 
     def run(*argv: object) -> CliResult:
         capsys.readouterr()

@@ -1,4 +1,5 @@
-"""Model resolution and validation (no engine imports): tiny-model names or local HF folders."""
+"""Model resolution and validation (no engine import until a tiny model is built): tiny-model names
+or local HF folders; the family comes from the spec registry."""
 
 from __future__ import annotations
 
