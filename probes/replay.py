@@ -24,13 +24,13 @@ REPLAYABLE = (
 
 
 def family_of(model_type: str | None, available: set[str]) -> FamilySpec:
-    """The run's family spec (from the manifest's ``model_type``; runs that predate it: guessed
-    from the ops they captured)."""
+    """The run's family spec (from the manifest's ``model_type``); without one, the registered
+    family whose layer ops best cover the ops the run captured."""
     if model_type:
         return registry.get(model_type)
-    if any(".moe." in o for o in available):
-        return registry.get("qwen3_moe")
-    return registry.get("qwen3" if any(o.endswith(".attn.q_norm") for o in available) else "llama")
+    kinds = {split_op(o)[1] for o in available if split_op(o)[0] >= 0}
+    return max(registry.families().values(),
+               key=lambda s: (len(kinds & set(s.layer_ops)), -len(set(s.layer_ops) - kinds)))
 
 
 def op_inputs(op: str, num_layers: int, available: set[str], model_type: str | None = None) -> list[str] | None:
