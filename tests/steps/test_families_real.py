@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from mp_testlib import REPO, load_json
 
-from mismatch_probe.families.models import resolve_model
+from mismatch_probe.probes.models import resolve_model
 
 pytestmark = pytest.mark.vllm
 
