@@ -151,9 +151,7 @@ def row_digests(t: Any) -> list[str]:
     return hex_digests(digest_torch(flat).cpu().numpy())
 
 
-from mismatch_probe.probes.recorder import OpRecorder  # noqa: E402  (re-export: the recorder)
-
-__all__ = ["MODES", "CapturePlan", "CaptureRule", "OpRecorder", "decode_values", "row_digests"]
+__all__ = ["MODES", "CapturePlan", "CaptureRule", "decode_values", "row_digests"]  # the recorder: probes.recorder
 
 
 def decode_values(values: bytes, dtype: str, shape: list[int]) -> Any:

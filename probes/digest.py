@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-GOLDEN = 0x9E3779B97F4A7C15
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
+from mismatch_probe.probes.digest_constants import GOLDEN, MIX1, MIX2  # noqa: E402,F401 (the digest's constants)
+
 DIGEST_NAME = "mp64"
 STAT_COLS = ("sum", "sum_sq", "abs_max", "n_nan", "n_inf")  # the float64 [rows, 5] stats layout
 

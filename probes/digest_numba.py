@@ -11,7 +11,7 @@ import numba
 import numpy as np
 import torch
 
-from mismatch_probe.probes.digest import GOLDEN, MIX1, MIX2
+from mismatch_probe.probes.digest_constants import GOLDEN, MIX1, MIX2
 
 _G, _M1, _M2 = np.uint64(GOLDEN), np.uint64(MIX1), np.uint64(MIX2)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)

@@ -116,8 +116,9 @@ def _capture(model: Any, plan: dict[str, Any] | None, sink: Path) -> tuple[Any, 
     """Op capture on this rank (the FSDP-wrapped model has HF's module tree): recorder, hooks."""
     if plan is None:
         return None, None
-    from mismatch_probe.probes.capture import CapturePlan, OpRecorder
+    from mismatch_probe.probes.capture import CapturePlan
     from mismatch_probe.probes.hf.capture import HfCapture
+    from mismatch_probe.probes.recorder import OpRecorder
 
     rec = OpRecorder(CapturePlan.from_json(plan), sink=sink)
     return rec, HfCapture(model, rec)

@@ -15,8 +15,8 @@ import numpy as np
 
 from mismatch_probe.families import registry
 from mismatch_probe.families.base import parse_site, resolve_path
-from mismatch_probe.probes.capture import OpRecorder
 from mismatch_probe.probes.hooks import HookSet, first
+from mismatch_probe.probes.recorder import OpRecorder
 
 # Every canonical op is observable in HF: rotary is a function call inside attention, observed by
 # wrapping the modeling module's ``apply_rotary_pos_emb`` for the duration of the capture.

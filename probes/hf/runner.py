@@ -169,8 +169,8 @@ class HfLearner(Runner):
 
         import torch
 
-        from mismatch_probe.probes.capture import OpRecorder
         from mismatch_probe.probes.hf.capture import HfCapture
+        from mismatch_probe.probes.recorder import OpRecorder
 
         out: list[np.ndarray] = []
         mb = self.micro_batch_size

@@ -30,8 +30,9 @@ import numpy as np
 
 from mismatch_probe.families import registry
 from mismatch_probe.families.base import FamilySpec, parse_site, resolve_path
-from mismatch_probe.probes.capture import OpRecorder, row_digests
+from mismatch_probe.probes.capture import row_digests
 from mismatch_probe.probes.hooks import HookSet, first
+from mismatch_probe.probes.recorder import OpRecorder
 
 
 def _segments(positions: np.ndarray, qsl: np.ndarray | None) -> list[tuple[int, int]]:

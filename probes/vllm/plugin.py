@@ -357,8 +357,6 @@ def _targets() -> list[tuple[type, str, Callable[..., Any]]]:
     except ImportError:  # a CUDA build: strict attention is CPU-only for now (see README)
         pass
     t.append((Sampler, "compute_logprobs", _compute_logprobs))
-    from .tp import row_parallel_targets
-
     t += row_parallel_targets()  # row-parallel linears under tensor parallelism (kernels/strict/tp.py)
     return t
 
@@ -392,3 +390,36 @@ __all__ = [
     "ENV", "OP_KINDS", "activate", "active", "active_ops", "deactivate", "install", "installed", "register", "tag_modules",
     "uninstall",
 ]
+
+
+# ---- strict row-parallel linears (the sampler's side of kernels/strict/tp.py) ---------------
+
+
+def _row_parallel_forward(orig: Any) -> Any:
+    def forward(self: Any, input_: Any) -> Any:
+        from mismatch_probe.kernels.strict import tp as stp
+
+        r = active()
+        w = getattr(self, "_mp_weight", None)
+        strict_here = r is not None and not r.nvfp4 and w is not None and _on("linear", self)
+        if self.tp_size <= 1 or not strict_here or not self.reduce_results:
+            return orig(self, input_)
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        x = input_ if self.input_is_parallel else input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+        part = stp.partial(x, w).unsqueeze(0).contiguous()
+        parts = tensor_model_parallel_all_gather(part, dim=0)  # [ranks, ...], rank order
+        out = stp.combine(parts, None if self.skip_bias_add else self.bias, x.dtype)
+        if not self.return_bias:
+            return out
+        return out, (self.bias if self.skip_bias_add else None)
+
+    return forward
+
+
+def row_parallel_targets() -> list[tuple[type, str, Any]]:
+    """The vLLM plugin's override of row-parallel linears: vLLM's own forward unless the strict
+    linear is on for the layer and the layer is split over ranks."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    return [(RowParallelLinear, "forward", _row_parallel_forward)]

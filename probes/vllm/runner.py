@@ -238,7 +238,7 @@ class VllmSampler(SamplerRunner):
 
     def _captured_generate(self, prompts: list[Any], sp: Any, seqs: list[list[int]], seq_ids: list[int]) -> Any:
         """``generate`` with canonical-op hooks installed in the worker's model, removed after."""
-        from mismatch_probe.probes.capture import OpRecorder
+        from mismatch_probe.probes.recorder import OpRecorder
         from mismatch_probe.probes.vllm.capture import VllmCapture
 
         if self.tp > 1:

@@ -17,7 +17,7 @@ top-k exactly as a single-process capture does. (Cost: the workers ship the raw 
 selected op; narrow the selection with ``--capture-rule`` on large models.) Weight parity merges the
 parameter shards the same way (concatenated along the dimension where a shard is smaller than the
 checkpoint's tensor, vocab padding cut off). Under the strict recipe, row-parallel linears compute
-kernels/strict/tp.py's K-sliced strict linear (:func:`row_parallel_targets`).
+kernels/strict/tp.py's K-sliced strict linear (:func:`.plugin.row_parallel_targets`).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def engine_tp_size(llm: Any) -> int:
 def shard_params(model: Any) -> dict[str, Any]:
     """(In a worker) this rank's HF-named parameter shards as plain tensors (vLLM's parameters
     carry loader attributes that cannot be pickled back to the driver)."""
-    from mismatch_probe.probes.parity import split_vllm_params
+    from mismatch_probe.probes.vllm.params import split_vllm_params
 
     return {n: None if t is None else t.detach().to("cpu").clone() for n, t in split_vllm_params(model).items()}
 
@@ -308,37 +308,3 @@ def merge_param_shards(parts: list[dict[str, Any]], model_dir: Path) -> dict[str
             cat = torch.cat(ts, d)
         out[name] = cat.narrow(d, 0, full[d])  # vocab padding cut off
     return out
-
-
-# ---- strict row-parallel linears (the sampler's side of kernels/strict/tp.py) ---------------
-
-
-def _row_parallel_forward(orig: Any) -> Any:
-    def forward(self: Any, input_: Any) -> Any:
-        from mismatch_probe.kernels.strict import tp as stp
-        from mismatch_probe.probes.vllm import plugin
-
-        r = plugin.active()
-        w = getattr(self, "_mp_weight", None)
-        strict_here = r is not None and not r.nvfp4 and w is not None and plugin._on("linear", self)
-        if self.tp_size <= 1 or not strict_here or not self.reduce_results:
-            return orig(self, input_)
-        from vllm.distributed import tensor_model_parallel_all_gather
-
-        x = input_ if self.input_is_parallel else input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
-        part = stp.partial(x, w).unsqueeze(0).contiguous()
-        parts = tensor_model_parallel_all_gather(part, dim=0)  # [ranks, ...], rank order
-        out = stp.combine(parts, None if self.skip_bias_add else self.bias, x.dtype)
-        if not self.return_bias:
-            return out
-        return out, (self.bias if self.skip_bias_add else None)
-
-    return forward
-
-
-def row_parallel_targets() -> list[tuple[type, str, Any]]:
-    """The vLLM plugin's override of row-parallel linears: vLLM's own forward unless the strict
-    linear is on for the layer and the layer is split over ranks."""
-    from vllm.model_executor.layers.linear import RowParallelLinear
-
-    return [(RowParallelLinear, "forward", _row_parallel_forward)]

@@ -12,7 +12,8 @@ import torch
 from mismatch_probe.analysis.op_errors import error_stats, op_errors, ulp_distance
 from mismatch_probe.errors import UsageError
 from mismatch_probe.families.opnames import canonical_ops, exec_order, split_op
-from mismatch_probe.probes.capture import CapturePlan, CaptureRule, OpRecorder, decode_values
+from mismatch_probe.probes.capture import CapturePlan, CaptureRule, decode_values
+from mismatch_probe.probes.recorder import OpRecorder
 
 
 def test_rule_parsing_and_last_match_wins():
