@@ -78,6 +78,9 @@ class FamilySpec:
     )
     hf_rope_fn: str | None = "apply_rotary_pos_emb"  # modeling-module function wrapped to observe rope
     hf_unobservable: tuple[str, ...] = ()
+    # kinds whose HF module runs on [batch, heads, time, dim] (Gemma 3 normalizes q/k after moving
+    # heads first): the capture moves heads back after time, so rows are tokens as everywhere
+    hf_heads_first: tuple[str, ...] = ()
     # vLLM module path -> canonical kinds its output splits into (sizes from ``module.output_sizes``,
     # else equal parts)
     vllm_fused: Mapping[str, tuple[str, ...]] = field(

@@ -72,13 +72,15 @@ class HfCapture:
         setattr(mod, fn_name, observed)
         self._rope_patch = (mod, fn_name, orig)
 
-    def _site(self, root: Any, site: str, op: str) -> None:
+    def _site(self, root: Any, site: str, op: str, heads_first: bool = False) -> None:
         path, what = parse_site(site)
         module = resolve_path(root, path)
         if module is None:
             return  # this checkpoint's variant lacks the module (a spec lists the family's superset)
         if what == "in":
             self._on_input(module, op)
+        elif heads_first:  # [batch, heads, time, dim] -> [batch, time, heads, dim]
+            self._on(module, op, lambda o: first(o).transpose(1, 2))
         elif what == "out":
             self._on(module, op)
         else:
@@ -96,7 +98,7 @@ class HfCapture:
             for kind in spec.layer_ops:
                 site = spec.hf_layer.get(kind)
                 if site is not None:
-                    self._site(layer, site, f"{i}.{kind}")
+                    self._site(layer, site, f"{i}.{kind}", kind in spec.hf_heads_first)
         self._site(self.model, spec.hf_model["final_norm"], "final_norm")
         self._site(self.model, spec.hf_model["logits"], "logits")
         return self

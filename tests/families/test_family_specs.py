@@ -43,6 +43,7 @@ def test_every_op_has_a_site_in_each_engine_or_is_declared_unobservable(spec) ->
         assert set(spec.layer_ops) <= covered, (engine, set(spec.layer_ops) - covered)
         for site in sites.values():
             parse_site(site)
+    assert set(spec.hf_heads_first) <= set(spec.hf_layer)  # a layout note needs an HF site
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.model_type)
