@@ -216,6 +216,11 @@ def cli_check(seq_len: int, n_seqs: int, repeats: int) -> list[dict[str, Any]]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-capture-cli-"))
     model = build_model("llama-129m", "cpu")
     model.save_pretrained(tmp / "model")
+    from mismatch_probe.families.models import resolve_model
+
+    tiny = resolve_model("tiny-llama").path  # a local tokenizer (ids < its vocab, well inside 32,000)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp / "model" / f).write_bytes((tiny / f).read_bytes())
     n_params = sum(p.numel() for p in model.parameters())
     del model
     rng = np.random.default_rng(0)
