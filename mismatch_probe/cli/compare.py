@@ -107,7 +107,6 @@ def compare(
     learner_arg: list[str] = typer.Option(
         [], "--learner-arg", help="KEY=VALUE: HF from_pretrained's attn_implementation or a config attribute (repeatable)."
     ),
-    fsdp_fault: str | None = typer.Option(None, "--_fsdp-fault", hidden=True),  # test-only fault injection
 ) -> None:
     """Run sampler (vLLM) and learner (HF) on the same tokens; write RUN/ with token tables and gaps."""
     from mismatch_probe.steps.compare import CompareConfig, run_compare
@@ -143,7 +142,6 @@ def compare(
         fsdp_reduce_dtype=fsdp_reduce_dtype,
         sampler_args=list(sampler_arg),
         learner_args=list(learner_arg),
-        extra={"_fsdp_fault": fsdp_fault} if fsdp_fault else {},
     )
     path, summary = run_compare(cfg, console)
     console.print(summary_table(summary, f"logprob gap, {summary['n_sequences']} sequences ({model})"))

@@ -52,7 +52,6 @@ class CompareConfig:
     sampler_args: list[str] = field(default_factory=list)  # --sampler-arg KEY=VALUE: vLLM engine arguments
     learner_args: list[str] = field(default_factory=list)  # --learner-arg KEY=VALUE: HF from_pretrained kwargs
     topk: int | None = None  # --topk K: top-K logprobs of every position (None: 20 when capture is on, HF learner)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def side_recipe(self, side: str) -> str:
         """The resolved recipe name of ``side`` ('learner' | 'sampler'): --align combined with
@@ -104,8 +103,6 @@ class CompareConfig:
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise UsageError("--dtype must be bfloat16, float16 or float32")
         recipes = {side: self.side_recipe(side) for side in ("learner", "sampler")}
-        if self.learner == "fsdp" and recipes["learner"] != "engine":
-            raise UsageError("--learner fsdp does not take a recipe yet (kernels.patch_hf supports FSDP2; use --learner hf)")
         if recipes["learner"] != "engine" and self.dtype != "bfloat16":
             raise UsageError("recipes other than 'engine' are defined for --dtype bfloat16")
         from mismatch_probe.probes.engine_args import split_pairs

@@ -196,7 +196,7 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
             mp_reduce_dtype=cfg.fsdp_reduce_dtype,
             attn_implementation=prep.learner_kwargs.get("attn_implementation", "sdpa"),
             model_kwargs={k: v for k, v in prep.learner_kwargs.items() if k != "attn_implementation"},
-            _fault=cfg.extra.get("_fsdp_fault"),  # test-only fault injection (never set by the CLI)
+            recipe=cfg.side_recipe("learner"),
         )
         learner.seq_meta = [(r.seq_id, r.prompt_id, len(r.prompt_ids)) for r in rollouts]
         learner.dataset_dest = run.path("learner/tokens_by_rank")  # moved in only after all ranks finished

@@ -61,7 +61,7 @@ class FsdpLearner(Runner):
         mp_param_dtype: str | None = None,
         mp_reduce_dtype: str = "float32",
         model_kwargs: dict[str, Any] | None = None,
-        _fault: str | None = None,
+        recipe: str | None = None,
     ) -> None:
         super().__init__(vocab_size)
         self.model_dir = Path(model_dir)
@@ -75,7 +75,7 @@ class FsdpLearner(Runner):
         self.timeout_s = timeout_s
         self.mp_param_dtype = mp_param_dtype or dtype
         self.mp_reduce_dtype = mp_reduce_dtype
-        self._fault = _fault  # test-only fault injection, passed to the ranks as a hidden flag
+        self.recipe = recipe  # kernels.recipes name applied on every rank (None / 'engine': the model's own ops)
         # (seq_id, prompt_id, n_prompt_tokens) per sequence of the next score() call; default:
         # seq_id from score()'s seq_ids (else the index), prompt_id = seq_id, every scored token
         # counted as a response token. Its seq_ids win over score()'s.
@@ -141,6 +141,12 @@ class FsdpLearner(Runner):
         self.info.notes.append(
             "FSDP reduce dtype only acts on gradient reduction; the learner's forward does not use it"
         )
+        from mismatch_probe.kernels.recipes import parse
+
+        try:
+            self.info.settings["recipe"] = parse(self.recipe or "engine").describe()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     def _unload_impl(self) -> None:
         pass
@@ -166,6 +172,8 @@ class FsdpLearner(Runner):
             self._run_ranks(job)
             self.last_wall_s = time.monotonic() - t0
             out = merge_rank_dataset(job / "dataset", seqs, meta, self.nproc)
+            if (job / "recipe.json").is_file():  # rank 0's patch description (patched ops, NVFP4 kernels)
+                self.info.settings["recipe"] = json.loads((job / "recipe.json").read_text())
             if self.capture is not None:
                 self.ops = merge_rank_ops(job / "ops", self.nproc)
                 self.info.settings["unobservable_ops"] = list(_unobservable())
@@ -191,6 +199,7 @@ class FsdpLearner(Runner):
             "mp_reduce_dtype": self.mp_reduce_dtype,
             "timeout_s": self.timeout_s,
             "threads_per_rank": self.threads_per_rank,
+            "recipe": self.recipe,
             "seq_meta": [list(m) for m in meta],
             "capture": self.capture.to_json() if self.capture is not None else None,
         }
@@ -200,8 +209,6 @@ class FsdpLearner(Runner):
     def _run_ranks(self, job: Path) -> None:
         cmd = [sys.executable, "-m", "mismatch_probe.probes.fsdp.worker", "--launch", "--job", str(job),
                "--nproc", str(self.nproc)]
-        if self._fault:
-            cmd += ["--_fault", self._fault]
         log = open(job / "launcher.log", "wb")  # noqa: SIM115 (closed in finally)
         # cwd: the job folder, so that no folder named mismatch_probe in the caller's cwd shadows the package
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=job)

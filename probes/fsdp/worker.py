@@ -13,8 +13,9 @@ Two entry points of ``python -m mismatch_probe.probes.fsdp.worker``:
 The job folder (written by :class:`~mismatch_probe.probes.fsdp.runner.FsdpLearner`) holds
 ``job.json`` (settings) and ``seqs.json`` (token ids). Everything here is private to FsdpLearner.
 
-``--_fault rank:R:after_batches:K:kill|hang|raise`` is a test-only fault-injection hook (rank R
-dies, hangs or raises before its micro-batch K); it is not an option users see.
+Tests inject rank faults through the environment (``MISMATCH_PROBE_TEST_FSDP_FAULT=rank:R:
+after_batches:K:kill|hang|raise``: rank R dies, hangs or raises before its micro-batch K); no
+option, config field or manifest entry carries it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 # Data-parallel split: the micro-batches are cut exactly as the single-process HfLearner cuts
 # them (consecutive chunks of micro_batch_size, right padding); micro-batch k goes to rank
 # k % world. Same batch composition and width -> same kernels -> same logprobs.
+FAULT_ENV = "MISMATCH_PROBE_TEST_FSDP_FAULT"  # test-only fault injection (see the module docstring)
 SPLIT = "micro-batch round robin (micro-batch k -> rank k % world), cut as HfLearner cuts them"
 
 
@@ -64,7 +66,7 @@ class Fault:
             "hang",
             "raise",
         ):
-            raise SystemExit(f"bad --_fault {spec!r}: expected rank:R:after_batches:K:kill|hang|raise")
+            raise SystemExit(f"bad {FAULT_ENV} {spec!r}: expected rank:R:after_batches:K:kill|hang|raise")
         return Fault(int(parts[1]), int(parts[3]), parts[4])
 
     def maybe_fire(self, rank: int, batches_done: int) -> None:
@@ -112,6 +114,21 @@ def _wrap_fsdp(model: Any, mesh: Any, spec: dict[str, Any]) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
 
 
+def _apply_recipe(model: Any, recipe: str | None) -> tuple[Any, dict[str, Any] | None]:
+    """The recipe on the sharded model, as the HF learner applies it (probes/hf/patch.py works on
+    FSDP2-sharded modules); static NVFP4 scales are calibrated by every rank on the same batch
+    (FSDP's forward is collective). Returns the logprob function and the patch description."""
+    from mismatch_probe.kernels.recipes import parse
+    from mismatch_probe.probes.hf.patch import calibrate, patch, token_logprobs_fn
+
+    r = parse(recipe or "engine")
+    if r.is_engine:
+        return token_logprobs_fn(r), None
+    handle = patch(model, r)
+    n_cal = calibrate(model, handle, int(model.config.vocab_size))
+    return token_logprobs_fn(r), handle.describe() | {"calibrated_linears": n_cal}
+
+
 def _capture(model: Any, plan: dict[str, Any] | None, sink: Path) -> tuple[Any, Any]:
     """Op capture on this rank (the FSDP-wrapped model has HF's module tree): recorder, hooks."""
     if plan is None:
@@ -134,7 +151,7 @@ def run_rank(job: Path, fault: Fault | None) -> None:
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mismatch_probe.probes.hf.runner import token_logprobs
+    from mismatch_probe.probes.hf.runner import padded_forward
     from mismatch_probe.run.schema import write_table
 
     t_start = time.monotonic()
@@ -164,6 +181,11 @@ def run_rank(job: Path, fault: Fault | None) -> None:
         )
         model.eval()
         _wrap_fsdp(model, mesh, spec)  # moves this rank's shards to `device`
+        logprobs_fn, recipe_info = _apply_recipe(model, spec.get("recipe"))
+        if rank == 0 and recipe_info is not None:
+            from mismatch_probe.run.schema import atomic_write_json
+
+            atomic_write_json(job / "recipe.json", recipe_info)
 
         rec, cap = _capture(model, spec.get("capture"), job / "ops" / f"rank={rank}" / "part.parquet")
         if rec is not None:  # the full-rows window is over all sequences, whichever rank holds them
@@ -180,19 +202,12 @@ def run_rank(job: Path, fault: Fault | None) -> None:
                 _status(job, rank, phase=f"forward {done + 1}", steps_done=done, steps_started=done + 1,
                         n_steps=len(steps), seqs_done=seqs_done)
                 chunk = [seqs[i] for i in mb] if mb is not None else [[0, 0]]
-                width = max(len(s) for s in chunk)
                 if cap is not None:  # seq_id -1: the dummy step's rows are not recorded
                     sids = [meta[k][0] for k in mb] if mb is not None else [-1]
-                    cap.set_batch(sids, [len(s) for s in chunk], width)
-                ids = torch.zeros(len(chunk), width, dtype=torch.long)
-                mask = torch.zeros(len(chunk), width, dtype=torch.long)
-                for i, s in enumerate(chunk):
-                    ids[i, : len(s)] = torch.tensor(s)
-                    mask[i, : len(s)] = 1
-                ids, mask = ids.to(device), mask.to(device)
-                logits = model(input_ids=ids, attention_mask=mask).logits
+                    cap.set_batch(sids, [len(s) for s in chunk], max(len(s) for s in chunk))
+                logits, ids = padded_forward(model, chunk, device)
                 if mb is not None:
-                    lp = token_logprobs(logits, ids).double().cpu().numpy()
+                    lp = logprobs_fn(logits, ids).double().cpu().numpy()
                     for i, k in enumerate(mb):
                         s, (seq_id, prompt_id, n_prompt) = seqs[k], meta[k]
                         pos = np.arange(1, len(s))
@@ -222,7 +237,7 @@ def run_rank(job: Path, fault: Fault | None) -> None:
         dist.destroy_process_group()
 
 
-def launch(job: Path, nproc: int, fault_spec: str | None) -> int:
+def launch(job: Path, nproc: int) -> int:
     """Run ``nproc`` ranks via the elastic agent; on failure write ``failures.json``, return 1."""
     import uuid
 
@@ -245,8 +260,6 @@ def launch(job: Path, nproc: int, fault_spec: str | None) -> int:
         rdzv_configs={"timeout": int(spec["timeout_s"])},
     )
     args = ["-m", "mismatch_probe.probes.fsdp.worker", "--job", str(job)]
-    if fault_spec:
-        args += ["--_fault", fault_spec]
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as e:
@@ -283,11 +296,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--job", type=Path, required=True)
     p.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--nproc", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--_fault", dest="fault", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.launch:
-        sys.exit(launch(a.job, a.nproc, a.fault))
-    fault = Fault.parse(a.fault) if a.fault else None
+        sys.exit(launch(a.job, a.nproc))
+    fault_spec = os.environ.get(FAULT_ENV)
+    fault = Fault.parse(fault_spec) if fault_spec else None
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:

@@ -44,6 +44,7 @@ class PatchHandle:
         self.layers = layers
         self.patched: list[str] = []  # qualified module names, in patch order
         self.nvfp4: dict[str, NVFP4Linear] = {}
+        self.positions: dict[str, Any] = {}  # "ids": position ids of the last patched rotary call
         self._undo: list[tuple[torch.nn.Module, bool, Any]] = []
 
     def _set(self, name: str, module: torch.nn.Module, fn: Callable[..., Any]) -> None:
@@ -102,7 +103,10 @@ def _attention_forward(self: Any, hidden_states: torch.Tensor, position_embeddin
     if hasattr(self, "q_norm"):
         q, k = self.q_norm(q), self.k_norm(k)
     if self._mp_rope:
-        pos = position_embeddings.positions.expand(b, t)
+        # the patched rotary's position ids: on the (cos, sin) tuple, or (when a wrapper rebuilt the
+        # tuple, e.g. FSDP2's input casting) from the handle's record of the last rotary call
+        positions = getattr(position_embeddings, "positions", None)
+        pos = (positions if positions is not None else self._mp_positions["ids"]).expand(b, t)
         q, k = so.rope(q, pos, self._mp_rope_base), so.rope(k, pos, self._mp_rope_base)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     else:
@@ -228,6 +232,7 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
                 continue
             mod._mp_rope, mod._mp_attn = rope_on, attn_on
             mod._mp_rope_base = _rope_base(model.config, getattr(mod, "layer_type", None))
+            mod._mp_positions = h.positions
             modeling = sys.modules[type(mod).__module__]
             mod._mp_apply_rope, mod._mp_eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
             h._set(name, mod, _attention_forward)
@@ -251,6 +256,7 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
                          **kwargs: Any) -> _PosEmb:
                 out = _PosEmb(_orig(x, position_ids, *args, **kwargs))
                 out.positions = position_ids
+                h.positions["ids"] = position_ids
                 return out
 
             h._set(name, mod, rope_fwd)

@@ -18,6 +18,21 @@ def token_logprobs(logits: Any, ids: Any) -> Any:
     return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
+def padded_forward(model: Any, chunk: list[list[int]], device: Any) -> tuple[Any, Any]:
+    """One micro-batch forward, right-padded to the longest sequence with an attention mask (the
+    learner's forward, shared by the HF learner and every FSDP rank): returns (logits, ids)."""
+    import torch
+
+    width = max(len(s) for s in chunk)
+    ids = torch.zeros(len(chunk), width, dtype=torch.long)
+    mask = torch.zeros(len(chunk), width, dtype=torch.long)
+    for i, s in enumerate(chunk):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    return model(input_ids=ids, attention_mask=mask).logits, ids
+
+
 TOPK_CHUNK_ELEMS = 1 << 26  # fp32 elements of one [positions, V] slice (256 MB): bounds the extra memory
 
 
@@ -184,14 +199,7 @@ class HfLearner(Runner):
                     chunk = seqs[start : start + mb]
                     if cap is not None:
                         cap.set_batch(seq_ids[start : start + mb], [len(s) for s in chunk], max(len(s) for s in chunk))
-                    width = max(len(s) for s in chunk)
-                    ids = torch.zeros(len(chunk), width, dtype=torch.long)
-                    mask = torch.zeros(len(chunk), width, dtype=torch.long)
-                    for i, s in enumerate(chunk):
-                        ids[i, : len(s)] = torch.tensor(s)
-                        mask[i, : len(s)] = 1
-                    ids, mask = ids.to(self.device), mask.to(self.device)
-                    logits = self.model(input_ids=ids, attention_mask=mask).logits
+                    logits, ids = padded_forward(self.model, chunk, self.device)
                     lp = self._logprobs(logits, ids).double().cpu().numpy()
                     out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
                     if self.topk:

@@ -20,7 +20,7 @@ from mp_testlib import cli, load_json
 
 from mismatch_probe.probes.capture import CapturePlan
 from mismatch_probe.probes.fsdp.runner import FsdpLearner, FsdpRankError, merge_rank_dataset
-from mismatch_probe.probes.fsdp.worker import rank_steps
+from mismatch_probe.probes.fsdp.worker import FAULT_ENV, rank_steps
 from mismatch_probe.probes.hf.runner import HfLearner
 from mismatch_probe.probes.models import resolve_model
 from mismatch_probe.run.schema import write_table
@@ -163,8 +163,8 @@ def test_killed_rank_stops_compare_names_rank_and_leaves_no_complete_run(tmp_pat
     proc = cli(
         "compare", "--learner", "fsdp", "--nproc", "2", "--model", "tiny-llama", "--n", "1",
         "--max-tokens", "6", "--micro-batch-size", "2", "--fsdp-timeout", str(timeout),
-        "--capture", "off", "--out", str(out), "--_fsdp-fault", "rank:1:after_batches:1:kill",
-        timeout=timeout + 120,
+        "--capture", "off", "--out", str(out),
+        timeout=timeout + 120, env={FAULT_ENV: "rank:1:after_batches:1:kill"},  # injected by the test only
     )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
@@ -178,13 +178,14 @@ def test_killed_rank_stops_compare_names_rank_and_leaves_no_complete_run(tmp_pat
     assert not (staged[0] / "learner").exists()  # no partial learner dataset
 
 
-def test_hung_rank_is_stopped_within_timeout_and_named(tmp_path: Path) -> None:
+def test_hung_rank_is_stopped_within_timeout_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "rank:1:after_batches:0:hang")  # the ranks inherit it; no option carries it
     m = resolve_model("tiny-llama")
     timeout = 60.0  # generous: rank 0 must have loaded and entered its first forward even on a busy CI box
     t0 = time.monotonic()
     with pytest.raises(FsdpRankError, match=r"FSDP rank 1 of 2 hung") as e:
         with FsdpLearner(
-            m.path, m.vocab_size, micro_batch_size=1, nproc=2, timeout_s=timeout, _fault="rank:1:after_batches:0:hang"
+            m.path, m.vocab_size, micro_batch_size=1, nproc=2, timeout_s=timeout
         ) as f:
             f.dataset_dest = tmp_path / "tokens_by_rank"
             f.score([[5, 6, 7], [5, 6, 8]])
