@@ -145,22 +145,21 @@ def list_column(arr: np.ndarray, typ: pa.DataType, valid: np.ndarray | None = No
 def with_topk(table: pa.Table, per_seq: dict[int, dict[str, np.ndarray]], columns: dict[str, pa.DataType]) -> pa.Table:
     """Append per-position arrays (``per_seq[seq_id][name]``: [len-1] or [len-1, K]) to a tokens
     table whose rows are (seq_id, pos >= 1) in any order. Rows without arrays get nulls."""
-    sid = table.column("seq_id").to_numpy()
-    pos = table.column("pos").to_numpy()
+    sid = table.column("seq_id").to_numpy().astype(np.int64)
+    pos = table.column("pos").to_numpy().astype(np.int64)
     for name, typ in columns.items():
-        sample = next((v[name] for v in per_seq.values() if name in v), None)
-        if sample is None:
+        have = sorted(k for k, v in per_seq.items() if name in v)
+        if not have:
             continue
-        shape = (len(sid),) + sample.shape[1:]
-        arr = np.zeros(shape, dtype=sample.dtype)
-        valid = np.zeros(len(sid), dtype=bool)
-        for s in np.unique(sid):
-            v = per_seq.get(int(s), {}).get(name)
-            if v is None:
-                continue
-            rows = np.flatnonzero(sid == s)
-            arr[rows] = v[pos[rows] - 1]
-            valid[rows] = True
+        # one concatenated array; row (seq_id, pos) reads entry offset[seq_id] + pos - 1 (no per-row loop)
+        keys = np.asarray(have, dtype=np.int64)
+        lens = np.array([per_seq[k][name].shape[0] for k in have], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        flat = np.concatenate([per_seq[k][name] for k in have])
+        at = np.clip(np.searchsorted(keys, sid), 0, keys.size - 1)
+        valid = (keys[at] == sid) & (pos >= 1) & (pos <= lens[at])
+        idx = np.where(valid, offsets[at] + pos - 1, 0)
+        arr = flat[idx]
         if arr.ndim == 2:
             col = list_column(arr, typ, valid)
         else:

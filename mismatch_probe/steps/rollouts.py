@@ -4,16 +4,10 @@ A rollouts file is Parquet or JSONL, one row per sequence: prompt token ids, res
 the sampler's logprob of each response token as the RL run recorded it, and optionally the
 trainer's ("old") logprobs of the same tokens. Three column namings are accepted:
 
-=========  ======================  ==================  ===================  ====================
-naming     prompt ids              response ids        sampler logprobs     trainer logprobs
-=========  ======================  ==================  ===================  ====================
-ours       ``prompt_token_ids``    ``response_token_   ``rollout_logprobs`` ``old_logprobs``
-                                   ids``
-verl       ``prompts``             ``responses``       ``rollout_log_probs`` ``old_log_probs``
-slime      ``tokens`` (prompt +    ``response_length`` ``rollout_log_probs`` ``log_probs``
-           response) and its
-           last ``response_length`` ids are the response
-=========  ======================  ==================  ===================  ====================
+* ours: ``prompt_token_ids``, ``response_token_ids``, ``rollout_logprobs``, ``old_logprobs``;
+* verl: ``prompts``, ``responses``, ``rollout_log_probs``, ``old_log_probs``;
+* slime: ``tokens`` (prompt + response; its last ``response_length`` ids are the response),
+  ``response_length``, ``rollout_log_probs``, ``log_probs``.
 
 verl: the keys of its training batch (``DataProto``): ``prompts`` (left-padded), ``responses``
 (right-padded), ``rollout_log_probs`` (vLLM/SGLang rollout with ``calculate_log_probs``),

@@ -148,3 +148,16 @@ def test_topk_changes_no_logprob(real_run_qwen3: Path, tmp_path: Path) -> None:
             diff = j[(j._merge != "both") | (j.token_id != j.token_id_off) | (j.logprob != j.logprob_off)]
             auto = [load_json(r / "manifest.json")["auto"] for r in (real_run_qwen3, out)]
             pytest.fail(f"{rel}: {len(diff)} rows differ, e.g.\n{diff.head(5)}\nauto settings: {auto}")
+
+
+def test_with_topk_places_arrays_by_seq_and_pos() -> None:
+    import pyarrow as pa
+
+    from mismatch_probe.analysis.token_gaps import with_topk
+
+    t = pa.table({"seq_id": [7, 3, 7, 3, 9], "pos": [2, 1, 1, 2, 1]})
+    per = {3: {"ids": np.array([[30, 31], [32, 33]]), "e": np.array([0.3, 0.4])}, 7: {"ids": np.array([[70, 71], [72, 73]])}}
+    out = with_topk(t, per, {"ids": pa.list_(pa.int32()), "e": pa.float64(), "absent": pa.float64()})
+    assert out.column("ids").to_pylist() == [[72, 73], [30, 31], [70, 71], [32, 33], None]
+    assert out.column("e").to_pylist() == [None, 0.3, None, 0.4, None]
+    assert "absent" not in out.column_names
