@@ -144,11 +144,10 @@ def first_divergent(data: RunData) -> dict[str, dict[str, Any] | None]:
     ops = data.op_errors
     if ops is None:
         return {}
-    div = ops[ops["bitwise_equal_frac"].fillna(0) < 1.0]
-    if div.empty:
-        return {"bitwise": None}
-    r = div.iloc[0]
-    return {"bitwise": {"op": r["op"], "layer": int(r["layer"]), "exec_order": int(r["exec_order"])}}
+    from mismatch_probe.analysis.op_errors import first_divergent as first_divergent_op
+
+    fd = first_divergent_op(ops.assign(bitwise_equal_frac=ops["bitwise_equal_frac"].fillna(0)))["bitwise"]
+    return {"bitwise": fd and {k: fd[k] for k in ("op", "layer", "exec_order")}}
 
 
 def _fd_text(fd: dict[str, Any] | None) -> str:

@@ -31,13 +31,14 @@ from typing import Any
 
 import numpy as np
 
+from mismatch_probe.analysis import token_gaps
 from mismatch_probe.analysis.conventions import FRAMEWORKS, framework_metrics
 from mismatch_probe.analysis.metrics import GAP_METRICS, RATIO_METRICS
 from mismatch_probe.errors import SchemaError, UsageError
 from mismatch_probe.run.schema import SCHEMA_VERSION
 
-PAIRS = ("learner_vs_decode", "learner_vs_prefill", "prefill_vs_decode")
-TRAINER_PAIRS = ("trainer_vs_decode", "learner_vs_trainer")  # runs of compare --rollouts with trainer logprobs
+PAIRS = tuple(token_gaps.PAIRS)  # pair names are defined once, in analysis/token_gaps.py
+TRAINER_PAIRS = tuple(token_gaps.TRAINER_PAIRS)  # runs of compare --rollouts with trainer logprobs
 FULL_VOCAB_METRICS = (
     "kl_fwd", "kl_rev", "top1_agree", "topk_overlap", "sampled_rank_mean", "sampled_rank_max",
     "sampled_in_topk_frac", "entropy_learner", "entropy_sampler", "n_positions",
@@ -125,14 +126,13 @@ def first_divergent_from_run(run: Path, kind: str = "bitwise") -> tuple[bool, di
         return False, None, "no op capture in this run (no bisect.json or compare/op_errors.parquet)"
     if kind != "bitwise":
         return False, None, f"the {kind} first divergent op comes from bisect.json: run `mismatch-probe bisect RUN`"
+    from mismatch_probe.analysis.op_errors import first_divergent
     from mismatch_probe.run.schema import read_table
 
-    rows = read_table(ope, "op_errors").select(["op", "layer", "exec_order", "bitwise_equal_frac"]).to_pylist()
-    div = sorted((r for r in rows if (r["bitwise_equal_frac"] or 0.0) < 1.0), key=lambda r: r["exec_order"])
-    if not div:
-        return True, None, "op_errors.parquet"
-    r = div[0]
-    return True, {"op": r["op"], "layer": r["layer"], "exec_order": r["exec_order"]}, "op_errors.parquet"
+    errs = read_table(ope, "op_errors").to_pandas()
+    errs["bitwise_equal_frac"] = errs["bitwise_equal_frac"].fillna(0.0)
+    fd = first_divergent(errs)["bitwise"]
+    return True, fd and {k: fd[k] for k in ("op", "layer", "exec_order")}, "op_errors.parquet"
 
 
 # --------------------------------------------------------------------------- checks

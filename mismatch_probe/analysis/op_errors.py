@@ -9,11 +9,12 @@ The learner is the reference (``l``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from mismatch_probe.families.opnames import exec_order, split_op
+from mismatch_probe.families.opnames import DEFAULT_RTOL, exec_order, split_op
 
 _INT_VIEW = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
 _SIGN = {np.uint16: 0x8000, np.uint32: 0x80000000, np.uint64: 1 << 63}
@@ -100,3 +101,27 @@ def op_errors(learner: pd.DataFrame, sampler: pd.DataFrame, num_layers: int) -> 
                 "mean_abs_diff", "rel_l2", "cosine", "sqnr_db", "max_ulp"]
     out = pd.DataFrame(rows, columns=cols_out)
     return out.sort_values("exec_order", kind="stable").reset_index(drop=True)
+
+
+def first_divergent(errs: pd.DataFrame) -> dict[str, Any]:
+    """First op (execution order) not bitwise equal, and first over its dtype's tolerance, from an
+    op-errors table (the one definition: bisect, gate and the report use it)."""
+    errs = errs.sort_values("exec_order", kind="stable")
+
+    def pick(mask: pd.Series) -> dict[str, Any] | None:
+        hit = errs[mask]
+        if hit.empty:
+            return None
+        r = hit.iloc[0]
+        return {
+            "op": r.op,
+            "layer": int(r.layer),
+            "exec_order": int(r.exec_order),
+            "bitwise_equal_frac": float(r.bitwise_equal_frac),
+            "rel_l2": None if pd.isna(r.rel_l2) else float(r.rel_l2),
+            "dtype": r["dtype"],
+        }
+
+    tol = errs.dtype.map(lambda d: DEFAULT_RTOL.get(str(d), 1e-2))
+    over = errs.rel_l2.notna() & (errs.rel_l2 > tol)
+    return {"bitwise": pick(errs.bitwise_equal_frac < 1.0), "tolerance": pick(over), "tolerances": DEFAULT_RTOL}

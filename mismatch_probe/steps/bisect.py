@@ -17,32 +17,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch_probe.analysis.op_errors import error_stats
+from mismatch_probe.analysis.op_errors import error_stats, first_divergent  # noqa: F401 (first_divergent: re-exported)
 from mismatch_probe.errors import SchemaError
-from mismatch_probe.families.opnames import DEFAULT_RTOL, exec_order, split_op
-
-
-def first_divergent(errs: pd.DataFrame) -> dict[str, Any]:
-    """First op (execution order) not bitwise equal, and first over its dtype's tolerance."""
-    errs = errs.sort_values("exec_order", kind="stable")
-
-    def pick(mask: pd.Series) -> dict[str, Any] | None:
-        hit = errs[mask]
-        if hit.empty:
-            return None
-        r = hit.iloc[0]
-        return {
-            "op": r.op,
-            "layer": int(r.layer),
-            "exec_order": int(r.exec_order),
-            "bitwise_equal_frac": float(r.bitwise_equal_frac),
-            "rel_l2": None if pd.isna(r.rel_l2) else float(r.rel_l2),
-            "dtype": r["dtype"],
-        }
-
-    tol = errs.dtype.map(lambda d: DEFAULT_RTOL.get(str(d), 1e-2))
-    over = errs.rel_l2.notna() & (errs.rel_l2 > tol)
-    return {"bitwise": pick(errs.bitwise_equal_frac < 1.0), "tolerance": pick(over), "tolerances": DEFAULT_RTOL}
+from mismatch_probe.families.opnames import exec_order, split_op
 
 
 def _tensors(df: pd.DataFrame, op: str, keys: list[tuple[int, int]]) -> Any:
