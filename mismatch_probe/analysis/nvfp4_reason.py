@@ -36,13 +36,15 @@ def explain_linear(op: str, x: Any, engines: Any) -> dict[str, Any] | None:
     from mismatch_probe.kernels.nvfp4.ref import nvfp4_dequantize_ref, nvfp4_quantize_ref
 
     layer, kind = split_op(op)
-    patch = getattr(engines.learner, "_patch", None)
-    if kind not in _HF or patch is None or not getattr(patch, "nvfp4", None):
+    from mismatch_probe.probes.vllm.plugin import nvfp4_state
+
+    if kind not in _HF:
         return None
-    hf_name = f"model.layers.{layer}.{_HF[kind]}"
-    st_l = patch.nvfp4.get(hf_name)
+    st_l = engines.learner.nvfp4_state(f"model.layers.{layer}.{_HF[kind]}")
+    if st_l is None:
+        return None
     vpath, part = _VLLM[kind]
-    st_s = engines.sampler.llm.apply_model(lambda m: getattr(_sub(m.model.layers[layer], vpath), "_mp_nvfp4", None))[0]
+    st_s = engines.sampler.llm.apply_model(lambda m: nvfp4_state(_sub(m.model.layers[layer], vpath)))[0]
     if st_l is None or st_s is None:
         return None
     hl = engines.learner.model.model.layers[layer]

@@ -40,7 +40,6 @@ def bisect_sets(items: Sequence[Any], share: Callable[[frozenset[Any]], float], 
 def run_ablation(engines: Any, seqs: list[list[int]], n_prompt: list[int], kinds: Sequence[str],
                  num_layers: int, min_frac: float = 0.05, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Rank op classes, then the layers of the top class, by their share of the gap."""
-    from mismatch_probe.probes.hf.patch import patch, token_logprobs_fn
     from mismatch_probe.probes.vllm import plugin as vllm_plugin
 
     mask = np.concatenate([np.arange(1, len(s)) >= n for s, n in zip(seqs, n_prompt, strict=True)])
@@ -49,14 +48,11 @@ def run_ablation(engines: Any, seqs: list[list[int]], n_prompt: list[int], kinds
 
     def gap(ops: frozenset[str], layers: frozenset[int] | None) -> float:
         vllm_plugin.activate("strict", ops=sorted(ops), layers=None if layers is None else sorted(layers))
-        handle = patch(learner.model, "strict", ops=sorted(ops), layers=None if layers is None else sorted(layers))
-        learner._logprobs = token_logprobs_fn("strict" if "logsoftmax" in ops else None)
         try:
             ls = np.concatenate(sampler.score(seqs))
-            ll = np.concatenate(learner.score(seqs))
+            with learner.recipe_applied("strict", ops=sorted(ops), layers=None if layers is None else sorted(layers)):
+                ll = np.concatenate(learner.score(seqs))
         finally:
-            handle.undo()
-            learner._logprobs = token_logprobs_fn(None)
             vllm_plugin.activate("strict", ops=[])
         g = float(np.abs(ll - ls)[mask].mean()) if mask.any() else 0.0
         passes.append({"ops": sorted(ops), "layers": None if layers is None else sorted(layers), "gap": g})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,25 @@ class HfLearner(Runner):
         self._patch = patch(self.model, r, ops=self.recipe_ops, layers=self.recipe_layers)
         n_cal = calibrate(self.model, self._patch, self.vocab_size)
         self.info.settings["recipe"] = self._patch.describe() | {"calibrated_linears": n_cal}
+
+    @contextlib.contextmanager
+    def recipe_applied(self, recipe: str, ops: Any = None, layers: Any = None) -> Iterator[None]:
+        """Score under ``recipe`` restricted to op classes ``ops`` and decoder ``layers`` (bisect's
+        ablation), on top of the recipe the learner was built with; restored on exit."""
+        from mismatch_probe.probes.hf.patch import patch, token_logprobs_fn
+
+        handle = patch(self.model, recipe, ops=ops, layers=layers)
+        saved = self._logprobs
+        self._logprobs = token_logprobs_fn(recipe if ops is None or "logsoftmax" in ops else None)
+        try:
+            yield
+        finally:
+            handle.undo()
+            self._logprobs = saved
+
+    def nvfp4_state(self, name: str) -> Any:
+        """The NVFP4 linear state of the patched HF module ``name`` (None: not an NVFP4 linear)."""
+        return None if self._patch is None else self._patch.nvfp4.get(name)
 
     def _unload_impl(self) -> None:
         if self._patch is not None:

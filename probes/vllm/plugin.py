@@ -181,6 +181,11 @@ def _rope(orig: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+def nvfp4_state(layer: Any) -> NVFP4Linear | None:
+    """The NVFP4 linear state the plugin attached to a vLLM linear module (None: not quantized)."""
+    return getattr(layer, "_mp_nvfp4", None)
+
+
 def _nvfp4_state(layer: Any, scheme: str) -> NVFP4Linear:
     st = getattr(layer, "_mp_nvfp4", None)
     if st is None or st.scheme.name != scheme:
