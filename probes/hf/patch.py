@@ -101,7 +101,10 @@ def _attention_forward(self: Any, hidden_states: torch.Tensor, position_embeddin
     k = self.k_proj(hidden_states).view(shape)
     v = self.v_proj(hidden_states).view(shape)
     if hasattr(self, "q_norm"):
-        q, k = self.q_norm(q), self.k_norm(k)
+        if self._mp_heads_first:  # the module's own layout ([B, H, T, D], Gemma 3): what hooks observe
+            q, k = self.q_norm(q.transpose(1, 2)).transpose(1, 2), self.k_norm(k.transpose(1, 2)).transpose(1, 2)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
     if self._mp_rope:
         # the patched rotary's position ids: on the (cos, sin) tuple, or (when a wrapper rebuilt the
         # tuple, e.g. FSDP2's input casting) from the handle's record of the last rotary call
@@ -209,11 +212,12 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
     attention module), the activation (by its HF class) and a scaled embedding (``embed_scale``
     of the embedding module) are read from the model."""
     r = parse(recipe) if isinstance(recipe, str) else recipe
-    if norm_unit_offset is None:
-        from mismatch_probe.families import registry
+    from mismatch_probe.families import registry
 
-        spec = registry.families().get(getattr(model.config, "model_type", ""))
+    spec = registry.families().get(getattr(model.config, "model_type", ""))
+    if norm_unit_offset is None:
         norm_unit_offset = bool(spec and spec.norm_unit_offset)
+    qk_heads_first = bool(spec and "attn.q_norm" in spec.hf_heads_first)
     chosen = r.ops() if ops is None else frozenset(ops) & r.ops()
     bad = set(ops or ()) - set(OP_KINDS)
     if bad:
@@ -233,6 +237,7 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
             mod._mp_rope, mod._mp_attn = rope_on, attn_on
             mod._mp_rope_base = _rope_base(model.config, getattr(mod, "layer_type", None))
             mod._mp_positions = h.positions
+            mod._mp_heads_first = qk_heads_first
             modeling = sys.modules[type(mod).__module__]
             mod._mp_apply_rope, mod._mp_eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
             h._set(name, mod, _attention_forward)
