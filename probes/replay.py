@@ -16,12 +16,6 @@ from mismatch_probe.families import registry
 from mismatch_probe.families.base import FamilySpec, parse_site, resolve_path
 from mismatch_probe.families.opnames import split_op
 
-REPLAYABLE = (
-    "input_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.rope_q", "attn.rope_k",
-    "attn.o", "post_attn_norm",
-    "mlp.gate", "mlp.up", "mlp.act", "mlp.down", "moe.router_logits", "moe.out", "final_norm", "logits",
-)
-
 
 def family_of(model_type: str | None, available: set[str]) -> FamilySpec:
     """The run's family spec (from the manifest's ``model_type``); without one, the registered
@@ -35,14 +29,13 @@ def family_of(model_type: str | None, available: set[str]) -> FamilySpec:
 
 def op_inputs(op: str, num_layers: int, available: set[str], model_type: str | None = None) -> list[str] | None:
     """Canonical ops whose captured outputs are the inputs of ``op`` (None: not replayable), from
-    the family spec's ``replay_inputs`` (see :mod:`mismatch_probe.families.base`).
+    the family spec's ``replay_inputs`` (see :mod:`mismatch_probe.families.base`): an op is
+    replayable iff its family lists its inputs (plus ``final_norm`` and ``logits``).
 
     Norms after a residual add take ``[branch output, residual]``: vLLM fuses the add into the
     norm (and may normalize the unrounded sum), so the norm is replayed together with its add."""
     spec = family_of(model_type, available)
     layer, kind = split_op(op)
-    if kind not in REPLAYABLE:
-        return None
     if kind == "final_norm":
         return [f"{num_layers - 1}.{r}" for r in spec.final_norm_inputs]
     if kind == "logits":
