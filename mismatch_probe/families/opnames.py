@@ -21,12 +21,14 @@ LAYER_OPS = (
     "attn.rope_k",
     "attn.core",
     "attn.o",
+    "attn.o_norm",  # a norm on the attention output before its residual add (Gemma 3)
     "resid_mid",
     "post_attn_norm",
     "mlp.gate",
     "mlp.up",
     "mlp.act",
     "mlp.down",
+    "mlp.down_norm",  # a norm on the MLP output before its residual add (Gemma 3)
     "moe.router_logits",
     "moe.topk_ids",
     "moe.topk_weights",
@@ -65,7 +67,7 @@ def exec_order(op: str, num_layers: int = 10_000) -> int:
 
 def canonical_ops(num_layers: int, moe: bool) -> list[str]:
     """Every canonical op of a model, in execution order."""
-    dense_only = {"mlp.gate", "mlp.up", "mlp.act", "mlp.down"}
+    dense_only = {"mlp.gate", "mlp.up", "mlp.act", "mlp.down", "mlp.down_norm"}
     moe_only = {k for k in LAYER_OPS if k.startswith("moe.")}
     kinds = [k for k in LAYER_OPS if k not in (dense_only if moe else moe_only)]
     return [*PRE_OPS, *(layer_op(i, k) for i in range(num_layers) for k in kinds), *POST_OPS]

@@ -23,7 +23,7 @@ from mp_testlib import REPO, cli
 
 pytestmark = pytest.mark.vllm
 
-STRICT_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2")
+STRICT_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2", "tiny-gemma3")
 NVFP4 = {  # the bf16 `engine` baseline is conftest's shared tiny-qwen3 run (same defaults)
     "mismatched": ["--learner-recipe", "nvfp4-dynamic-tensor", "--sampler-recipe", "nvfp4-static"],
     "per-token": ["--recipe", "nvfp4-per-token"],

@@ -52,14 +52,19 @@ def test_hf_patch_gemma3_strict_bitwise_alone_equals_batch_close_to_engine_and_u
     model = _gemma3(window=6)
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 11, 27)]  # longer than the window
+    shapes: list[tuple[int, ...]] = []  # what a capture hook on the q norm sees
+    hook = model.model.layers[0].self_attn.q_norm.register_forward_hook(lambda m, a, o: shapes.append(tuple(o.shape)))
     engine = _logprobs(model, seqs, strict=False)
-    with patch(model, "strict", norm_unit_offset=True) as h:
+    with patch(model, "strict") as h:  # (1 + w) norms: from the gemma3_text family spec
         attn = [model.model.layers[i].self_attn for i in (0, 1)]
         assert [a._mp_rope_base for a in attn] == [10_000.0, 1_000_000.0]
         assert any(n.endswith("mlp.act_fn") for n in h.patched) and "model.embed_tokens" in h.patched
         batch = _logprobs(model, seqs, strict=True)
         for i in (0, 3):
             assert torch.equal(_logprobs(model, [seqs[i]], strict=True)[0], batch[i])
+    hook.remove()
+    # the patched attention calls the q norm in HF Gemma's own layout [batch, heads, time, dim]
+    assert len(set(shapes)) == 1 + 2 and {s[1] for s in shapes} == {4}, shapes  # the batch, then two sequences alone
     gap = max(float((a - b).abs().max()) for a, b in zip(batch, engine, strict=True))
     assert 0 < gap < 0.05, gap
     after = _logprobs(model, seqs, strict=False)
@@ -67,7 +72,7 @@ def test_hf_patch_gemma3_strict_bitwise_alone_equals_batch_close_to_engine_and_u
     # the window matters: without it (a window as long as the sequences) the strict logprobs change
     wide = _gemma3(window=64)
     wide.load_state_dict(model.state_dict())
-    with patch(wide, "strict", norm_unit_offset=True):
+    with patch(wide, "strict"):
         assert not torch.equal(_logprobs(wide, [seqs[3]], strict=True)[0], batch[3])
 
 

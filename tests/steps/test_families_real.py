@@ -2,9 +2,9 @@
 weight parity, `bisect` (first divergence, local errors, ablation) and planted perturbations.
 (`compare --align strict` on both families: tests/probes/test_align_vllm.py.)
 
-One module fixture runs every engine job once, two at a time: per family a clean run (compare,
-then bisect with replay and ablation) and a planted run (compare with perturbed checkpoints on
-each side, then bisect without ablation).
+One module fixture runs every engine job once, one after the other: per family a clean run
+(compare with full capture, then bisect with replay and ablation) and a planted run (compare with
+perturbed checkpoints on each side, then bisect without ablation).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -25,6 +24,9 @@ pytestmark = pytest.mark.vllm
 
 QWEN2_LAYER = ["input_norm", "attn.q", "attn.k", "attn.v", "attn.rope_q", "attn.rope_k", "attn.core", "attn.o",
                "resid_mid", "post_attn_norm", "mlp.gate", "mlp.up", "mlp.act", "mlp.down", "out"]
+GEMMA3_LAYER = ["input_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.rope_q", "attn.rope_k",
+                "attn.core", "attn.o", "attn.o_norm", "resid_mid", "post_attn_norm", "mlp.gate", "mlp.up", "mlp.act",
+                "mlp.down", "mlp.down_norm", "out"]
 FAMILIES = {
     "tiny-qwen2": {
         "layer_ops": QWEN2_LAYER,
@@ -34,6 +36,15 @@ FAMILIES = {
         "learner_plant": {"model.layers.1.mlp.up_proj.weight": 1.05},
         "first": "0.attn.q",
         "top": {"0.attn.q", "1.mlp.up"},
+    },
+    "tiny-gemma3": {
+        "layer_ops": GEMMA3_LAYER,
+        # Gemma's own norms: the learner's layer-0 q norm, the sampler's layer-1 post-feedforward
+        # norm (the stored w of its 1 + w scale)
+        "sampler_plant": {"model.layers.1.post_feedforward_layernorm.weight": 2.0},
+        "learner_plant": {"model.layers.0.self_attn.q_norm.weight": 2.0},
+        "first": "0.attn.q_norm",
+        "top": {"0.attn.q_norm", "1.mlp.down_norm"},
     },
 }
 
@@ -56,7 +67,7 @@ def _jobs(root: Path) -> dict[str, list[list[str]]]:
     for model, spec in FAMILIES.items():
         run = root / f"engine-{model}"
         jobs[f"engine-{model}"] = [
-            ["compare", "--model", model, "--n", "1", "--max-tokens", "8", "--out", str(run)],
+            ["compare", "--model", model, "--n", "1", "--max-tokens", "8", "--capture", "full", "--out", str(run)],
             ["bisect", str(run)],
         ]
         clean = resolve_model(model).path
@@ -87,8 +98,9 @@ def _run_job(cmds: list[list[str]]) -> tuple[str | None, float]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     jobs = _jobs(root)
-    with ThreadPoolExecutor(max_workers=2) as pool:  # two engine processes at a time (2 cores)
-        results = dict(zip(jobs, pool.map(_run_job, jobs.values()), strict=True))
+    # one after the other: two engines starting together each size their memory reservation from
+    # the same free memory (and the machine has 2 cores)
+    results = {name: _run_job(cmds) for name, cmds in jobs.items()}
     failed = {k: err for k, (err, _) in results.items() if err}
 
     class Runs(dict):
