@@ -1,14 +1,30 @@
-"""CUDA (learner side) kernels of the ``strict`` recipe: Triton with one fixed configuration.
+"""CUDA (learner side) kernels of the ``strict`` recipe: Triton, one fixed configuration each.
 
-* :func:`linear`: ``x @ w.T`` with a tile shape, K step and warp count that never depend on M,
-  and no split-K: a row's K reduction is the same ``tl.dot`` sequence whichever batch it sits in
-  (the MMA of a tile computes each output from its own row and column only; masked rows are 0).
-* :func:`rmsnorm`: one program per row, a fixed block over the hidden size, ``tl.sum`` reduction,
-  correctly rounded sqrt and division: HF's roundings (``bf16(x*inv)``, then ``bf16(w*y)``).
+No configuration depends on the number of rows (tokens), the batch or the padding, so a row's bits
+never depend on which micro-batch it sits in. This is the strict definition on CUDA; it is a
+different function from the CPU definition (:mod:`.ops`), so CPU and GPU bits differ (per
+op below). ``RECIPE_GPU_NOTES`` is what the recipe's description records.
 
-These define strict numerics on CUDA; the CPU definition (:mod:`.strict_ops`, fp32 trees) is
-another, equally batch-invariant, function (bits differ between the two devices). The Triton
-interpreter's bf16 ``tl.dot`` is broken (shared/ENVIRONMENT.md), so CPU tensors never come here.
+* :func:`linear`: persistent GEMM ``x @ w.T (+ b)``, fixed tile 128x128x64, 8 warps, no split-K,
+  K in ascending order, fp32 accumulation (tensor-core MMA), bias added in fp32, rounded once.
+  CPU: the BLAS GEMM over fixed row blocks (another accumulation order).
+* :func:`attention`: flash-style causal attention, one program per (query block of 64 aligned at
+  the sequence start, head, sequence); key blocks of 64 in ascending order, online softmax in fp32
+  (``exp`` of the scaled scores), ``P`` rounded to bf16 for the ``P @ V`` MMA; right padding and
+  fully masked key blocks leave a row's bits unchanged, so prefill and decode agree. Optional
+  sliding window. CPU: max-subtracted softmax with tree sums and fp32 ``P``.
+* :func:`rmsnorm`, :func:`add_rmsnorm`: one program per row, fixed block over the hidden size,
+  ``tl.sum`` tree, correctly rounded sqrt and division, HF's roundings; the fused add rounds
+  ``x + residual`` to bf16 first (as vLLM's fused kernel and the HF decoder). CPU: a pairwise tree
+  (another summation order).
+* :func:`act_and_mul`: ``bf16(bf16(act(g)) * u)``, SiLU, GELU-tanh or GELU-erf in fp32 (Triton's exp/erf).
+* :func:`rope`: neox rotation in fp32 from the same fp64-built cos/sin table as the CPU
+  (the rotation may fuse multiply-adds: bits may differ from the CPU in the last place).
+* :func:`max_logz_rows`, :func:`log_softmax_fp32`, :func:`token_logprobs`: per row, fixed
+  4096-wide chunks in ascending order; log-softmax is ``(x - max) - log(sum)``. CPU: tree sum.
+
+The Triton interpreter's bf16 ``tl.dot`` is broken (shared/ENVIRONMENT.md), so CPU tensors never
+come here.
 """
 
 from __future__ import annotations
@@ -17,64 +33,296 @@ import torch
 import triton
 import triton.language as tl
 
-BM, BN, BK, WARPS, STAGES = 64, 64, 64, 4, 3
+BM, BN, BK, WARPS, STAGES, GROUP = 128, 128, 64, 8, 3, 8
+ATT_BM, ATT_BN, ATT_WARPS, ATT_STAGES = 64, 64, 4, 2
+LSE_BLOCK = 4096
+
+RECIPE_GPU_NOTES = {
+    "linear": "CUDA: persistent Triton GEMM, fixed 128x128x64 tile, no split-K (CPU: BLAS on fixed row blocks; bits differ)",
+    "attention": "CUDA: Triton flash attention, 64x64 blocks, online softmax, bf16 P (CPU: tree softmax, fp32 P; bits differ)",
+    "norm": "CUDA: one program per row, tl.sum (CPU: pairwise tree; bits may differ in the last place)",
+    "act": "CUDA: Triton exp/tanh (CPU: ATen's vectorized exp/tanh; bits may differ in the last place)",
+    "rope": "CUDA: same fp64-built table, fp32 rotation (may contract to FMA; last-place differences possible)",
+    "logsoftmax": "CUDA: fixed 4096-wide chunks in order (CPU: pairwise tree)",
+}
+
+
+def _sms(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 @triton.jit
-def _linear_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + rn[None, :] * sbn + kk[:, None] * sbk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        acc = tl.dot(a, b, acc)
-    tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)
-    var = tl.div_rn(tl.sum(x * x, axis=0), H * 1.0)
-    inv = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-    y = (x * inv).to(y_ptr.dtype.element_ty)
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        y = (w * y.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * H + cols, y, mask=m)
+def _linear_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
+                   HAS_BIAS: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = n_m * n_n
+    for tile in range(pid, n_tiles, NUM_PROGS):  # persistent: each program walks its tiles in order
+        group = tile // (GROUP_M * n_n)
+        first_m = group * GROUP_M
+        gsize = min(n_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % (GROUP_M * n_n)) % gsize
+        pid_n = (tile % (GROUP_M * n_n)) // gsize
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # one fixed K order, no split
+            kk = k0 + rk
+            a = tl.load(a_ptr + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(b_ptr + rn[:, None] * sbn + kk[None, :] * sbk, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if not x.is_cuda:
-        raise ValueError("strict_triton.linear runs on CUDA tensors (CPU: strict_ops.linear)")
+        raise ValueError("strict linear (Triton) runs on CUDA tensors (CPU: kernels.strict.ops.linear)")
     shape = x.shape
     a = x.reshape(-1, shape[-1])
     m, k = a.shape
     n = weight.shape[0]
-    acc = torch.empty(m, n, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
-    _linear_kernel[grid](a, weight, acc, m, n, k, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
-                         acc.stride(0), acc.stride(1), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=WARPS, num_stages=STAGES)
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(x.dtype).reshape(*shape[:-1], n)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out.reshape(*shape[:-1], n)
+    progs = _sms(x.device)
+    _linear_kernel[(progs,)](a, weight, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1),
+                             weight.stride(0), weight.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
+                             NUM_PROGS=progs, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP, num_warps=WARPS,
+                             num_stages=STAGES)
+    return out.reshape(*shape[:-1], n)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    if not x.is_cuda:
-        raise ValueError("strict_triton.rmsnorm runs on CUDA tensors (CPU: strict_ops.rmsnorm)")
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, Tq, Tk, H, REP, scale, window,
+                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, spb,
+                 D: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kh = h // REP
+    rm = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, D)
+    qmask = rm < Tq
+    pos = tl.load(pos_ptr + b * spb + rm, mask=qmask, other=-1)
+    q = tl.load(q_ptr + b * sqb + h * sqh + rm[:, None] * sqt + rd[None, :], mask=qmask[:, None], other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    hi = tl.minimum(tl.max(pos, axis=0) + 1, Tk)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(tl.min(tl.where(qmask, pos, 1 << 30), axis=0) - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    for n0 in range(lo, hi, BLOCK_N):  # key blocks aligned at 0, ascending
+        rn = n0 + tl.arange(0, BLOCK_N)
+        kmask = rn < Tk
+        kt = tl.load(k_ptr + b * skb + kh * skh + rn[None, :] * skt + rd[:, None], mask=kmask[None, :], other=0.0)
+        s = tl.dot(q, kt) * scale
+        vis = (rn[None, :] <= pos[:, None]) & kmask[None, :]
+        if HAS_WINDOW:
+            vis = vis & (rn[None, :] > pos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + b * svb + kh * svh + rn[:, None] * svt + rd[None, :], mask=kmask[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + b * sob + h * soh + rm[:, None] * sot + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=qmask[:, None])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+              window: int | None = None) -> torch.Tensor:
+    """``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]`` (any strides, last dim contiguous), ``q_pos [B, Tq]``."""
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    pos = q_pos.to(device=q.device, dtype=torch.int32).expand(b, tq).contiguous()
+    out = torch.empty(b, tq, hq, d, device=q.device, dtype=q.dtype)
+    grid = (triton.cdiv(tq, ATT_BM), b * hq)
+    _attn_kernel[grid](q, k, v, out, pos, tq, tk, hq, hq // hkv, float(scale), int(window or 0),
+                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
+                       D=d, HAS_WINDOW=window is not None, BLOCK_M=ATT_BM, BLOCK_N=ATT_BN, num_warps=ATT_WARPS,
+                       num_stages=ATT_STAGES)
+    return out
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, H, eps, offset, HAS_W: tl.constexpr, HAS_RES: tl.constexpr,
+                    ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(r_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(rout_ptr + row * H + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.div_rn(tl.sum(xf * xf, axis=0), H * 1.0)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    y = xf * inv
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32) + offset
+        if ROUND_FIRST:
+            y = w * y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            y = y * w
+    tl.store(y_ptr + row * H + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, offset: float,
+          round_first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     h = x.shape[-1]
     xc = x.contiguous().reshape(-1, h)
     y = torch.empty_like(xc)
-    block = triton.next_power_of_2(h)
-    _rmsnorm_kernel[(xc.shape[0],)](xc, weight if weight is not None else xc, y, h, float(eps),
-                                    HAS_W=weight is not None, BLOCK=block, num_warps=4)
-    return y.reshape(x.shape)
+    rc = residual.contiguous().reshape(-1, h) if residual is not None else xc
+    rout = torch.empty_like(xc) if residual is not None else y
+    if xc.shape[0]:
+        _rmsnorm_kernel[(xc.shape[0],)](xc, rc, weight if weight is not None else xc, y, rout, h, float(eps), float(offset),
+                                        HAS_W=weight is not None, HAS_RES=residual is not None, ROUND_FIRST=round_first,
+                                        BLOCK=triton.next_power_of_2(h), num_warps=4 if h <= 4096 else 8)
+    return y.reshape(x.shape), (rout.reshape(x.shape) if residual is not None else None)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0,
+            round_before_weight: bool = True) -> torch.Tensor:
+    if not x.is_cuda:
+        raise ValueError("strict rmsnorm (Triton) runs on CUDA tensors (CPU: kernels.strict.ops.rmsnorm)")
+    return _norm(x, None, weight, eps, offset, round_before_weight)[0]
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0,
+                round_before_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    y, r = _norm(x, residual, weight, eps, offset, round_before_weight)
+    assert r is not None
+    return y, r
+
+
+@triton.jit
+def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n, cols, sg, su, ACT: tl.constexpr, HAS_UP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    row = offs // cols
+    col = offs % cols
+    g = tl.load(g_ptr + row * sg + col, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 1:  # gelu_tanh
+        inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+        t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        a = 0.5 * g * (1.0 + t)
+    elif ACT == 2:  # gelu (erf)
+        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    else:
+        a = g / (1.0 + tl.exp(-g))
+    a = a.to(o_ptr.dtype.element_ty)
+    if HAS_UP:
+        u = tl.load(u_ptr + row * su + col, mask=mask, other=0.0).to(tl.float32)
+        a = (a.to(tl.float32) * u).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + offs, a, mask=mask)
+
+
+_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+def act_and_mul(gate: torch.Tensor, up: torch.Tensor | None, kind: str = "silu") -> torch.Tensor:
+    """``bf16(bf16(act(gate)) * up)`` (``up=None``: the activation alone). Rows may be strided views."""
+    if kind not in _ACTS:
+        raise ValueError(f"strict activation {kind!r} not supported; one of {sorted(_ACTS)}")
+    cols = gate.shape[-1]
+    g = gate.reshape(-1, cols) if gate.stride(-1) == 1 else gate.contiguous().reshape(-1, cols)
+    u = None if up is None else (up.reshape(-1, cols) if up.stride(-1) == 1 else up.contiguous().reshape(-1, cols))
+    out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    n = g.shape[0] * cols
+    if n:
+        blk = 1024
+        _act_mul_kernel[(triton.cdiv(n, blk),)](g, u if u is not None else g, out, n, cols, g.stride(0),
+                                                (u if u is not None else g).stride(0), ACT=_ACTS[kind],
+                                                HAS_UP=u is not None, BLOCK=blk, num_warps=4)
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, o_ptr, pos_ptr, cos_ptr, sin_ptr, H, sxt, sxh, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rh = tl.arange(0, BLOCK_H)
+    rd = tl.arange(0, HALF)
+    hm = rh < H
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    c = tl.load(cos_ptr + p * HALF + rd)[None, :]
+    s = tl.load(sin_ptr + p * HALF + rd)[None, :]
+    base = x_ptr + t * sxt + rh[:, None] * sxh
+    x1 = tl.load(base + rd[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + rd[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+    ob = o_ptr + t * H * 2 * HALF + rh[:, None] * 2 * HALF
+    tl.store(ob + rd[None, :], (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=hm[:, None])
+    tl.store(ob + HALF + rd[None, :], (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=hm[:, None])
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [..., T, H, D]`` at ``positions [..., T]`` (broadcast over leading dims) with fp32 tables ``[P, D/2]``."""
+    d, h = x.shape[-1], x.shape[-2]
+    lead = x.shape[:-2]
+    pos = positions.expand(lead).reshape(-1).contiguous()
+    xs = x.reshape(-1, h, d) if x.stride(-1) == 1 else x.contiguous().reshape(-1, h, d)
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if xs.shape[0]:
+        _rope_kernel[(xs.shape[0],)](xs, out, pos, cos.contiguous(), sin.contiguous(), h, xs.stride(0), xs.stride(1),
+                                     HALF=d // 2, BLOCK_H=triton.next_power_of_2(h), num_warps=4)
+    return out
+
+
+@triton.jit
+def _lse_kernel(x_ptr, mx_ptr, lz_ptr, V, sx, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for c0 in range(0, V, BLOCK):
+        x = tl.load(x_ptr + row * sx + c0 + cols, mask=c0 + cols < V, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, x)
+    mx = tl.max(m, axis=0)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for c0 in range(0, V, BLOCK):  # fixed chunks, ascending; lanes summed by tl.sum's fixed tree
+        x = tl.load(x_ptr + row * sx + c0 + cols, mask=c0 + cols < V, other=float("-inf")).to(tl.float32)
+        acc += tl.exp(x - mx)
+    tl.store(mx_ptr + row, mx)
+    tl.store(lz_ptr + row, tl.log(tl.sum(acc, axis=0)))
+
+
+def max_logz_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (last dim): fp32 ``max x`` and ``log(sum(exp(x - max)))`` (fixed chunking, batch invariant)."""
+    v = x.shape[-1]
+    xs = x.reshape(-1, v) if x.stride(-1) == 1 else x.contiguous().reshape(-1, v)
+    mx = torch.empty(xs.shape[0], device=x.device, dtype=torch.float32)
+    lz = torch.empty_like(mx)
+    if xs.shape[0]:
+        _lse_kernel[(xs.shape[0],)](xs, mx, lz, v, xs.stride(0), BLOCK=LSE_BLOCK, num_warps=8)
+    return mx.reshape(x.shape[:-1]), lz.reshape(x.shape[:-1])
+
+
+def log_softmax_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """``(x - max) - log(sum(exp(x - max)))`` in fp32 (the CPU formula; another summation order)."""
+    mx, lz = max_logz_rows(logits)
+    return (logits.float() - mx[..., None]) - lz[..., None]
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[..., ids]`` without the full fp32 ``[.., V]`` tensor."""
+    mx, lz = max_logz_rows(logits)
+    return (logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).float() - mx) - lz

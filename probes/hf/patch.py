@@ -121,11 +121,10 @@ def _attention_forward(self: Any, hidden_states: torch.Tensor, position_embeddin
     if self._mp_attn:
         if getattr(self, "attn_logit_softcapping", None):
             raise NotImplementedError("strict attention: no logit soft cap")
-        qpos = torch.arange(t, device=q.device)
-        qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, T, H, D]
-        window = getattr(self, "sliding_window", None)
-        outs = [so.attention(qs[i], ks[i], vs[i], qpos, self.scaling, window) for i in range(b)]
-        out = torch.stack(outs).reshape(b, t, -1)
+        tk = k.shape[2]
+        qpos = torch.arange(tk - t, tk, device=q.device).expand(b, t)  # right padding: key j at position j
+        out = so.attention_batch(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), qpos, self.scaling,
+                                 getattr(self, "sliding_window", None)).reshape(b, t, -1)
     else:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -167,7 +166,7 @@ def _moe_fns(recipe: Recipe, handle: PatchHandle, name: str) -> tuple[Callable[.
     return router, experts
 
 
-# HF activation modules -> the strict activation of the same function (kernels.strict_ops.ACTIVATIONS)
+# HF activation modules -> the strict activation of the same function (kernels.strict.ops.ACTIVATIONS)
 HF_ACTIVATIONS = {
     "SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
     "GELUActivation": "gelu",
@@ -178,7 +177,7 @@ def _strict_act(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tenso
     name = HF_ACTIVATIONS.get(type(module).__name__)
     if name is None:
         raise NotImplementedError(f"strict act: no strict version of {type(module).__name__}")
-    return so.ACTIVATIONS[name]
+    return lambda x: so.act(x, name)  # CUDA: the Triton kernel; CPU: so.ACTIVATIONS[name]
 
 
 def _kind(name: str, module: torch.nn.Module, lm_head: torch.nn.Module, embed: torch.nn.Module) -> str | None:
@@ -287,6 +286,10 @@ def token_logprobs_fn(recipe: Recipe | str | None) -> Callable[[torch.Tensor, to
 
     def f(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         lg = logits[:, :-1]
+        if "logsoftmax" in r.ops() and lg.is_cuda:
+            from mismatch_probe.kernels.strict import triton_ops as strict_triton
+
+            return strict_triton.token_logprobs(lg, ids[:, 1:])  # no [B, T, V] fp32 tensor
         lp = so.log_softmax_fp32(lg) if "logsoftmax" in r.ops() else torch.log_softmax(lg.float(), dim=-1)
         return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
