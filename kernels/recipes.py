@@ -8,7 +8,7 @@ scheme* (``bf16`` or one of the NVFP4 activation-scaling schemes of :mod:`.nvfp4
 name                      alignment   linear
 ========================  ==========  ==============================================================
 ``engine``                engine      the engine's bf16 GEMM (nothing patched)
-``strict``                strict      bf16 operands, fp32 fixed-tree reduction (strict_ops.linear)
+``strict``                strict      bf16 operands, fp32 accumulation in fixed blocks (strict_ops.linear)
 ``nvfp4-dynamic-tensor``  engine      W4A4, activation amax over the whole current batch, 16x16
                                       weight tiles (TE's learner default)
 ``nvfp4-static``          engine      W4A4, calibrated static input amax, 1x16 weight blocks, one
@@ -45,16 +45,30 @@ ALIGNS = ("engine", "strict")
 NVFP4_OPS = ("linear", "norm", "act", "moe", "rope", "attention")
 RECIPES = ("engine", "strict", "nvfp4-dynamic-tensor", "nvfp4-static", "nvfp4-per-token")
 
-OP_DOC = {
+OP_DOC = {  # the CPU definition (kernels/strict_ops.py)
     "embedding": "row gather of the embedding table (exact everywhere)",
     "norm": "RMSNorm: fp32 tree sum of squares, 1/sqrt, bf16(x*inv) then bf16(w*y); vLLM's fused add = bf16(x+r)",
-    "linear": "x @ W.T: fp32 tree over K from exact bf16 products, rounded once (or the NVFP4 scheme)",
+    "linear": "x @ W.T: CPU BLAS GEMM on rows padded to 16-row blocks, fp32 accumulation, rounded once (or the NVFP4 scheme)",
     "rope": "neox rotary: fp64 angle table -> fp32 cos/sin, fp32 rotation, rounded once",
-    "attention": "causal softmax(q.k*scale) v per query: fp32 trees over D and over keys; vLLM reads K/V from its paged cache",
+    "attention": "causal softmax(q.k*scale) v: fixed-shape [16 q x 64 k] fp32 GEMM blocks, fp32 trees over key blocks; "
+                 "vLLM reads K/V from its paged cache",
     "act": "SiLU-and-mul: bf16(silu_fp32(g)) then bf16(a*u)",
     "moe": "router fp32 softmax, stable top-k, renorm; experts row by row; combine in rank order in fp32",
     "logits": "LM head: the strict linear, bf16 logits",
     "logsoftmax": "fp32: s - log(tree_sum(exp(s))), s = x - max x",
+}
+# CUDA (learner): kernels/strict_triton.py, one fixed Triton configuration per op; where the bits
+# differ from the CPU definition above, it says so.
+OP_DOC_CUDA = {
+    "embedding": "row gather (same bits as CPU)",
+    "norm": "one program per row, tl.sum, HF's roundings (another summation order than CPU: last-place differences)",
+    "linear": "persistent Triton GEMM, 128x128x64 tile, no split-K, K ascending (another accumulation order: bits differ)",
+    "rope": "same fp64-built table, fp32 rotation (may fuse multiply-adds: last-place differences)",
+    "attention": "Triton flash attention, 64x64 blocks, online fp32 softmax, bf16 P (bits differ from CPU)",
+    "act": "fp32 activation with Triton exp/erf (last-place differences)",
+    "moe": "fixed expert order, experts through the CUDA linear (bits differ with the linear)",
+    "logits": "the CUDA linear (bits differ)",
+    "logsoftmax": "per row, fixed 4096-wide chunks in order (another summation order)",
 }
 
 
@@ -116,6 +130,7 @@ class Recipe:
             "align": self.align,
             "linear": self.linear,
             "ops": {op: self.impl(op) for op in OP_KINDS},
+            **({"strict_cpu": OP_DOC, "strict_cuda": OP_DOC_CUDA} if self.strict else {}),
         }
 
 

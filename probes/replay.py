@@ -3,8 +3,9 @@
 The family spec's ``replay_inputs`` say which captured ops feed each replayable op;
 ``hf_replay`` / ``vllm_replay`` run the engine's own module for that op (the module at the spec's
 site; q/k norms, rotary, the activation and the MoE block by their engine's own attributes).
-Attention (needs the whole sequence, and in vLLM its paged KV cache and forward context), the
-residual adds and the embedding are not replayed. Norms that follow a residual add are replayed
+The attention core (``attn.core``) is replayed on whole sequences' prefill rows
+(:mod:`.replay_attention`: HF's attention function, vLLM's attention backend on a private paged
+KV cache). The residual adds and the embedding are not replayed. Norms that follow a residual add are replayed
 with their add (vLLM fuses the two).
 """
 
@@ -40,6 +41,9 @@ def op_inputs(op: str, num_layers: int, available: set[str], model_type: str | N
         return [f"{num_layers - 1}.{r}" for r in spec.final_norm_inputs]
     if kind == "logits":
         return ["final_norm"]
+    if kind == "attn.core":  # whole sequences: the rows after rotary (q, k) and v
+        ins = [f"{layer}.attn.rope_q", f"{layer}.attn.rope_k", f"{layer}.attn.v"]
+        return ins if all(i in available for i in ins) else None
     refs = spec.replay_inputs.get(kind)
     if refs is None:
         return None
@@ -75,7 +79,12 @@ def hf_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
     import torch
 
     layer, kind = split_op(op)
+    if kind == "attn.core":
+        from mismatch_probe.probes.replay_attention import hf_attention
+
+        return hf_attention(model, layer, xs, pos)
     m = model.model
+
     def resid(xs: list[Any]) -> Any:  # HF: hidden = residual + hidden (rounded), then norm
         return xs[1] + xs[0] if len(xs) == 2 else xs[0]
 
@@ -128,6 +137,10 @@ def vllm_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
         return t(mod(xs[0].clone(), xs[1].clone())) if len(xs) == 2 else t(mod(xs[0]))
 
     layer, kind = split_op(op)
+    if kind == "attn.core":
+        from mismatch_probe.probes.replay_attention import vllm_attention
+
+        return vllm_attention(model, layer, xs, pos)
     m = model.model
     with torch.inference_mode():
         if kind == "final_norm":

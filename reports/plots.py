@@ -128,7 +128,8 @@ def drift_chart(ops: pd.DataFrame, first: dict[str, dict[str, Any] | None], loca
     ax.set_yscale("log")
     ax.set_ylabel("error (sampler vs learner)")
     ax.set_title("Where drift starts: op error along depth")
-    styles = {"bitwise": ("#d62728", "--"), "tolerance": ("#9467bd", ":")}
+    styles = {"bitwise": ("#d62728", "--"), "tolerance": ("#9467bd", ":"), "dominant": ("#ff7f0e", "-.")}
+    offsets = {"bitwise": 0, "tolerance": 1, "dominant": 2}
     index = {(r.op, int(r.exec_order)): i for i, r in enumerate(ops.itertuples())}
     by_op = {r.op: i for i, r in enumerate(ops.itertuples())}
     for kind, fd in first.items():
@@ -138,13 +139,13 @@ def drift_chart(ops: pd.DataFrame, first: dict[str, dict[str, Any] | None], loca
         if i is None:
             continue
         for a in axes[:, 0]:
-            a.axvline(i, color=styles[kind][0], ls=styles[kind][1], lw=1.2)
+            a.axvline(i, color=styles.get(kind, styles["bitwise"])[0], ls=styles.get(kind, styles["bitwise"])[1], lw=1.2)
         ax.annotate(
-            f"first divergent ({kind}): {fd.get('op')}",
+            f"dominant divergence: {fd.get('op')}" if kind == "dominant" else f"first divergent ({kind}): {fd.get('op')}",
             (i, ax.get_ylim()[1]),
-            xytext=(4, -12 - 12 * (kind == "tolerance")),
+            xytext=(4, -12 - 12 * offsets.get(kind, 0)),
             textcoords="offset points",
-            color=styles[kind][0],
+            color=styles.get(kind, styles["bitwise"])[0],
             fontsize=8,
         )
     ax.legend(loc="lower right", fontsize=7, ncol=4)

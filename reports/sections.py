@@ -140,7 +140,10 @@ def absent_box(data: RunData) -> str:
 def first_divergent(data: RunData) -> dict[str, dict[str, Any] | None]:
     if data.bisect is not None:
         fd = data.bisect.get("first_divergent") or {}
-        return {"bitwise": fd.get("bitwise"), "tolerance": fd.get("tolerance")}
+        out = {"bitwise": fd.get("bitwise"), "tolerance": fd.get("tolerance")}
+        if "dominant" in fd:  # bisect.json from before the dominant divergence have no such key
+            out["dominant"] = fd.get("dominant")
+        return out
     ops = data.op_errors
     if ops is None:
         return {}
@@ -162,7 +165,8 @@ def drift(data: RunData) -> str:
     fd = first_divergent(data)
     local = (data.bisect or {}).get("local_errors") or None
     src = "bisect.json" if data.bisect is not None else "op_errors.parquet (first op not bitwise equal)"
-    lines = "".join(f"<li>first divergent op, {k}: <b>{esc(_fd_text(v))}</b></li>" for k, v in fd.items())
+    label = {"dominant": "dominant divergence (first op where most rows differ)"}
+    lines = "".join(f"<li>{label.get(k, f'first divergent op, {k}')}: <b>{esc(_fd_text(v))}</b></li>" for k, v in fd.items())
     cap = "Per-op error of sampler vs learner on the same tokens, in execution order; zeros drawn at the floor."
     if not local:
         why = "bisect.json has no local_errors" if data.bisect is not None else "no bisect.json (run `mismatch-probe bisect`)"

@@ -3,7 +3,7 @@
 No configuration depends on the number of rows (tokens), the batch or the padding, so a row's bits
 never depend on which micro-batch it sits in. This is the strict definition on CUDA; it is a
 different function from the CPU definition (:mod:`.ops`), so CPU and GPU bits differ (per
-op below). ``RECIPE_GPU_NOTES`` is what the recipe's description records.
+op below; the recipe's description records it: ``recipes.OP_DOC_CUDA``).
 
 * :func:`linear`: persistent GEMM ``x @ w.T (+ b)``, fixed tile 128x128x64, 8 warps, no split-K,
   K in ascending order, fp32 accumulation (tensor-core MMA), bias added in fp32, rounded once.
@@ -37,14 +37,6 @@ BM, BN, BK, WARPS, STAGES, GROUP = 128, 128, 64, 8, 3, 8
 ATT_BM, ATT_BN, ATT_WARPS, ATT_STAGES = 64, 64, 4, 2
 LSE_BLOCK = 4096
 
-RECIPE_GPU_NOTES = {
-    "linear": "CUDA: persistent Triton GEMM, fixed 128x128x64 tile, no split-K (CPU: BLAS on fixed row blocks; bits differ)",
-    "attention": "CUDA: Triton flash attention, 64x64 blocks, online softmax, bf16 P (CPU: tree softmax, fp32 P; bits differ)",
-    "norm": "CUDA: one program per row, tl.sum (CPU: pairwise tree; bits may differ in the last place)",
-    "act": "CUDA: Triton exp/tanh (CPU: ATen's vectorized exp/tanh; bits may differ in the last place)",
-    "rope": "CUDA: same fp64-built table, fp32 rotation (may contract to FMA; last-place differences possible)",
-    "logsoftmax": "CUDA: fixed 4096-wide chunks in order (CPU: pairwise tree)",
-}
 
 
 def _sms(dev: torch.device) -> int:

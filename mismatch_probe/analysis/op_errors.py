@@ -103,9 +103,14 @@ def op_errors(learner: pd.DataFrame, sampler: pd.DataFrame, num_layers: int) -> 
     return out.sort_values("exec_order", kind="stable").reset_index(drop=True)
 
 
+DOMINANT_EQUAL_FRAC = 0.5  # "dominant divergence": the first op where most rows differ
+
+
 def first_divergent(errs: pd.DataFrame) -> dict[str, Any]:
-    """First op (execution order) not bitwise equal, and first over its dtype's tolerance, from an
-    op-errors table (the one definition: bisect, gate and the report use it)."""
+    """First op (execution order) not bitwise equal, first over its dtype's tolerance, and the
+    dominant divergence: the first op where most rows (bitwise-equal fraction < 0.5) differ (a
+    first op with a few 1-ulp rows, e.g. GEMM batch variance, is often not where the engines part),
+    from an op-errors table (the one definition: bisect, gate and the report use it)."""
     errs = errs.sort_values("exec_order", kind="stable")
 
     def pick(mask: pd.Series) -> dict[str, Any] | None:
@@ -124,4 +129,6 @@ def first_divergent(errs: pd.DataFrame) -> dict[str, Any]:
 
     tol = errs.dtype.map(lambda d: DEFAULT_RTOL.get(str(d), 1e-2))
     over = errs.rel_l2.notna() & (errs.rel_l2 > tol)
-    return {"bitwise": pick(errs.bitwise_equal_frac < 1.0), "tolerance": pick(over), "tolerances": DEFAULT_RTOL}
+    return {"bitwise": pick(errs.bitwise_equal_frac < 1.0), "tolerance": pick(over),
+            "dominant": pick(errs.bitwise_equal_frac < DOMINANT_EQUAL_FRAC), "dominant_equal_frac": DOMINANT_EQUAL_FRAC,
+            "tolerances": DEFAULT_RTOL}

@@ -23,6 +23,7 @@ def bisect(
     top: int = typer.Option(10, "--top", help="Rows of the local-error table to print."),
     ablation: bool = typer.Option(True, "--ablation/--no-ablation", help="Rank op classes and layers by aligning them."),
     min_share: float = typer.Option(0.05, "--min-share", help="Ablation: split a set only if it removes this share of the gap."),
+    ablation_seqs: int = typer.Option(8, "--ablation-seqs", help="Ablation: score the N largest-gap sequences (0: all)."),
 ) -> None:
     """Find the first op where the engines differ and rank ops by the error they introduce."""
     from mismatch_probe.run.rundir import load_manifest
@@ -51,14 +52,16 @@ def bisect(
                                                "inside one process: bisect runs the sampler with tensor_parallel_size=1"}
             if replay:
                 with console.status("input substitution: each engine's op on the other's captured input"):
-                    rows, skipped = local_errors(cfg, learner_ops, read_ops(run, "sampler"), engines, max_rows)
+                    rows, skipped, failures = local_errors(cfg, learner_ops, read_ops(run, "sampler"), engines, max_rows)
                 result["local_errors"], result["not_replayed"] = rows, skipped
+                if failures:
+                    result["replay_failures"] = failures
             if fd0 is not None and not engine_run:
                 reason = _nvfp4_reason(cfg, fd0["op"], learner_ops, engines)
                 if reason is not None:
                     result["first_divergent"]["reason"] = reason
             if ablation:
-                result.update(_ablation(run, cfg, engines, min_share))
+                result.update(_ablation(run, cfg, engines, min_share, ablation_seqs))
     atomic_write_json(run / "bisect.json", result)
 
     fd = result["first_divergent"]
@@ -70,6 +73,9 @@ def bisect(
     b_detail = f"equal rows {b['bitwise_equal_frac']:.1%}" if b else "all ops equal"
     tol_detail = f"rel L2 {_f(tol['rel_l2'])} ({tol['dtype']})" if tol else "-"
     t.add_row("first not bitwise equal", b["op"] if b else "none", b_detail)
+    dom = fd.get("dominant")
+    dom_detail = f"equal rows {dom['bitwise_equal_frac']:.1%} (first op where most rows differ)" if dom else "-"
+    t.add_row("dominant divergence", dom["op"] if dom else "none", dom_detail)
     t.add_row("first over tolerance", tol["op"] if tol else "none", tol_detail)
     if "reason" in fd:
         r = fd["reason"]
@@ -96,7 +102,9 @@ def bisect(
     console.print(f"written {run / 'bisect.json'}")
 
 
-def _ablation(run: Path, cfg: dict, engines: object, min_share: float) -> dict:
+def _ablation(run: Path, cfg: dict, engines: object, min_share: float, n_seqs: int) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from mismatch_probe.kernels.recipes import OP_KINDS
     from mismatch_probe.run.schema import read_table
     from mismatch_probe.steps.ablation import run_ablation
@@ -106,10 +114,14 @@ def _ablation(run: Path, cfg: dict, engines: object, min_share: float) -> dict:
 
     spec = families().get(cfg.get("model_type", ""))
     moe = spec.moe if spec else cfg.get("model_type") == "qwen3_moe"
+    picked = _gap_sequences(run, seqs["seq_id"], n_seqs)
     kinds = [k for k in OP_KINDS if moe or k != "moe"]
-    with console.status("ablation: aligning op classes, then layers"):
-        res = run_ablation(engines, seqs["token_ids"], seqs["n_prompt"], kinds, int(cfg.get("num_layers", 0)), min_share)
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*cols, console=console, transient=False) as progress:
+        res = run_ablation(engines, [seqs["token_ids"][i] for i in picked], [seqs["n_prompt"][i] for i in picked], kinds,
+                           int(cfg.get("num_layers", 0)), min_share, progress=progress)
     return {
+        "ablation_seq_ids": [int(seqs["seq_id"][i]) for i in picked],
         "ablation": res["ranking"],
         "ablation_note": res["metric"],
         "ablation_passes": res["n_passes"],
@@ -117,6 +129,25 @@ def _ablation(run: Path, cfg: dict, engines: object, min_share: float) -> dict:
         "gap_engine": res["gap_engine"],
         "gap_all_aligned": res["gap_all_aligned"],
     }
+
+
+def _gap_sequences(run: Path, seq_ids: list[int], n: int) -> list[int]:
+    """Indices (into ``seq_ids``) of the ``n`` sequences with the largest mean |dlogp| over
+    response tokens, learner vs sampler prefill, from the run's tokens (all when n <= 0 or the
+    tokens are missing): the ablation scores only these."""
+    import pandas as pd
+
+    if n <= 0 or n >= len(seq_ids):
+        return list(range(len(seq_ids)))
+    try:
+        lt = pd.read_parquet(run / "learner/tokens.parquet", columns=["seq_id", "pos", "is_response", "logprob", "source"])
+        st = pd.read_parquet(run / "sampler/tokens.parquet", columns=["seq_id", "pos", "is_response", "logprob", "source"])
+    except (OSError, ValueError, KeyError):
+        return list(range(len(seq_ids)))
+    j = lt[lt.is_response].merge(st[st.is_response & (st.source == "prefill")], on=["seq_id", "pos"], suffixes=("_l", "_s"))
+    gap = (j.logprob_l - j.logprob_s).abs().groupby(j.seq_id).mean()
+    order = sorted(range(len(seq_ids)), key=lambda i: (-float(gap.get(seq_ids[i], 0.0)), i))
+    return sorted(order[:n])
 
 
 def _nvfp4_reason(cfg: dict, op: str, learner: object, engines: object) -> dict | None:

@@ -38,8 +38,13 @@ def bisect_sets(items: Sequence[Any], share: Callable[[frozenset[Any]], float], 
 
 
 def run_ablation(engines: Any, seqs: list[list[int]], n_prompt: list[int], kinds: Sequence[str],
-                 num_layers: int, min_frac: float = 0.05, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Rank op classes, then the layers of the top class, by their share of the gap."""
+                 num_layers: int, min_frac: float = 0.05, progress: Any = None) -> dict[str, Any]:
+    """Rank op classes, then the layers of the top class, by their share of the gap.
+
+    ``engines`` stay loaded for every pass (the plugin and the learner's recipe switch op sets in
+    place); ``seqs`` are the sequences to score (the caller picks the ones that carry the gap).
+    ``progress``: a ``rich.progress.Progress``; each pass gets a bar named by its op set, advanced
+    after the sampler and after the learner scored."""
     from mismatch_probe.probes.vllm import plugin as vllm_plugin
 
     mask = np.concatenate([np.arange(1, len(s)) >= n for s, n in zip(seqs, n_prompt, strict=True)])
@@ -47,17 +52,24 @@ def run_ablation(engines: Any, seqs: list[list[int]], n_prompt: list[int], kinds
     passes: list[dict[str, Any]] = []
 
     def gap(ops: frozenset[str], layers: frozenset[int] | None) -> float:
+        where = "" if layers is None else f" @ layers {sorted(layers)}"
+        desc = f"pass {len(passes) + 1}: {', '.join(sorted(ops)) or 'engine (none aligned)'}{where}"
+        task = None if progress is None else progress.add_task(desc, total=2)
         vllm_plugin.activate("strict", ops=sorted(ops), layers=None if layers is None else sorted(layers))
         try:
             ls = np.concatenate(sampler.score(seqs))
+            if task is not None:
+                progress.advance(task)
             with learner.recipe_applied("strict", ops=sorted(ops), layers=None if layers is None else sorted(layers)):
                 ll = np.concatenate(learner.score(seqs))
+            if task is not None:
+                progress.advance(task)
         finally:
             vllm_plugin.activate("strict", ops=[])
         g = float(np.abs(ll - ls)[mask].mean()) if mask.any() else 0.0
         passes.append({"ops": sorted(ops), "layers": None if layers is None else sorted(layers), "gap": g})
-        if progress is not None:
-            progress(f"ablation pass {len(passes)}: {sorted(ops)} -> {g:.3e}")
+        if task is not None:
+            progress.update(task, description=f"{desc} -> gap {g:.3e}")
         return g
 
     base = gap(frozenset(), None)

@@ -44,8 +44,9 @@ def _f64(t: Any) -> np.ndarray:
 
 
 def local_errors(cfg: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFrame, engines: Any,
-                 max_rows: int = 256) -> tuple[list[dict[str, Any]], list[str]]:
-    """Input substitution for every replayable op both sides captured in ``full`` mode.
+                 max_rows: int = 256) -> tuple[list[dict[str, Any]], list[str], dict[str, str]]:
+    """Input substitution for every replayable op both sides captured in ``full`` mode. Returns
+    the rows, the ops not replayed, and why a replay failed (op -> error) where one did.
 
     ``engines`` is a loaded :class:`Engines` (the sampler's and the learner's modules)."""
     import torch
@@ -59,6 +60,7 @@ def local_errors(cfg: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFra
     keys_s = full_s.groupby("op")[["seq_id", "pos"]].apply(lambda g: set(zip(g.seq_id, g.pos)))
     jobs: list[tuple[str, list[str], list[tuple[int, int]]]] = []
     skipped: list[str] = []
+    failures: dict[str, str] = {}
     available = set(keys_l.index) & set(keys_s.index)
     for op in sorted(available, key=lambda o: exec_order(o, n_layers)):
         ins = op_inputs(op, n_layers, available, cfg.get("model_type"))
@@ -66,14 +68,23 @@ def local_errors(cfg: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFra
             skipped.append(op)
             continue
         common = set.intersection(keys_l[op], keys_s[op], *(keys_l[i] for i in ins), *(keys_s[i] for i in ins))
-        jobs.append((op, ins, sorted(common)[:max_rows]))
+        keys = _whole_sequences(common, max_rows) if op.endswith("attn.core") else sorted(common)[:max_rows]
+        if keys:
+            jobs.append((op, ins, keys))
+        else:
+            skipped.append(op)
     rows = []
     for op, ins, keys in jobs:
         pos = torch.tensor([p for _, p in keys], dtype=torch.long)
         l_in, s_in = [_tensors(full_l, i, keys) for i in ins], [_tensors(full_s, i, keys) for i in ins]
         lo, so = _tensors(full_l, op, keys), _tensors(full_s, op, keys)
-        si = engines.sampler.llm.apply_model(lambda model, op=op, xs=l_in, p=pos: vllm_replay(model, op, xs, p))[0]
-        li = hf_replay(engines.learner.model, op, s_in, pos)
+        try:
+            si = engines.sampler.llm.apply_model(lambda model, op=op, xs=l_in, p=pos: vllm_replay(model, op, xs, p))[0]
+            li = hf_replay(engines.learner.model, op, s_in, pos)
+        except Exception as e:  # noqa: BLE001 - an engine that cannot replay this op: say so, go on
+            skipped.append(op)
+            failures[op] = f"{type(e).__name__}: {e}"[:300]
+            continue
         layer, kind = split_op(op)
         rows.append(
             {
@@ -90,7 +101,23 @@ def local_errors(cfg: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFra
             }
         )
     rows.sort(key=lambda r: (-(r["local_error"] if not math.isnan(r["local_error"]) else -1), r["exec_order"]))
-    return rows, skipped
+    return rows, skipped, failures
+
+
+def _whole_sequences(keys: set[tuple[int, int]], max_rows: int) -> list[tuple[int, int]]:
+    """Attention replay needs whole prefill sequences: the (seq, pos) keys of the sequences whose
+    positions 0..T-1 are all in ``keys``, in order, as many as fit in ``max_rows`` (at least one)."""
+    by_seq: dict[int, set[int]] = {}
+    for sq, p in keys:
+        by_seq.setdefault(int(sq), set()).add(int(p))
+    out: list[tuple[int, int]] = []
+    for sq in sorted(by_seq):
+        ps = by_seq[sq]
+        t = max(ps) + 1
+        if len(ps) != t or (out and len(out) + t > max_rows):
+            continue
+        out += [(sq, p) for p in range(t)]
+    return out
 
 
 class Engines:

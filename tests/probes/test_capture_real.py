@@ -68,7 +68,15 @@ def test_first_divergent_op_confirmed_by_calling_both_engines_directly(real_run_
     assert fd["op"] == "0.attn.rope_q", proc.stdout
     # top contributors: local errors (rope and the fused add+norm introduce error on equal inputs)
     top_kinds = {r["kind"] for r in bis["local_errors"][:12]}
-    assert top_kinds <= {"attn.rope_q", "attn.rope_k", "input_norm", "post_attn_norm", "final_norm"}, top_kinds
+    assert top_kinds <= {"attn.rope_q", "attn.rope_k", "attn.core", "input_norm", "post_attn_norm", "final_norm"}, top_kinds
+    # the attention core is replayed (whole prefill sequences, each engine's own attention)
+    core = [r for r in bis["local_errors"] if r["kind"] == "attn.core"]
+    assert len(core) == 4 and all(r["n_rows"] > 0 and r["local_error"] >= 0 for r in core), core
+    assert not any(o.endswith("attn.core") for o in bis["not_replayed"])
+    # the dominant divergence (first op where most rows differ) is named in bisect.json and the CLI table
+    dom = bis["first_divergent"]["dominant"]
+    assert dom is not None and dom["bitwise_equal_frac"] < 0.5 and dom["exec_order"] >= fd["exec_order"]
+    assert "dominant divergence" in proc.stdout
     assert all(r["local_error"] == 0 for r in bis["local_errors"] if r["kind"] in ("attn.q", "attn.k", "mlp.down"))
     # ablation: aligning everything closes the gap exactly; rope leads the op classes
     assert bis["gap_engine"] > 0 and bis["gap_all_aligned"] == 0.0
