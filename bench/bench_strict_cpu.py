@@ -110,6 +110,12 @@ def main() -> None:
         res["bisect_top_local"] = b["local_errors"][0]["op"] if b.get("local_errors") else None
         res["bisect_ablation"] = [r["group"] for r in b.get("ablation", [])][:3]
         res["bisect_dominant"] = (b["first_divergent"].get("dominant") or {}).get("op")
+        res["bisect_first_bitwise"] = (b["first_divergent"].get("bitwise") or {}).get("op")
+        core = [r for r in b.get("local_errors", []) if r["kind"] == "attn.core"]
+        res["attn_core_local_error"] = {r["op"]: r["local_error"] for r in core}
+        res["attn_core_reverse_local_error"] = {r["op"]: r["reverse_local_error"] for r in core}
+        res["bisect_top3_local"] = [(r["op"], r["local_error"]) for r in b.get("local_errors", [])[:3]]
+        res["ablation_passes"] = b.get("ablation_passes")
     meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "workdir": str(work)}
     if args.json:
@@ -122,8 +128,11 @@ def main() -> None:
           f"{res['strict_s'] / res['engine_s']:.2f}x | {max(res['strict_pairs_max'].values()):.1e} | "
           f"{res['strict_ops_not_equal']}/{res['strict_ops']} |")
     if "bisect_s" in res:
+        core = res["attn_core_local_error"]
+        span = f"{min(core.values()):.2e}..{max(core.values()):.2e} over {len(core)} layers" if core else "not replayed"
         print(f"bisect (planted {PLANT}.post_attn_norm): {res['bisect_s']:.1f} s; top local error {res['bisect_top_local']}; "
-              f"ablation {res['bisect_ablation']}; dominant divergence {res['bisect_dominant']}")
+              f"ablation {res['bisect_ablation']} ({res['ablation_passes']} passes); first not bitwise equal "
+              f"{res['bisect_first_bitwise']}; dominant divergence {res['bisect_dominant']}; attn.core local error {span}")
 
 
 if __name__ == "__main__":

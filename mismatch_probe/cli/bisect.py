@@ -23,7 +23,7 @@ def bisect(
     top: int = typer.Option(10, "--top", help="Rows of the local-error table to print."),
     ablation: bool = typer.Option(True, "--ablation/--no-ablation", help="Rank op classes and layers by aligning them."),
     min_share: float = typer.Option(0.05, "--min-share", help="Ablation: split a set only if it removes this share of the gap."),
-    ablation_seqs: int = typer.Option(8, "--ablation-seqs", help="Ablation: score the N largest-gap sequences (0: all)."),
+    ablation_seqs: int = typer.Option(16, "--ablation-seqs", help="Ablation: score the N largest-gap sequences (0: all)."),
 ) -> None:
     """Find the first op where the engines differ and rank ops by the error they introduce."""
     from mismatch_probe.run.rundir import load_manifest
@@ -132,22 +132,24 @@ def _ablation(run: Path, cfg: dict, engines: object, min_share: float, n_seqs: i
 
 
 def _gap_sequences(run: Path, seq_ids: list[int], n: int) -> list[int]:
-    """Indices (into ``seq_ids``) of the ``n`` sequences with the largest mean |dlogp| over
-    response tokens, learner vs sampler prefill, from the run's tokens (all when n <= 0 or the
-    tokens are missing): the ablation scores only these."""
+    """Indices (into ``seq_ids``) of the sequences the ablation scores: those with a nonzero gap
+    (mean |dlogp| over response tokens, learner vs sampler prefill, from the run's tokens), the
+    ``n`` largest (n <= 0: all of them). All sequences when the tokens are missing or none differs."""
     import pandas as pd
 
-    if n <= 0 or n >= len(seq_ids):
-        return list(range(len(seq_ids)))
+    every = list(range(len(seq_ids)))
+    cols = ["seq_id", "pos", "is_response", "logprob", "source"]
     try:
-        lt = pd.read_parquet(run / "learner/tokens.parquet", columns=["seq_id", "pos", "is_response", "logprob", "source"])
-        st = pd.read_parquet(run / "sampler/tokens.parquet", columns=["seq_id", "pos", "is_response", "logprob", "source"])
+        lt = pd.read_parquet(run / "learner/tokens.parquet", columns=cols)
+        st = pd.read_parquet(run / "sampler/tokens.parquet", columns=cols)
     except (OSError, ValueError, KeyError):
-        return list(range(len(seq_ids)))
+        return every
     j = lt[lt.is_response].merge(st[st.is_response & (st.source == "prefill")], on=["seq_id", "pos"], suffixes=("_l", "_s"))
     gap = (j.logprob_l - j.logprob_s).abs().groupby(j.seq_id).mean()
-    order = sorted(range(len(seq_ids)), key=lambda i: (-float(gap.get(seq_ids[i], 0.0)), i))
-    return sorted(order[:n])
+    differ = sorted((i for i in every if float(gap.get(seq_ids[i], 0.0)) > 0), key=lambda i: (-float(gap[seq_ids[i]]), i))
+    if not differ:
+        return every
+    return sorted(differ[:n] if n > 0 else differ)
 
 
 def _nvfp4_reason(cfg: dict, op: str, learner: object, engines: object) -> dict | None:

@@ -4,7 +4,8 @@ Switch the strict (aligned, identical in both engines) implementation on for a *
 classes in both engines at once, re-score the run's sequences, and measure the remaining gap
 (mean |dlogp| over response tokens, learner vs sampler prefill). The share of a set is the gap it
 removes. Sets are bisected (delta debugging): a set is split only while it removes a noticeable
-part of the gap, so k relevant classes among n cost O(k log n) passes, not n.
+part of the gap, so k relevant classes among n cost O(k log n) passes, not n; where neither half
+of a set removes a noticeable part but the set does, its members are tried one by one.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ def bisect_sets(items: Sequence[Any], share: Callable[[frozenset[Any]], float], 
             found.append({"group": group[0], "share": s})
             return
         mid = len(group) // 2
-        for half in (group[:mid], group[mid:]):
-            sh = share(frozenset(half))
+        halves = [(half, share(frozenset(half))) for half in (group[:mid], group[mid:])]
+        if len(group) > 2 and all(sh < min_share for _, sh in halves):
+            # contributions that only show together (aligning half of them moves the gap less than
+            # the threshold): look at the members one by one (a finer granularity, as ddmin does)
+            halves = [([item], share(frozenset([item]))) for item in group]
+        for half, sh in halves:
             if sh >= min_share:
                 visit(half, sh)
 
@@ -51,7 +56,13 @@ def run_ablation(engines: Any, seqs: list[list[int]], n_prompt: list[int], kinds
     learner, sampler = engines.learner, engines.sampler
     passes: list[dict[str, Any]] = []
 
+    seen: dict[tuple[frozenset[str], frozenset[int] | None], float] = {}
+
     def gap(ops: frozenset[str], layers: frozenset[int] | None) -> float:
+        if layers is not None and layers == frozenset(range(num_layers)):
+            layers = None  # every layer: the class-level pass
+        if (ops, layers) in seen:  # e.g. the whole set: the all-aligned pass is also the search's root
+            return seen[(ops, layers)]
         where = "" if layers is None else f" @ layers {sorted(layers)}"
         desc = f"pass {len(passes) + 1}: {', '.join(sorted(ops)) or 'engine (none aligned)'}{where}"
         task = None if progress is None else progress.add_task(desc, total=2)
@@ -68,6 +79,7 @@ def run_ablation(engines: Any, seqs: list[list[int]], n_prompt: list[int], kinds
             vllm_plugin.activate("strict", ops=[])
         g = float(np.abs(ll - ls)[mask].mean()) if mask.any() else 0.0
         passes.append({"ops": sorted(ops), "layers": None if layers is None else sorted(layers), "gap": g})
+        seen[(ops, layers)] = g
         if task is not None:
             progress.update(task, description=f"{desc} -> gap {g:.3e}")
         return g
