@@ -1,4 +1,4 @@
-"""GPU-only: the strict CUDA kernels (kernels/strict_triton.py) are batch invariant, bitwise.
+"""GPU-only: the strict CUDA kernels (kernels/strict/triton_ops.py) are batch invariant, bitwise.
 
 Skipped on CPU machines (CI); run on the H200 with the final bench call (BENCHMARKS.md).
 """
@@ -14,7 +14,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 def test_strict_cuda_linear_norm_act_logsoftmax_rows_invariant() -> None:
-    from mismatch_probe.kernels import strict_ops as so
+    from mismatch_probe.kernels.strict import ops as so
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(1000, 512, device="cuda", generator=g) * 0.05).bfloat16()
@@ -40,7 +40,7 @@ def test_strict_cuda_linear_norm_act_logsoftmax_rows_invariant() -> None:
 @needs_cuda
 @pytest.mark.parametrize("window", [None, 100])
 def test_strict_cuda_attention_padding_and_decode_bitwise(window: int | None) -> None:
-    from mismatch_probe.kernels import strict_ops as so
+    from mismatch_probe.kernels.strict import ops as so
 
     g = torch.Generator(device="cuda").manual_seed(1)
     b, t, hq, hkv, d = 3, 300, 8, 2, 128
