@@ -241,7 +241,8 @@ def test_patch_under_fsdp2_bitwise_equals_plain_model_and_undoes(tmp_path: Path)
         (["--recipe", "fp8"], "unknown recipe 'fp8'"),
         (["--sampler-recipe", "nvfp4"], "unknown recipe 'nvfp4'"),
         (["--align", "loose"], "--align must be one of"),
-        (["--learner", "fsdp", "--align", "strict"], "--learner fsdp does not take a recipe yet"),
+        # --learner fsdp takes recipes now (tests/cli/test_fsdp_recipes_cli.py); what it refuses is --topk
+        (["--learner", "fsdp", "--align", "strict", "--topk", "5"], "--topk needs --learner hf"),
     ],
 )
 def test_bad_recipe_flags_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
