@@ -11,58 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-import traceback
-from typing import Any
 
 import torch
 import triton
 
-ROWS: list[dict[str, Any]] = []
-NOTES: list[str] = []
-
-
-GRAPH = {"on": True}
-
-
-def bench(fn, rep: int = 100) -> float:  # noqa: ANN001
-    if GRAPH["on"]:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
-    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
-
-
-def rec(name: str, fn, **meta) -> float | None:  # noqa: ANN001
-    try:
-        ms = bench(fn)
-    except Exception as e:
-        ROWS.append({"name": name, "ms": None, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        print(f"[probe] {name}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
-        return None
-    ROWS.append({"name": name, "ms": ms, **meta})
-    print(f"[probe] {name}: {ms * 1e3:.1f} us {meta}", flush=True)
-    return ms
-
-
-def note(s: str) -> None:
-    NOTES.append(s)
-    print(f"[note] {s}", flush=True)
-
-
-def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
-
-
-def section(fn):  # noqa: ANN001, ANN201
-    def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        t0 = time.time()
-        try:
-            fn(*a, **k)
-        except Exception:
-            note(f"SECTION {fn.__name__} CRASHED: {traceback.format_exc()[-1500:]}")
-        print(f"[probe] section {fn.__name__}: {time.time() - t0:.0f}s", flush=True)
-
-    return run
+# the timing, recording and section helpers are the one-call bench's (same folder on sys.path)
+from bench_kernels import GRAPH, NOTES, ROWS, eq, note, rec, section  # noqa: E402, F401
 
 
 @section
