@@ -132,3 +132,32 @@ def first_divergent(errs: pd.DataFrame) -> dict[str, Any]:
     return {"bitwise": pick(errs.bitwise_equal_frac < 1.0), "tolerance": pick(over),
             "dominant": pick(errs.bitwise_equal_frac < DOMINANT_EQUAL_FRAC), "dominant_equal_frac": DOMINANT_EQUAL_FRAC,
             "tolerances": DEFAULT_RTOL}
+
+
+BY_KIND_COLUMNS = ["kind", "n_ops", "n_rows", "bitwise_equal_frac", "rel_l2_first", "rel_l2_median", "rel_l2_max",
+                   "max_abs_diff", "max_ulp"]
+
+
+def by_kind(errs: pd.DataFrame) -> pd.DataFrame:
+    """The op-errors table summarized per op kind (``attn.o`` over all layers; ``embed``, ``logits``
+    alone), in execution order: ops, rows, bitwise-equal fraction over all rows, relative L2 at the
+    kind's first layer, its median and max over layers (NaN where no side kept values), max abs diff
+    and max ULP distance."""
+    if errs.empty:
+        return pd.DataFrame(columns=BY_KIND_COLUMNS)
+    errs = errs.sort_values("exec_order", kind="stable")
+    rows = []
+    for kind, g in errs.groupby("kind", sort=False):
+        rel = g.rel_l2.dropna()
+        rows.append({
+            "kind": kind,
+            "n_ops": len(g),
+            "n_rows": int(g.n_rows.sum()),
+            "bitwise_equal_frac": float((g.bitwise_equal_frac * g.n_rows).sum() / g.n_rows.sum()),
+            "rel_l2_first": float(g.rel_l2.iloc[0]) if not pd.isna(g.rel_l2.iloc[0]) else math.nan,
+            "rel_l2_median": float(rel.median()) if len(rel) else math.nan,
+            "rel_l2_max": float(rel.max()) if len(rel) else math.nan,
+            "max_abs_diff": float(g.max_abs_diff.max()) if g.max_abs_diff.notna().any() else math.nan,
+            "max_ulp": float(g.max_ulp.max()) if g.max_ulp.notna().any() else math.nan,
+        })
+    return pd.DataFrame(rows, columns=BY_KIND_COLUMNS)

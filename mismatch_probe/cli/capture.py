@@ -154,12 +154,16 @@ def diff(
     a: str = typer.Argument(..., help="Reference: a capture dir, or RUN:learner / RUN:sampler."),
     b: str = typer.Argument(..., help="The other side, same forms."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Folder for op_errors.parquet and summary.json."),
+    by_kind: bool = typer.Option(
+        False, "--by-kind", help="Also print the per-op errors summarized per op kind (all layers of attn.o, ...)."
+    ),
 ) -> None:
     """Compare two captures of the same sequences: token logprob gap and per-op errors."""
     import numpy as np
     import pyarrow as pa
 
     from mismatch_probe.analysis.metrics import logprob_gap
+    from mismatch_probe.analysis.op_errors import by_kind as kind_summary
     from mismatch_probe.analysis.op_errors import op_errors
     from mismatch_probe.run.rundir import load_manifest
     from mismatch_probe.run.schema import atomic_write_json, read_table, write_table
@@ -183,6 +187,9 @@ def diff(
         n_layers = int(load_manifest(pa_)["config"].get("num_layers", 10_000))
         errs = op_errors(oa, ob, n_layers)
         summary["first_divergent"] = first_divergent(errs)
+        kinds = kind_summary(errs)
+        summary["by_kind"] = [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
+                              for r in kinds.to_dict("records")]
     t = Table(title=f"diff {a} vs {b}")
     t.add_column("check")
     t.add_column("value", justify="right")
@@ -194,8 +201,26 @@ def diff(
         t.add_row("ops compared", str(len(errs)))
         t.add_row("first op not bitwise equal", fd["op"] if fd else "none (all equal)")
     console.print(t)
+    if by_kind and errs is not None:
+        console.print(_kind_table(kinds, f"per op kind ({a} is the reference)"))
     if out is not None:
         atomic_write_json(out / "summary.json", summary)
         if errs is not None:
             write_table(out / "op_errors.parquet", pa.Table.from_pandas(errs, preserve_index=False), "op_errors")
         console.print(f"written {out}")
+
+
+def _kind_table(kinds: Any, title: str) -> Table:
+    """``analysis.op_errors.by_kind``'s rows as a Rich table (rel L2: the kind's first layer, median, max)."""
+    t = Table(title=title)
+    t.add_column("op kind", no_wrap=True)
+    for col in ("ops", "rows", "bitwise equal", "rel L2 first", "rel L2 median", "rel L2 max", "max |diff|"):
+        t.add_column(col, justify="right")
+
+    def e(v: float) -> str:
+        return "-" if v != v else ("0" if v == 0 else f"{v:.2e}")
+
+    for r in kinds.itertuples():
+        t.add_row(r.kind, str(r.n_ops), str(r.n_rows), f"{r.bitwise_equal_frac:.3f}", e(r.rel_l2_first),
+                  e(r.rel_l2_median), e(r.rel_l2_max), e(r.max_abs_diff))
+    return t

