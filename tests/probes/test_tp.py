@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.nn.functional as F
 from mp_testlib import cli, load_json
 
 from mismatch_probe.errors import UsageError
@@ -133,6 +134,23 @@ def test_tp2_engine_mode_qwen3_capture_rows_are_the_tp1_rows(real_run_qwen3: Pat
     s2, s1 = pq.read_table(cap / "vllm/ops.parquet").to_pandas(), _ops(real_run_qwen3, "sampler")
     _check_tp2_rows_are_tp1_rows(s2, s1, f"{real_run_qwen3}:sampler", cap, tmp_path / "diff")
     assert load_json(cap / "manifest.json")["engines"]["sampler"]["tensor_parallel_size"] == 2
+    # why TP = 2 differs from layer 0's attn.o on (README): vLLM's row-parallel o_proj rounds each rank's
+    # partial over its half of K to bf16, then the all-reduce adds them; TP = 1 is one GEMM over all of K
+    from safetensors.torch import load_file
+
+    model_dir = Path(load_json(real_run_qwen3 / "manifest.json")["config"]["model_dir"])
+    w = load_file(str(model_dir / "model.safetensors"))["model.layers.0.self_attn.o_proj.weight"]
+
+    def rows(ops, op: str) -> torch.Tensor:
+        r = ops[(ops["op"] == op) & ops["values"].notna()].sort_values(["seq_id", "pos"])
+        return torch.stack([torch.frombuffer(bytearray(v), dtype=torch.bfloat16) for v in r["values"]])
+
+    x, x2 = rows(s1, "0.attn.core"), rows(s2, "0.attn.core")
+    assert torch.equal(x, x2) and len(x) > 0
+    k = w.shape[1] // 2
+    halves = F.linear(x[:, :k], w[:, :k]) + F.linear(x[:, k:], w[:, k:])  # each bf16, then added
+    assert torch.equal(rows(s2, "0.attn.o"), halves) and torch.equal(rows(s1, "0.attn.o"), F.linear(x, w))
+    assert not torch.equal(halves, F.linear(x, w))
 
 
 @pytest.mark.vllm
