@@ -9,8 +9,10 @@
 3. ``linear``: N = K = 8192, M = 1, 16, 64, 8192: cuBLAS bf16, FP8 ``torch._scaled_mm`` (per-tensor
    scales), the tensor-core NVFP4 GEMM (auto path, A pre-quantized), decode-path variants, the
    linear with its per-token quantize; each variant's rows compared with the prefill path's.
-4. ``sweep``: rows identical for M in {1..3, 7..9, ..., 1000, 4096, 8192} at two row offsets, decode and
-   prefill paths, repeated runs (N = K = 8192).
+   The default decode path on CUDA is the native (CUDA C++) kernel when it builds; the Triton
+   decode variants run with ``DECODE_CFG["NATIVE"] = False``.
+4. ``sweep``: rows identical for M in {1..3, 7..9, ..., 1000, 4096, 8192} at two row offsets, decode
+   (native and Triton) and prefill paths, repeated runs (N = K = 8192).
 5. ``moe``: Qwen3-30B-A3B experts (128, top-8, hidden 2048, intermediate 768), 16384 and 64 tokens:
    ``torch._grouped_mm`` bf16 vs the grouped NVFP4 GEMM; grouped == per-expert calls.
 6. ``e2e``: HF forward of a Qwen3-0.6B-shaped model (random weights, built in memory) on 4 x 1024
@@ -98,7 +100,7 @@ def checks() -> None:
 
 @section
 def quantize() -> None:
-    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels import nvfp4_quantize, select_backend
     from mismatch_probe.kernels.nvfp4 import quant_fast as qf
     from mismatch_probe.kernels.nvfp4 import triton_quant as tq
 
@@ -110,6 +112,10 @@ def quantize() -> None:
     qb = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + m * 4
     kw = {"copy_ms": copy, "copy_bytes": cb}
     rec("quantize per-token 1x16 (default kernel)", lambda: nvfp4_quantize(x, per_token=True), bytes=qb, **kw)
+    qf.QF_CFG["NATIVE"] = 0
+    rec("quantize per-token 1x16, Triton kernel", lambda: nvfp4_quantize(x, per_token=True), bytes=qb, **kw)
+    qf.QF_CFG.pop("NATIVE")
+    note(f"quantize backend: {select_backend('quantize')}")
     a1 = torch.tensor([float(x.float().abs().max())], device="cuda")
     rec("quantize per-tensor 1x16, amax given (static)", lambda: nvfp4_quantize(x, amax=a1), bytes=qb, **kw)
     rec("quantize per-token + fp16 GEMM operand (tc_linear's A)", lambda: qf.quantize_rows(x, None, True, emit_op=torch.float16),
@@ -151,12 +157,13 @@ def linear() -> None:
         rec(f"{tag} NVFP4 linear incl. per-token quantize", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub)
         if m <= 64:
             bm = 16 if m <= 16 else 64
-            for name, cfg in (("decode swap (weights on MMA M)", {"SWAP": True, "BN": 64, "BM": bm}),
+            for name, cfg in (("decode Triton (default config)", {}),
+                              ("decode swap (weights on MMA M)", {"SWAP": True, "BN": 64, "BM": bm}),
                               ("decode ns BN32", {"BN": 32, "BM": bm}),
                               ("decode ns BN64 s3", {"BN": 64, "BM": bm, "num_stages": 3}),
                               ("decode ns BN64 cpi2", {"BN": 64, "BM": bm, "CPI": 2}), ("decode no-asm", {"USE_ASM": False})):
                 T.DECODE_CFG.clear()
-                T.DECODE_CFG.update(cfg)
+                T.DECODE_CFG.update(cfg, NATIVE=False)
                 try:
                     ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
                 except Exception as e:
@@ -170,7 +177,8 @@ def linear() -> None:
         rec(f"{tag} cuBLAS bf16, no CUDA graph", lambda: x @ w.t(), m=m)
         rec(f"{tag} NVFP4 linear incl. quantize, no CUDA graph", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub)
         GRAPH["on"] = True
-    note(f"N=K=8192: nseg={tw.nseg}, decode chunk {tw.bkc}; default decode config M=16: {T.decode_config(16)}; "
+    note(f"N=K=8192 records: M=16 {T.kernel_record(16, tw)}; M=8192 {T.kernel_record(8192, tw)}")
+    note(f"N=K=8192: nseg={tw.nseg}, decode chunk {tw.bkc}; Triton decode config M=16: {T.decode_config(16)}; "
          f"prefill: {T.prefill_config(tw.nseg, k // tw.nseg)}")
 
 
@@ -193,10 +201,12 @@ def sweep() -> None:
             if off + m > aq.shape[0]:
                 continue
             sub = type(aq)(aq.codes[off:off + m], aq.scales[off:off + m], aq.amax[off:off + m], True)
-            for p in ("decode", "prefill") if m <= 64 else ("prefill",):
+            for p in ("decode", "decode-triton", "prefill") if m <= 64 else ("prefill",):
                 n_cmp += 1
-                if not eq(T.tc_matmul(sub, tw, path=p), full[off:off + m]):
+                T.DECODE_CFG["NATIVE"] = p != "decode-triton"
+                if not eq(T.tc_matmul(sub, tw, path=p.split("-")[0]), full[off:off + m]):
                     bad.append((m, off, p))
+                T.DECODE_CFG.pop("NATIVE")
             if m <= 64:
                 n_cmp += 1
                 if not eq(T.tc_linear(X[off:off + m], tw), full[off:off + m]):

@@ -2,18 +2,24 @@
 
 Backends:
 
-* ``triton``: the Triton kernels on a CUDA GPU (compute capability >= 8.0: bf16 tensor cores).
+* ``cuda-native``: hand-written CUDA C++ (``csrc/nvfp4_native.cu``, built with nvcc at first use
+  and cached; :mod:`.native`) on sm_89+ GPUs: the decode-path GEMM of ``tc_linear`` (M <= 64,
+  dense weights) and the per-token / given-amax quantizer of bf16 rows. Same bits as the Triton
+  kernels (GPU checks compare them with ``torch.equal``). Optional: without nvcc, on older GPUs,
+  with ``MISMATCH_PROBE_NATIVE=0`` or after a failed build the selection falls back to ``triton``
+  and the record says why (``native_reason``).
+* ``triton``: the Triton kernels on a CUDA GPU (compute capability >= 8.0: bf16 tensor cores);
+  the prefill GEMM, the grouped MoE GEMM, the fused RMSNorm + quantize and the fallbacks.
 * ``triton-interpreter``: the same kernels on CPU tensors through Triton's interpreter (CI).
 * ``torch-reference``: the pure-torch spec (any device; slow; the fallback for other GPUs).
-* ``cutlass``: NOT implemented; selection never returns it. On the H200 (BENCHMARKS.md) the
-  Triton prefill GEMM is within 1.07x of cuBLAS bf16 and the grouped GEMM within 1.17x of
-  ``torch._grouped_mm``, so CUTLASS would only pay for the decode GEMM, where the Triton kernel
-  (register decode of FP4 into mma.sync operands) is 0.8x of cuBLAS bf16 instead of the 2.5x
-  goal: a warp-specialized CUTLASS/Gluon mainloop (producer warps decoding into shared memory
-  while the MMA warps consume) is the route there; not built in this pass.
+
+CUTLASS: not used. On the H200 (BENCHMARKS.md) the Triton prefill and grouped GEMMs already meet
+their goals; the decode GEMM, where a custom kernel was needed, is the hand-written CUDA kernel
+above (CUTLASS's mixed-input mainloops want the scale group to be a multiple of the tile's K, so
+16-wide NVFP4 groups would need a custom collective anyway).
 
 ``tc_linear`` (the recipes' NVFP4 GEMM on CUDA) reports its path as ``decode`` (M <= 64, FP4
-weights streamed and decoded in registers) or ``prefill``; both give identical rows.
+weights streamed and decoded in registers) or ``prefill``; every path gives identical rows.
 """
 
 from __future__ import annotations
@@ -50,7 +56,16 @@ def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> d
         if cc < (8, 0):
             rec.update(backend="torch-reference", reason=f"sm_{cc[0]}{cc[1]} < sm_80: no bf16 tensor cores")
             return rec
-        rec.update(backend="triton", reason=f"sm_{cc[0]}{cc[1]}: Triton kernels (CUTLASS backend not implemented)")
+        rec.update(backend="triton", reason=f"sm_{cc[0]}{cc[1]}: Triton kernels")
+        if kernel in ("quantize", "tc_linear"):
+            from . import native
+
+            native_path = kernel == "quantize" or (m is not None and m <= _decode_max_m())
+            if native_path and native.available():
+                rec.update(backend="cuda-native", reason=f"sm_{cc[0]}{cc[1]}: CUDA C++ kernels (nvfp4_native.cu)",
+                           native=native.status())
+            elif native_path:
+                rec["native_reason"] = native.status()["reason"]
     else:
         rec.update(backend="triton-interpreter", reason="CPU tensors: Triton interpreter (bit-identical, slow)")
     if kernel == "aligned_linear" and m is not None:
@@ -66,3 +81,9 @@ def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> d
 
         rec["path"] = choose_grouped_path(m)
     return rec
+
+
+def _decode_max_m() -> int:
+    from .tc_linear import DECODE_MAX_M
+
+    return DECODE_MAX_M

@@ -123,7 +123,7 @@ class NVFP4Linear:
 
     def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any) -> torch.Tensor:
         from .quant_fast import MAX_K, quantize_rows
-        from .tc_linear import OP_DTYPE, choose, tc_matmul
+        from .tc_linear import OP_DTYPE, choose, tc_matmul, use_native
         from .triton_quant import nvfp4_quantize
 
         tws = self.prepared(w, key)
@@ -135,7 +135,9 @@ class NVFP4Linear:
         else:
             qa = nvfp4_quantize(x2, per_token=self.scheme.per_token, amax=amax)
         ys = [tc_matmul(qa, tw, a_op=op) for tw in tws]  # the activation is quantized once for all shards
-        tag = f"triton:{choose(x2.shape[0], tws[0])}"
+        path = choose(x2.shape[0], tws[0])
+        native = path == "decode" and use_native(tws[0], op if op is not None else x2.new_empty(0, dtype=OP_DTYPE), tws[0].nseg)
+        tag = f"{'cuda-native' if native else 'triton'}:{path}"
         self.paths_used[tag] = self.paths_used.get(tag, 0) + 1
         self._last = (x2.shape[0], tws[0])
         return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]

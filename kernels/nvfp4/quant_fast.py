@@ -159,10 +159,23 @@ def pick_rows(k: int) -> tuple[int, int, int]:
     return r, nb, nw
 
 
+def use_native_quant(x: torch.Tensor, emit_op: torch.dtype | None = None) -> bool:
+    """The native (CUDA C++) quantizer runs this call: bf16 rows, fp16 operand if any, built here."""
+    if INTERPRET or not QF_CFG.get("NATIVE", 1) or emit_op not in (None, torch.float16) or not x.is_cuda:
+        return False
+    from . import native
+
+    return native.quant_ok(x)
+
+
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
                   emit_op: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """The fast kernel: (codes, scales, amax, op or None). ``amax`` None computes it per row
     (``per_token`` must be True). x: contiguous [rows, K] bf16/fp16/fp32 with K <= MAX_K."""
+    if use_native_quant(x, emit_op):
+        from . import native
+
+        return native.quantize_rows(x, amax, per_token, emit_op)
     rows, k = x.shape
     dev = x.device
     codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=dev)

@@ -67,6 +67,8 @@ class TCWeight:
     nseg: int
     grouped: bool
     _op: torch.Tensor | None = field(default=None, repr=False)
+    native: bool | None = field(default=None, repr=False)  # native decode usable (None: not decided yet)
+    native_w: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
@@ -194,6 +196,14 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
     if p == "decode":
         cfg = decode_config(m) if bm is None else {**decode_config(m, grouped=True), "BM": bm}
         part = torch.empty(nseg, m, n, dtype=torch.float32, device=dev) if nseg > 1 else a_amax
+        if use_native(w, a_op, nseg):
+            from . import native
+
+            native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part)
+            if nseg > 1:
+                launch(reduce_kernel, (triton.cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16),
+                       m, n, nseg, 1024, w.per_row, False, num_warps=4)
+            return out
         n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
         args = (w.dec, w.dsc, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
                 m, n, k, cfg["BN"], cfg["BM"], w.bkc, nseg)
@@ -218,6 +228,16 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
            cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:
+    """The native (CUDA C++) decode GEMM runs this call: built and usable here, dense weight with
+    K % 128 == 0, no NaN-flagged weight scale, fp16 operand, the weight's own K segments."""
+    if INTERPRET or not DECODE_CFG.get("NATIVE", True) or w.grouped or nseg != w.nseg or a_op.dtype != torch.float16:
+        return False
+    from . import native
+
+    return native.available() and native.decode_ok(w)
 
 
 def _cpi(cfg: dict[str, Any], chunks: int) -> int:
@@ -288,6 +308,13 @@ def kernel_record(m: int, w: TCWeight, path: str = "auto") -> dict[str, Any]:
     cfg = decode_config(m) if p == "decode" else prefill_config(w.nseg, w.k // w.nseg)
     if p == "decode":
         cfg = {**cfg, "CPI": _cpi(cfg, w.k // w.bkc // w.nseg)}
+        if not INTERPRET and use_native(w, w.codes.new_empty(0, dtype=torch.float16), w.nseg):
+            from . import native
+
+            st = native.status()
+            return {"backend": "cuda-native", "kernel": "nvfp4_native.decode_gemm", "path": p,
+                    "config": {**native.decode_variant(m, w), "NSEG": w.nseg, "KC": 128, "operands": "float16"},
+                    "arch": st.get("arch"), "torch": torch.__version__, "cuda": getattr(torch.version, "cuda", None)}
     return {"backend": "triton-interpreter" if INTERPRET else "triton", "kernel": "gemm_tc", "path": p,
             "config": {**cfg, "NSEG": w.nseg, "BKC": w.bkc, "operands": str(OP_DTYPE).replace("torch.", "")},
             "triton": triton.__version__, "torch": torch.__version__,

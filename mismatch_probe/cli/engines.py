@@ -75,7 +75,23 @@ def engine_report() -> list[dict[str, str | bool]]:
             rows.append({"name": "cuda", "available": False, "version": str(torch.version.cuda), "detail": why})
     except Exception as e:
         rows.append({"name": "cuda", "available": False, "version": "-", "detail": f"torch unavailable: {e}"})
+    rows.append(_native_row())
     return rows
+
+
+def _native_row() -> dict[str, str | bool]:
+    """The optional CUDA C++ NVFP4 backend (built with nvcc at first use): buildable here, or why not."""
+    try:
+        from mismatch_probe.kernels.nvfp4 import native
+
+        st = native.status()
+    except Exception as e:
+        return {"name": "nvfp4 cuda-native", "available": False, "version": "-", "detail": f"{type(e).__name__}: {e}"}
+    ok = st["available"] is not False
+    detail = st["reason"] or "built"
+    if ok:
+        detail += " (else the Triton kernels run)"
+    return {"name": "nvfp4 cuda-native", "available": ok, "version": "-", "detail": f"{detail}"}
 
 
 @app.command("engines")

@@ -1,0 +1,194 @@
+"""The optional native (CUDA C++) backend: ``csrc/nvfp4_native.cu``, built at first use.
+
+Built with ``torch.utils.cpp_extension.load`` (nvcc + ninja on the GPU machine) into a cache
+folder (``$MISMATCH_PROBE_NATIVE_CACHE``, default ``~/.cache/mismatch_probe/native``), once per
+source / torch / GPU-architecture combination. Optional: without CUDA, without nvcc, on a GPU
+older than sm_89 (no hardware E4M3 conversion), with ``MISMATCH_PROBE_NATIVE=0``, or when the
+build fails, :func:`status` says why and the callers keep the Triton kernels.
+
+Kernels (same bits as the Triton paths; the GPU checks compare them with ``torch.equal``):
+
+* ``decode_gemm``: the decode-path GEMM of :mod:`gemm_tc` (M <= 64), weights in the layout of
+  :func:`native_layout` (made once per weight version);
+* ``quantize_rows``: the per-token / given-amax quantizer of :mod:`quant_fast` for bf16 rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .ref import unpack_codes
+
+SRC = Path(__file__).parent / "csrc" / "nvfp4_native.cu"
+MIN_CC = (8, 9)
+NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (M <= 16, see VARIANTS)
+# M <= 16 decode variants: (weight tiles of 8 rows per warp, pipeline stages, 128-wide K chunks per
+# stage); M 17-32: 2 token tiles, M > 32: 4 (both (2, 6 or 4, 2)). M <= 8 reads token rows 0-7 only.
+VARIANTS = {0: (2, 6, 2), 1: (2, 4, 2), 2: (1, 6, 2), 3: (2, 8, 1)}
+DEFAULT_VARIANT = 0
+_STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s": None}
+
+
+def _cache_dir(tag: str) -> Path:
+    root = os.environ.get("MISMATCH_PROBE_NATIVE_CACHE") or str(Path.home() / ".cache" / "mismatch_probe" / "native")
+    return Path(root) / tag
+
+
+def _why_not() -> str | None:
+    if os.environ.get("MISMATCH_PROBE_NATIVE", "1") == "0":
+        return "disabled (MISMATCH_PROBE_NATIVE=0)"
+    from .common import INTERPRET
+
+    if INTERPRET or not torch.cuda.is_available():
+        return "no CUDA device (Triton interpreter mode)"
+    cc = torch.cuda.get_device_capability()
+    if cc < MIN_CC:
+        return f"sm_{cc[0]}{cc[1]} < sm_89 (no hardware E4M3 conversion)"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return "no CUDA toolkit (nvcc) found: set CUDA_HOME to build the native kernels"
+    return None
+
+
+def load() -> Any | None:
+    """The compiled module, building it at the first call; None (see :func:`status`) when absent."""
+    if _STATE["tried"]:
+        return _STATE["mod"]
+    _STATE["tried"] = True
+    why = _why_not()
+    if why is not None:
+        _STATE["reason"] = why
+        return None
+    import time
+
+    from torch.utils.cpp_extension import load as cpp_load
+
+    cc = torch.cuda.get_device_capability()
+    arch = f"{cc[0]}{cc[1]}"
+    src = SRC.read_bytes()
+    tag = hashlib.sha256(src + torch.__version__.encode() + arch.encode()).hexdigest()[:16]
+    build = _cache_dir(tag)
+    build.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        mod = cpp_load(
+            name=f"mp_nvfp4_native_{tag}",
+            sources=[str(SRC)],
+            build_directory=str(build),
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"],
+            verbose=os.environ.get("MISMATCH_PROBE_NATIVE_VERBOSE", "0") == "1",
+        )
+    except Exception as e:  # a failed build leaves the Triton kernels in charge, with the reason
+        _STATE["reason"] = f"build failed: {type(e).__name__}: {str(e)[-600:]}"
+        return None
+    _STATE.update(mod=mod, build_s=round(time.time() - t0, 1), arch=f"sm_{arch}", tag=tag)
+    return mod
+
+
+def status() -> dict[str, Any]:
+    """``{"available", "reason", "arch", "build_s"}`` without building (``reason`` of an earlier try)."""
+    if not _STATE["tried"]:
+        why = _why_not()
+        return {"available": None if why is None else False, "reason": why or "not built yet (built at first use)"}
+    return {"available": _STATE["mod"] is not None, "reason": _STATE["reason"], "arch": _STATE.get("arch"),
+            "build_s": _STATE["build_s"]}
+
+
+def available() -> bool:
+    return load() is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# decode GEMM
+
+_KK = ((0, 1, 8, 9), (2, 3, 10, 11), (4, 5, 12, 13), (6, 7, 14, 15))  # fragment k per lane%4
+
+
+def native_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 weight [N, K] (standard packing, linear scales) -> (codes, scales) in the layout of
+    ``decode_gemm``: per 64 rows (zero-padded) and 128-wide K chunk, 4096 code bytes ordered
+    [tile t (8 rows), lane = 4 g + q, word w, byte i] and 512 scale bytes [tile, row g, step]; byte
+    i of word w holds the value of row 8t+g at k = 16(2w) + KK[q][i] in bits {1,2,3,7} (as s|e1e0m:
+    sign bit 7) and the one at k = 16(2w+1) + KK[q][i] in bits {4,5,6,0} (sign bit 0)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    if k % 128:
+        raise ValueError(f"native layout needs K % 128 == 0, got K = {k}")
+    npad = -(-n // 64) * 64
+    chunks = k // 128
+    c = unpack_codes(codes)
+    s = scales
+    if npad != n:
+        c = torch.cat([c, c.new_zeros(npad - n, k)])
+        s = torch.cat([s, s.new_zeros(npad - n, k // 16)])
+    kk = torch.tensor(_KK, dtype=torch.long, device=c.device)
+    v = c.view(npad // 64, 8, 8, chunks, 4, 2, 16)[..., kk]  # nb t g c w h q i
+    lo, hi = v[:, :, :, :, :, 0], v[:, :, :, :, :, 1]  # nb t g c w q i
+    byte = ((lo & 7) << 1) | ((lo & 8) << 4) | ((hi & 7) << 4) | (hi >> 3)
+    wq = byte.permute(0, 3, 1, 2, 5, 4, 6).contiguous().view(-1)  # nb c t g q w i
+    ws = s.reshape(npad // 64, 8, 8, chunks, 8).permute(0, 3, 1, 2, 4).contiguous().view(-1)  # nb c t g step
+    return wq, ws
+
+
+def decode_ok(w: Any) -> bool:
+    """Whether ``decode_gemm`` computes this TCWeight (dense, K % 128 == 0, no NaN-flagged scale:
+    its fp16 scale decode has no NaN)."""
+    if w.grouped or w.k % 128 or (w.k // 128) % w.nseg:
+        return False
+    if w.native is None:
+        w.native = (int(w.scales.max()) < 0x7F) if w.scales.numel() else False  # one check per weight version
+        if w.native:
+            w.native_w = native_layout(w.codes, w.scales)
+    return bool(w.native)
+
+
+def decode_variant(m: int, w: Any) -> dict[str, int]:
+    """The kernel instance for M rows (as nvfp4_native.cu's decode_gemm picks it): MT (16-row token
+    tiles), NT (8-row weight tiles per warp), STAGES, CPS (128-wide chunks per stage), HALF."""
+    two = (w.k // 128 // w.nseg) % 2 == 0
+    if m > 16:
+        return {"MT": 2 if m <= 32 else 4, "NT": 2, "STAGES": 6 if m <= 32 else 4, "CPS": 2 if two else 1, "HALF": 0}
+    v = int(NATIVE_CFG.get("variant", DEFAULT_VARIANT))
+    nt, st, cps = VARIANTS[v] if two else VARIANTS[3]
+    return {"MT": 1, "NT": nt, "STAGES": st, "CPS": cps, "HALF": int(m <= 8 and (nt, st, cps) != (2, 4, 2)),
+            "variant": v if two else 3}
+
+
+def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: int, out: torch.Tensor,
+                part: torch.Tensor) -> None:
+    mod = load()
+    wq, ws = w.native_w
+    a = a_op if a_op.data_ptr() % 16 == 0 else a_op.clone()
+    mod.decode_gemm(wq, ws, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg,
+                    int(NATIVE_CFG.get("variant", DEFAULT_VARIANT)))
+
+
+# ---------------------------------------------------------------------------------------------
+# quantizer
+
+
+def quant_ok(x: torch.Tensor) -> bool:
+    return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and x.shape[1] % 16 == 0
+            and x.shape[1] <= 16384 and x.data_ptr() % 16 == 0 and x.is_cuda and available())
+
+
+def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
+                  emit_op: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """As :func:`quant_fast.quantize_rows` (bf16 x; ``emit_op`` None or fp16)."""
+    rows, k = x.shape
+    dev = x.device
+    codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=dev)
+    if amax is None:
+        mode, amax_t = 0, torch.empty(rows, dtype=torch.float32, device=dev)
+    else:
+        mode, amax_t = (1 if per_token else 2), amax.float().contiguous()
+    op = torch.empty(rows, k, dtype=torch.float16, device=dev) if emit_op is not None else codes
+    load().quantize_rows(x, amax_t, codes, scales, op, emit_op is not None, mode)
+    return codes, scales, amax_t, (op if emit_op is not None else None)

@@ -1,0 +1,93 @@
+"""The optional native (CUDA C++) NVFP4 backend, on the CPU: the weight layout and the register
+decode it feeds (emulated bit for bit in numpy), the integer/magic-constant E2M1 formula of its
+quantizer, and the fallback when it cannot be built. The kernels themselves run on the GPU only
+(bench/probe_native.py and the GPU checks compare them with the Triton paths with torch.equal)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mismatch_probe.kernels.nvfp4 import native
+from mismatch_probe.kernels.nvfp4.ref import e2m1_decode, e4m3_decode, nvfp4_quantize_ref, unpack_codes
+
+
+def _prmt(a: np.ndarray, sel: int) -> np.ndarray:
+    """PTX prmt.b32 d, a, 0, sel (selector nibbles 0-3: bytes of a, 4-7: zero bytes)."""
+    out = np.zeros_like(a)
+    for j in range(4):
+        src = (sel >> (4 * j)) & 7
+        byte = (a >> np.uint32(8 * src)) & np.uint32(255) if src < 4 else np.zeros_like(a)
+        out |= byte << np.uint32(8 * j)
+    return out
+
+
+def _f16x2(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype("<u4"))[..., None].view(np.float16)
+
+
+def test_native_layout_register_decode_gives_the_exact_weight_operand():
+    g = torch.Generator().manual_seed(3)
+    n, k = 72, 256  # rows padded to 128; two 128-wide chunks; heavy tails give subnormal E4M3 scales
+    w = (torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, k, generator=g) * 2)).to(torch.bfloat16)
+    q = nvfp4_quantize_ref(w)
+    wq, ws = native.native_layout(q.codes, q.scales)
+    want = (e2m1_decode(unpack_codes(q.codes)) * e4m3_decode(q.scales).repeat_interleave(16, 1) / 128).numpy()
+    want = want.astype(np.float16)
+    words = wq.numpy().view("<u4").reshape(2, 2, 8, 32, 4)  # nb, chunk, tile, lane, word
+    sc = ws.numpy().reshape(2, 2, 8, 8, 8)  # nb, chunk, tile, row g, step
+    lane = np.arange(32)
+    g_ = lane // 4
+    for wi in range(4):
+        w32 = words[..., wi].astype(np.uint32)
+        va = w32 & np.uint32(0x8E8E8E8E)
+        vb = ((w32 >> np.uint32(3)) & np.uint32(0x0E0E0E0E)) | ((w32 << np.uint32(7)) & np.uint32(0x80808080))
+        for h, v in ((0, va), (1, vb)):
+            s = 2 * wi + h
+            sbyte = sc[..., s][:, :, :, g_].astype(np.uint32)  # nb, chunk, tile, lane
+            sbits = (sbyte | (sbyte << np.uint32(16))) << np.uint32(7)
+            scale = _f16x2(sbits) * np.float16(32768)
+            frag = np.concatenate([_f16x2(_prmt(v, 0x1404)) * scale, _f16x2(_prmt(v, 0x3424)) * scale], axis=-1)
+            nb_, c_, t_, l_, i_ = np.meshgrid(np.arange(2), np.arange(2), np.arange(8), lane, np.arange(4), indexing="ij")
+            row = nb_ * 64 + t_ * 8 + l_ // 4
+            col = c_ * 128 + s * 16 + 2 * (l_ % 4) + (i_ % 2) + 8 * (i_ // 2)  # fragment k: 2q, 2q+1, 2q+8, 2q+9
+            real = row < n
+            exp = np.zeros(row.shape, np.float16)
+            exp[real] = want[row[real], col[real]]
+            assert np.array_equal(frag.view(np.uint16), exp.view(np.uint16))  # padding rows decode to +0
+
+
+def _ref_codes(y: np.ndarray) -> np.ndarray:
+    a = np.abs(np.clip(y, -6, 6))
+    idx = (a > 0.25).astype(int) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
+    return idx | np.where(np.clip(y, -6, 6) < 0, 8, 0)
+
+
+def _kernel_codes(y: np.ndarray) -> np.ndarray:
+    """nvfp4_native.cu's e2m1_code: RNE(min(2a, a + 2, a/2 + 4, 7)) by the 2^23 magic constant,
+    each candidate rounded once (fma / add emulated exactly in float64), sign from y + 0."""
+    ay = np.abs(y).astype(np.float64)
+    c = [(ay * 2 + 8388608).astype(np.float32), (ay + 8388610).astype(np.float32), (ay * 0.5 + 8388612).astype(np.float32)]
+    m = np.minimum(np.minimum(c[0], c[1]), np.minimum(c[2], np.float32(8388615)))
+    neg = ((y + np.float32(0)).view(np.uint32) >> 31).astype(np.int64)
+    return m.view(np.uint32).astype(np.int64) - 0x4B000000 + 8 * neg
+
+
+def test_kernel_e2m1_formula_matches_the_spec_thresholds():
+    rng = np.random.default_rng(0)
+    base = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1, 2, 4, 7, 1e30], np.float32)
+    near = np.concatenate([base, np.nextafter(base, np.float32(0)), np.nextafter(base, np.float32(np.inf))])
+    ys = np.concatenate([rng.standard_normal(200_000).astype(np.float32) * 3, near, -near,
+                         np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45], np.float32),
+                         (rng.integers(-30, 31, 10_000) * 0.25).astype(np.float32)])
+    with np.errstate(all="ignore"):
+        assert np.array_equal(_kernel_codes(ys), _ref_codes(ys))
+
+
+def test_without_cuda_the_native_backend_reports_why_and_is_not_used():
+    st = native.status()
+    assert st["available"] is False and "CUDA" in st["reason"]
+    assert native.load() is None and not native.available()
+    from mismatch_probe.kernels.nvfp4 import quant_fast
+
+    assert not quant_fast.use_native_quant(torch.zeros(2, 16, dtype=torch.bfloat16))
