@@ -96,6 +96,15 @@ def checks() -> None:
     note(f"named checks on the H200: {sum(r.status == 'pass' for r in ran)}/{len(ran)} pass "
          f"({sum(r.status == 'pass' for r in ex)}/{len(ex)} bitwise, "
          f"{sum(r.status == 'pass' for r in ran if not r.exact)}/{len(ran) - len(ex)} tolerance); failures: {bad}")
+    from mismatch_probe.kernels.nvfp4 import native
+
+    if native.available() and native.status().get("arch") == "sm_90a":  # the wgmma decode variant too
+        native.NATIVE_CFG["variant"] = 4
+        names = ["tc_gemm_decode_vs_reference", "tc_rows_identical_every_m_and_path"]
+        res = run_checks(names, device="cuda")
+        native.NATIVE_CFG.clear()
+        note(f"named checks with native decode variant 4 (wgmma): "
+             f"{[(r.name, r.status, r.detail[:200]) for r in res]}")
 
 
 @section
@@ -172,6 +181,21 @@ def linear() -> None:
                 rec(f"{tag} NVFP4 {name}", lambda: T.tc_matmul(a, tw, path="decode", a_op=op), m=m, cublas_ms=cub,
                     rows_eq_prefill=ok)
             T.DECODE_CFG.clear()
+            from mismatch_probe.kernels.nvfp4 import native
+
+            for v in native.VARIANTS if (m <= 16 and native.available()) else ():
+                native.NATIVE_CFG["variant"] = v
+                rec_ = native.decode_variant(m, tw)
+                if rec_.get("variant") != v:
+                    continue  # wgmma variants need an sm_90a build
+                try:
+                    ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
+                except Exception as e:
+                    note(f"{tag} native variant {v} failed: {type(e).__name__}: {str(e)[:800]}")
+                    continue
+                rec(f"{tag} NVFP4 decode native v{v} ({rec_['MMA']}, {rec_['STAGES']} stages x {rec_['CPS']} chunks)",
+                    lambda: T.tc_matmul(a, tw, path="decode", a_op=op), m=m, cublas_ms=cub, rows_eq_prefill=ok)
+            native.NATIVE_CFG.clear()
             rec(f"{tag} NVFP4 prefill path", lambda: T.tc_matmul(a, tw, path="prefill", a_op=op), m=m, cublas_ms=cub)
         GRAPH["on"] = False
         rec(f"{tag} cuBLAS bf16, no CUDA graph", lambda: x @ w.t(), m=m)
@@ -184,6 +208,17 @@ def linear() -> None:
 
 @section
 def sweep() -> None:
+    from mismatch_probe.kernels.nvfp4 import native
+
+    _sweep("default")
+    if native.available() and native.status().get("arch") == "sm_90a":
+        native.NATIVE_CFG["variant"] = 4
+        if native.decode_variant(16, type("W", (), {"k": 8192, "nseg": 1})()).get("variant") == 4:
+            _sweep("native decode v4 (wgmma)")
+        native.NATIVE_CFG.clear()
+
+
+def _sweep(label: str) -> None:
     from mismatch_probe.kernels import nvfp4_quantize
     from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
@@ -213,7 +248,7 @@ def sweep() -> None:
                     bad.append((m, off, "tc_linear"))
     sub = type(aq)(aq.codes[:64], aq.scales[:64], aq.amax[:64], True)
     tol = tc_within_bound(full[:64], sub, wq)
-    note(f"sweep N=K=8192, M in {TC_MS} at offsets 0 and 37: {n_cmp} comparisons, "
+    note(f"sweep [{label}] N=K=8192, M in {TC_MS} at offsets 0 and 37: {n_cmp} comparisons, "
          f"{'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad}'}; repeat identical; vs per-block reference: {tol}")
 
 

@@ -9,7 +9,9 @@ build fails, :func:`status` says why and the callers keep the Triton kernels.
 Kernels (same bits as the Triton paths; the GPU checks compare them with ``torch.equal``):
 
 * ``decode_gemm``: the decode-path GEMM of :mod:`gemm_tc` (M <= 64), weights in the layout of
-  :func:`native_layout` (made once per weight version);
+  :func:`native_layout` (made once per weight version); mma.sync by default, a wgmma variant
+  (sm_90a builds, ``NATIVE_CFG["variant"] = 4``/``5``) gives the same bits and was slower on the
+  H200 (BENCHMARKS.md);
 * ``quantize_rows``: the per-token / given-amax quantizer of :mod:`quant_fast` for bf16 rows.
 """
 
@@ -27,9 +29,11 @@ from .ref import unpack_codes
 SRC = Path(__file__).parent / "csrc" / "nvfp4_native.cu"
 MIN_CC = (8, 9)
 NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (M <= 16, see VARIANTS)
-# M <= 16 decode variants: (weight tiles of 8 rows per warp, pipeline stages, 128-wide K chunks per
-# stage); M 17-32: 2 token tiles, M > 32: 4 (both (2, 6 or 4, 2)). M <= 8 reads token rows 0-7 only.
-VARIANTS = {0: (2, 6, 2), 1: (2, 4, 2), 2: (1, 6, 2), 3: (2, 8, 1)}
+# M <= 16 decode variants. mma.sync: (weight tiles of 8 rows per warp, pipeline stages, 128-wide K
+# chunks per stage); M 17-32: 2 token tiles, M > 32: 4 (both (2, 6 or 4, 2)); M <= 8 reads token
+# rows 0-7 only. wgmma (sm_90a builds): ("wgmma", stages, chunks), M <= 8: m64n8, else m64n16.
+# (Variants 1 (2, 4, 2) and 2 (1, 6, 2) were measured on 2026-12-01 at 19.8-21.2 us, no better.)
+VARIANTS: dict[int, tuple[Any, int, int]] = {0: (2, 6, 2), 3: (2, 8, 1), 4: ("wgmma", 6, 2), 5: ("wgmma", 8, 2)}
 DEFAULT_VARIANT = 0
 _STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s": None}
 
@@ -70,7 +74,7 @@ def load() -> Any | None:
     from torch.utils.cpp_extension import load as cpp_load
 
     cc = torch.cuda.get_device_capability()
-    arch = f"{cc[0]}{cc[1]}"
+    arch = f"{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")  # sm_90a: wgmma (the Hopper decode variant)
     src = SRC.read_bytes()
     tag = hashlib.sha256(src + torch.__version__.encode() + arch.encode()).hexdigest()[:16]
     build = _cache_dir(tag)
@@ -148,16 +152,27 @@ def decode_ok(w: Any) -> bool:
     return bool(w.native)
 
 
-def decode_variant(m: int, w: Any) -> dict[str, int]:
+def decode_variant(m: int, w: Any) -> dict[str, Any]:
     """The kernel instance for M rows (as nvfp4_native.cu's decode_gemm picks it): MT (16-row token
     tiles), NT (8-row weight tiles per warp), STAGES, CPS (128-wide chunks per stage), HALF."""
     two = (w.k // 128 // w.nseg) % 2 == 0
     if m > 16:
-        return {"MT": 2 if m <= 32 else 4, "NT": 2, "STAGES": 6 if m <= 32 else 4, "CPS": 2 if two else 1, "HALF": 0}
-    v = int(NATIVE_CFG.get("variant", DEFAULT_VARIANT))
+        return {"MT": 2 if m <= 32 else 4, "NT": 2, "STAGES": 6 if m <= 32 else 4, "CPS": 2 if two else 1, "HALF": 0,
+                "MMA": "mma.sync m16n8k16"}
+    v = _variant()
+    if v >= 4:
+        st, cps = (VARIANTS[v][1], 2) if two else (8, 1)
+        return {"MMA": f"wgmma m64n{8 if m <= 8 else 16}k16", "STAGES": st, "CPS": cps, "variant": v}
     nt, st, cps = VARIANTS[v] if two else VARIANTS[3]
-    return {"MT": 1, "NT": nt, "STAGES": st, "CPS": cps, "HALF": int(m <= 8 and (nt, st, cps) != (2, 4, 2)),
-            "variant": v if two else 3}
+    return {"MT": 1, "NT": nt, "STAGES": st, "CPS": cps, "HALF": int(m <= 8),
+            "variant": v if two else 3, "MMA": "mma.sync m16n8k16"}
+
+
+def _variant() -> int:
+    """The M <= 16 variant to run: NATIVE_CFG's or the default; wgmma ones only in sm_90a builds."""
+    v = int(NATIVE_CFG.get("variant", DEFAULT_VARIANT))
+    wgmma_ok = _STATE.get("arch") == "sm_90a" and os.environ.get("MISMATCH_PROBE_NATIVE_WGMMA", "1") != "0"
+    return v if v < 4 or wgmma_ok else 0
 
 
 def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: int, out: torch.Tensor,
@@ -165,8 +180,7 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
     mod = load()
     wq, ws = w.native_w
     a = a_op if a_op.data_ptr() % 16 == 0 else a_op.clone()
-    mod.decode_gemm(wq, ws, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg,
-                    int(NATIVE_CFG.get("variant", DEFAULT_VARIANT)))
+    mod.decode_gemm(wq, ws, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant())
 
 
 # ---------------------------------------------------------------------------------------------

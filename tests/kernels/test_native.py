@@ -91,3 +91,16 @@ def test_without_cuda_the_native_backend_reports_why_and_is_not_used():
     from mismatch_probe.kernels.nvfp4 import quant_fast
 
     assert not quant_fast.use_native_quant(torch.zeros(2, 16, dtype=torch.bfloat16))
+
+
+def test_variant_records_and_the_wgmma_variant_needs_an_sm90a_build():
+    from types import SimpleNamespace
+
+    w = SimpleNamespace(k=8192, nseg=1)
+    assert native.decode_variant(16, w)["MMA"] == "mma.sync m16n8k16" and native.decode_variant(64, w)["MT"] == 4
+    native.NATIVE_CFG["variant"] = 4
+    try:
+        assert native.decode_variant(16, w)["variant"] == 0  # not built for sm_90a here: falls back
+    finally:
+        native.NATIVE_CFG.clear()
+    assert native.decode_variant(1, SimpleNamespace(k=1152, nseg=1))["CPS"] == 1  # odd chunk count

@@ -237,6 +237,191 @@ __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
 }
 
 // ------------------------------------------------------------------------------------------
+// decode GEMM on wgmma (sm_90a): the same contract; one warpgroup per 64 weight rows, weights as the
+// register A operand (m64: warp w's two 8-row tiles 2w, 2w+1 are exactly its m16 A fragment in the
+// native layout), the NTOK tokens as the shared-memory B operand (K-major core matrices, no
+// swizzle), one m64nNTOKk16 wgmma per k16 block in K order into one accumulator (the tensor core
+// pipelines the dependent accumulation, where mma.sync waits for each result).
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+
+template <int NTOK>
+__device__ __forceinline__ void wgmma_k16(float (&d)[NTOK / 2], const uint32_t (&a)[4], uint64_t desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (NTOK == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+#endif
+}
+
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {  // no swizzle
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+}
+
+template <int NTOK, int STAGES, int CPS>
+__global__ void __launch_bounds__(128, 1) decode_wgmma_kernel(
+    const uint4* __restrict__ wq, const uint4* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
+    const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
+    float* __restrict__ part, int M, int N, int K, int nseg) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // stage = CPS chunks: codes [CPS][4096 B], scales [CPS][512 B], tokens [NTOK/8][KS/8] core
+  // matrices of 8 tokens x 8 k (128 B): byte (n/8)*SBO + (k/8)*128 + (n%8)*16 + (k%8)*2
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int KS = KC * CPS;
+  constexpr int SBO = (KS / 8) * 128;
+  constexpr int B_OFF = CPS * (W_BYTES + S_BYTES);
+  constexpr int STAGE = B_OFF + (NTOK / 8) * SBO;
+  constexpr int B_PIECES = NTOK * (KS / 8);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int nb = blockIdx.x;
+  const int m0 = blockIdx.y * NTOK;
+  const int seg = blockIdx.z;
+  const int chunks = K / KC;
+  const int steps = chunks / nseg / CPS;
+  const int c0 = seg * (chunks / nseg);
+  const uint4* wq_blk = wq + (size_t)nb * chunks * (W_BYTES / 16);
+  const uint4* sc_blk = wsc + (size_t)nb * chunks * (S_BYTES / 16);
+
+  auto load_stage = [&](int slot, int c) {
+    uint8_t* st = smem + slot * STAGE;
+#pragma unroll
+    for (int j = 0; j < CPS; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int p = tid + i * 128;
+        cp_async16(smem_u32(st + j * W_BYTES + p * 16), wq_blk + (size_t)(c + j) * (W_BYTES / 16) + p, 16);
+      }
+      if (tid < S_BYTES / 16)
+        cp_async16(smem_u32(st + CPS * W_BYTES + j * S_BYTES + tid * 16), sc_blk + (size_t)(c + j) * (S_BYTES / 16) + tid, 16);
+    }
+#pragma unroll
+    for (int i = 0; i < (B_PIECES + 127) / 128; ++i) {
+      const int p = tid + i * 128;
+      if (B_PIECES % 128 == 0 || p < B_PIECES) {
+        const int n = p / (KS / 8), kg = p % (KS / 8);
+        const int m = m0 + n;
+        const __half* src = a + (size_t)(m < M ? m : 0) * K + (size_t)c * KC + kg * 8;
+        cp_async16(smem_u32(st + B_OFF + (n >> 3) * SBO + kg * 128 + (n & 7) * 16), src, m < M ? 16u : 0u);
+      }
+    }
+  };
+
+  float d[NTOK / 2];
+#pragma unroll
+  for (int i = 0; i < NTOK / 2; ++i) d[i] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 2; ++s) {
+    if (s < steps) load_stage(s, c0 + s * CPS);
+    cp_commit();
+  }
+  const int g = lane >> 2;
+  uint32_t abuf[CPS][8][4];  // A fragments of the stage's CPS chunks (8 k16 blocks each)
+  for (int i = 0; i < steps; ++i) {
+    cp_wait<STAGES - 3>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    {
+      const int nxt = i + STAGES - 2;  // slot of stage i-2: its wgmmas completed (waited below)
+      if (nxt < steps) load_stage(nxt % STAGES, c0 + nxt * CPS);
+      cp_commit();
+    }
+    const uint8_t* st = smem + (i % STAGES) * STAGE;
+    const uint32_t b_base = smem_u32(st + B_OFF);
+#pragma unroll
+    for (int j = 0; j < CPS; ++j) {
+      uint32_t wv[2][4];
+      uint2 sc[2];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int tile = warp * 2 + t;
+        const uint4 w = *reinterpret_cast<const uint4*>(st + j * W_BYTES + (tile * 32 + lane) * 16);
+        wv[t][0] = w.x; wv[t][1] = w.y; wv[t][2] = w.z; wv[t][3] = w.w;
+        sc[t] = *reinterpret_cast<const uint2*>(st + CPS * W_BYTES + j * S_BYTES + tile * 64 + g * 8);
+      }
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const uint32_t W = wv[t][wi];
+          const uint32_t va = W & 0x8E8E8E8Eu;
+          const uint32_t vb = ((W >> 3) & 0x0E0E0E0Eu) | ((W << 7) & 0x80808080u);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int s = 2 * wi + h;
+            const uint32_t v = h ? vb : va;
+            const uint32_t sw = s < 4 ? sc[t].x : sc[t].y;
+            const uint32_t scale = hmul2(prmt(sw, 0u, 0x4040u | ((s & 3) * 0x0101u)) << 7, 0x78007800u);
+            abuf[j][s][t] = hmul2(prmt(v, 0u, 0x1404u), scale);      // a0a1 (t=0) / a2a3 (t=1): k 2q, 2q+1
+            abuf[j][s][2 + t] = hmul2(prmt(v, 0u, 0x3424u), scale);  // a4a5 / a6a7: k 2q+8, 2q+9
+          }
+        }
+      }
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < NTOK / 2; ++k) pin(d[k]);
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        const uint32_t addr = b_base + (j * 16 + s * 2) * 128;
+        wgmma_k16<NTOK>(d, abuf[j][s], smem_desc(addr, 128, SBO));
+      }
+      wg_commit();
+#pragma unroll
+      for (int k = 0; k < NTOK / 2; ++k) pin(d[k]);
+      // all groups but this one done: the other A buffer and the stage before are free again (one
+      // chunk per stage: wait for this one too, its A buffer is rewritten next)
+      wg_wait<CPS == 1 ? 0 : 1>();
+    }
+  }
+  wg_wait<0>();
+#pragma unroll
+  for (int k = 0; k < NTOK / 2; ++k) pin(d[k]);
+  cp_wait<0>();
+
+  const int q = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int n = nb * 64 + warp * 16 + g + 8 * hh;  // weight row
+    if (n >= N) continue;
+    const float ba = nseg == 1 ? w_amax[w_amax_row ? n : 0] : 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NTOK / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = m0 + nt * 8 + 2 * q + e;  // token
+        if (m >= M) continue;
+        const float acc = d[nt * 4 + 2 * hh + e];
+        if (nseg == 1) {
+          const float r = __fmul_rn(__fmul_rn(acc, 128.0f), __fmul_rn(__fmul_rn(a_amax[m], ba), RCP_ALPHA));
+          out[(size_t)m * N + n] = bf16_bits_rne(r);
+        } else {
+          part[((size_t)seg * M + m) * N + n] = acc;
+        }
+      }
+    }
+  }
+#else
+  __trap();  // built without sm_90a: never launched (native.py checks the architecture)
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
 // quantizer
 
 constexpr float FLT_MAX_F = 3.4028234663852886e38f;
@@ -419,6 +604,27 @@ void launch_decode(const torch::Tensor& wq, const torch::Tensor& wsc, const torc
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <int NTOK, int STAGES, int CPS>
+void launch_wgmma(const torch::Tensor& wq, const torch::Tensor& wsc, const torch::Tensor& w_amax, bool w_amax_row,
+                  const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
+                  int N, int K, int nseg) {
+  constexpr int STAGE = CPS * (W_BYTES + S_BYTES) + (NTOK / 8) * (KC * CPS / 8) * 128;
+  constexpr int SMEM = STAGES * STAGE;
+  auto kern = decode_wgmma_kernel<NTOK, STAGES, CPS>;
+  static bool attr = false;
+  if (!attr) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+    attr = true;
+  }
+  dim3 grid((N + 63) / 64, (M + NTOK - 1) / NTOK, nseg);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  kern<<<grid, 128, SMEM, stream>>>(
+      reinterpret_cast<const uint4*>(wq.data_ptr()), reinterpret_cast<const uint4*>(wsc.data_ptr()),
+      w_amax.data_ptr<float>(), w_amax_row ? 1 : 0, reinterpret_cast<const __half*>(a.data_ptr()),
+      a_amax.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <int BPT>
 void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& codes, torch::Tensor& scales,
                   torch::Tensor& op, bool emit_op, int amax_mode) {
@@ -445,20 +651,29 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor w_amax, bool
   TORCH_CHECK(M >= 1, "decode_gemm: M >= 1");
   const c10::cuda::CUDAGuard guard(a.device());
   const int m = M, n = N, k = K, s = nseg;
-  // variants (M <= 16): 0: 2 tiles per warp, 6 stages x 2 chunks; 1: 2 tiles, 4 x 2; 2: 1 tile per
-  // warp (8 warps), 6 x 2; 3: 2 tiles, 8 x 1. Two chunks per stage need an even chunk count per
-  // K segment (else 8 x 1). M <= 8: rows 0-7 only (ldmatrix.x2).
+  // variants (M <= 16): 0: mma.sync, 2 weight tiles per warp, 6 stages x 2 chunks; 3: 8 stages x 1
+  // chunk; 4, 5: wgmma, 6 or 8 stages x 2 chunks. Two chunks per stage need an even chunk count per
+  // K segment (else one). M <= 8: token rows 0-7 only (ldmatrix.x2 / m64n8).
   const bool two = (K / KC / nseg) % 2 == 0;
   const bool half = M <= 8;
 #define MP_DEC(MT_, ST_, CPS_, NT_, H_) \
   launch_decode<MT_, ST_, CPS_, NT_, H_>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s)
-  if (M <= 16) {
+  if (M <= 16 && variant >= 4) {  // wgmma (sm_90a builds only; native.py checks): 4: 6 stages, 5: 8 stages
+    if (two) {
+      if (variant == 5) {
+        if (half) launch_wgmma<8, 8, 2>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
+        else launch_wgmma<16, 8, 2>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
+      } else {
+        if (half) launch_wgmma<8, 6, 2>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
+        else launch_wgmma<16, 6, 2>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
+      }
+    } else {
+      if (half) launch_wgmma<8, 8, 1>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
+      else launch_wgmma<16, 8, 1>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
+    }
+  } else if (M <= 16) {
     if (!two || variant == 3) {
       if (half) MP_DEC(1, 8, 1, 2, true); else MP_DEC(1, 8, 1, 2, false);
-    } else if (variant == 1) {
-      MP_DEC(1, 4, 2, 2, false);
-    } else if (variant == 2) {
-      if (half) MP_DEC(1, 6, 2, 1, true); else MP_DEC(1, 6, 2, 1, false);
     } else {
       if (half) MP_DEC(1, 6, 2, 2, true); else MP_DEC(1, 6, 2, 2, false);
     }
@@ -492,6 +707,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
 // kernels-only build (compile check): take the instances' addresses so they are compiled
 void* nvfp4_instances[] = {(void*)decode_gemm_kernel<1, 6, 2, 2, false>, (void*)decode_gemm_kernel<1, 6, 2, 2, true>,
-                           (void*)decode_gemm_kernel<1, 6, 2, 1, false>, (void*)decode_gemm_kernel<4, 4, 2, 2, false>, (void*)quant_rows_kernel<4, false>,
+                           (void*)decode_gemm_kernel<4, 4, 2, 2, false>,
+                           (void*)decode_wgmma_kernel<16, 6, 2>, (void*)decode_wgmma_kernel<8, 6, 2>, (void*)quant_rows_kernel<4, false>,
                            (void*)quant_rows_kernel<4, true>};
 #endif
