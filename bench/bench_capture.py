@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -216,7 +218,7 @@ def cli_check(seq_len: int, n_seqs: int, repeats: int) -> list[dict[str, Any]]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-capture-cli-"))
     model = build_model("llama-129m", "cpu")
     model.save_pretrained(tmp / "model")
-    from mismatch_probe.families.models import resolve_model
+    from mismatch_probe.probes.models import resolve_model
 
     tiny = resolve_model("tiny-llama").path  # a local tokenizer (ids < its vocab, well inside 32,000)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -235,15 +237,22 @@ def cli_check(seq_len: int, n_seqs: int, repeats: int) -> list[dict[str, Any]]:
     exe = [sys.executable, "-m", "mismatch_probe"]
     for mode in ["off", "stats"] * repeats:
         dest = tmp / f"cap-{mode}"
+        load = os.getloadavg()[0]
+        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         subprocess.run(exe + ["capture", "--engine", "hf", "--from", str(tmp / "run"), "--out", str(dest), "--capture", mode,
                               "--overwrite"], check=True, capture_output=True)
         dt = time.perf_counter() - t0
+        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
         ops = dest / "hf" / "ops.parquet"
-        out.append({"mode": mode, "seconds": dt, "ops_bytes": ops.stat().st_size if ops.exists() else 0})
+        out.append({"mode": mode, "seconds": dt, "cpu_seconds": cpu, "load_1min_before": load,
+                    "ops_bytes": ops.stat().st_size if ops.exists() else 0})
         print(json.dumps(out[-1]), flush=True)
     med = {m: statistics.median(r["seconds"] for r in out if r["mode"] == m) for m in ("off", "stats")}
-    print(json.dumps({"cli_median_s": med, "ratio": med["stats"] / med["off"], "params_m": n_params / 1e6,
+    cmed = {m: statistics.median(r["cpu_seconds"] for r in out if r["mode"] == m) for m in ("off", "stats")}
+    print(json.dumps({"cli_median_s": med, "ratio": med["stats"] / med["off"], "cli_median_cpu_s": cmed,
+                      "cpu_ratio": cmed["stats"] / cmed["off"], "params_m": n_params / 1e6,
                       "threads": torch.get_num_threads()}))
     return out
 

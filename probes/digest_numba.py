@@ -1,20 +1,65 @@
 """The CPU kernel of :mod:`mismatch_probe.probes.digest`: digest and stats of each row in one
-pass over the row's memory (numba, parallel over rows). 16-bit floats are decoded through a
-65,536-entry table (exact), wider floats are read as they are."""
+pass over the row's memory (numba, one thread, no threading layer).
+
+Each row is one simple loop that LLVM vectorizes (AVX2 / AVX-512 where the CPU has them): the
+digest is integer arithmetic (exact in any order); finiteness, NaN/Inf counts and ``abs_max`` are
+read off the raw bits (integer compares and an integer max: for finite floats the order of
+``|x|`` is the order of the bits with the sign cleared); only ``sum`` and ``sum_sq`` are float64,
+accumulated with reassociation allowed (vector lanes), so their last bits may differ from the
+numpy reference, as the module docstring of ``digest`` allows. 16-bit floats are widened from
+their bits (bf16: shift into a float32; fp16: LLVM's half type), exactly.
+
+No ``parallel=True``: numba's parallel backend (OpenMP by default) runs a second OpenMP runtime
+beside torch's, and the two pools' spinning threads slowed the engine's own kernels (sdpa) several
+times over on a 2-core machine. One thread at ~0.3 ns per bf16 element is far below a forward's
+cost per element."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from mismatch_probe.probes.digest_constants import GOLDEN, MIX1, MIX2
 
 _G, _M1, _M2 = np.uint64(GOLDEN), np.uint64(MIX1), np.uint64(MIX2)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_FM = {"reassoc", "contract"}  # vector lanes for the float sums; no nnan/ninf: NaN and Inf stay exact
+
+
+@intrinsic
+def _f32(typingctx: Any, x: Any) -> Any:
+    """int32 bits -> float32."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _f64(typingctx: Any, x: Any) -> Any:
+    """int64 bits -> float64."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def _f16(typingctx: Any, x: Any) -> Any:
+    """int16 bits of an IEEE half -> float64 (exact)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.DoubleType())
+
+    return types.float64(types.int16), codegen
 
 
 @numba.njit(inline="always")
@@ -28,148 +73,161 @@ def _mix(w: Any, i: Any) -> Any:
     return x
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _rows_lut(words: Any, lut: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
+@numba.njit(nogil=True, fastmath=_FM, cache=True)
+def _rows_bf16(words: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
     rows, n = words.shape
-    n4 = n - n % 4
-    for r in numba.prange(rows):
-        # four independent accumulator lanes: the float adds do not wait on each other
+    for r in range(rows):
         d = numba.uint64(0)
-        s0 = s1 = s2 = s3 = 0.0
-        q0 = q1 = q2 = q3 = 0.0
-        a0 = a1 = a2 = a3 = 0.0
-        nn = 0
-        ni = 0
-        for i in range(0, n4, 4):
-            w0, w1, w2, w3 = words[r, i], words[r, i + 1], words[r, i + 2], words[r, i + 3]
-            d += _mix(numba.int64(w0), i + 1 + off) + _mix(numba.int64(w1), i + 2 + off)
-            d += _mix(numba.int64(w2), i + 3 + off) + _mix(numba.int64(w3), i + 4 + off)
-            v0 = lut[numba.int64(w0) & 0xFFFF]
-            v1 = lut[numba.int64(w1) & 0xFFFF]
-            v2 = lut[numba.int64(w2) & 0xFFFF]
-            v3 = lut[numba.int64(w3) & 0xFFFF]
-            f0, f1, f2, f3 = (v0 - v0) == 0.0, (v1 - v1) == 0.0, (v2 - v2) == 0.0, (v3 - v3) == 0.0
-            c0 = v0 if f0 else 0.0
-            c1 = v1 if f1 else 0.0
-            c2 = v2 if f2 else 0.0
-            c3 = v3 if f3 else 0.0
-            nn += (v0 != v0) + (v1 != v1) + (v2 != v2) + (v3 != v3)
-            ni += ((not f0) and v0 == v0) + ((not f1) and v1 == v1) + ((not f2) and v2 == v2) + ((not f3) and v3 == v3)
-            s0 += c0
-            s1 += c1
-            s2 += c2
-            s3 += c3
-            q0 += c0 * c0
-            q1 += c1 * c1
-            q2 += c2 * c2
-            q3 += c3 * c3
-            a0 = max(a0, abs(c0))
-            a1 = max(a1, abs(c1))
-            a2 = max(a2, abs(c2))
-            a3 = max(a3, abs(c3))
-        for i in range(n4, n):
-            w = words[r, i]
+        s = 0.0
+        q = 0.0
+        am = numba.int32(0)
+        nn = numba.int32(0)
+        ni = numba.int32(0)
+        for i in range(n):
+            w = numba.int32(words[r, i])
             d += _mix(numba.int64(w), i + 1 + off)
-            v = lut[numba.int64(w) & 0xFFFF]
-            f = (v - v) == 0.0
-            c = v if f else 0.0
-            nn += v != v
-            ni += (not f) and v == v
-            s0 += c
-            q0 += c * c
-            a0 = max(a0, abs(c))
+            e = w & 0x7FFF
+            fin = e < 0x7F80
+            nn += e > 0x7F80
+            ni += e == 0x7F80
+            am = max(am, e if fin else 0)
+            f = numba.float64(_f32(w << 16)) if fin else 0.0
+            s += f
+            q += f * f
         dig[r] = d
-        st[r, 0] = (s0 + s1) + (s2 + s3)
-        st[r, 1] = (q0 + q1) + (q2 + q3)
-        st[r, 2] = max(max(a0, a1), max(a2, a3))
+        st[r, 0] = s
+        st[r, 1] = q
+        st[r, 2] = numba.float64(_f32(am << 16))
         st[r, 3] = nn
         st[r, 4] = ni
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _rows_val(words: Any, vals: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
+@numba.njit(nogil=True, fastmath=_FM, cache=True)
+def _rows_f16(words: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
     rows, n = words.shape
-    n4 = n - n % 4
-    for r in numba.prange(rows):
-        # four independent accumulator lanes: the float adds do not wait on each other
+    for r in range(rows):
         d = numba.uint64(0)
-        s0 = s1 = s2 = s3 = 0.0
-        q0 = q1 = q2 = q3 = 0.0
-        a0 = a1 = a2 = a3 = 0.0
-        nn = 0
-        ni = 0
-        for i in range(0, n4, 4):
-            w0, w1, w2, w3 = words[r, i], words[r, i + 1], words[r, i + 2], words[r, i + 3]
-            d += _mix(numba.int64(w0), i + 1 + off) + _mix(numba.int64(w1), i + 2 + off)
-            d += _mix(numba.int64(w2), i + 3 + off) + _mix(numba.int64(w3), i + 4 + off)
-            v0 = numba.float64(vals[r, i])
-            v1 = numba.float64(vals[r, i + 1])
-            v2 = numba.float64(vals[r, i + 2])
-            v3 = numba.float64(vals[r, i + 3])
-            f0, f1, f2, f3 = (v0 - v0) == 0.0, (v1 - v1) == 0.0, (v2 - v2) == 0.0, (v3 - v3) == 0.0
-            c0 = v0 if f0 else 0.0
-            c1 = v1 if f1 else 0.0
-            c2 = v2 if f2 else 0.0
-            c3 = v3 if f3 else 0.0
-            nn += (v0 != v0) + (v1 != v1) + (v2 != v2) + (v3 != v3)
-            ni += ((not f0) and v0 == v0) + ((not f1) and v1 == v1) + ((not f2) and v2 == v2) + ((not f3) and v3 == v3)
-            s0 += c0
-            s1 += c1
-            s2 += c2
-            s3 += c3
-            q0 += c0 * c0
-            q1 += c1 * c1
-            q2 += c2 * c2
-            q3 += c3 * c3
-            a0 = max(a0, abs(c0))
-            a1 = max(a1, abs(c1))
-            a2 = max(a2, abs(c2))
-            a3 = max(a3, abs(c3))
-        for i in range(n4, n):
-            w = words[r, i]
+        s = 0.0
+        q = 0.0
+        am = numba.int32(0)
+        nn = numba.int32(0)
+        ni = numba.int32(0)
+        for i in range(n):
+            w = numba.int32(words[r, i])
             d += _mix(numba.int64(w), i + 1 + off)
-            v = numba.float64(vals[r, i])
-            f = (v - v) == 0.0
-            c = v if f else 0.0
-            nn += v != v
-            ni += (not f) and v == v
-            s0 += c
-            q0 += c * c
-            a0 = max(a0, abs(c))
+            e = w & 0x7FFF
+            fin = e < 0x7C00
+            nn += e > 0x7C00
+            ni += e == 0x7C00
+            am = max(am, e if fin else 0)
+            f = _f16(numba.int16(w)) if fin else 0.0
+            s += f
+            q += f * f
         dig[r] = d
-        st[r, 0] = (s0 + s1) + (s2 + s3)
-        st[r, 1] = (q0 + q1) + (q2 + q3)
-        st[r, 2] = max(max(a0, a1), max(a2, a3))
+        st[r, 0] = s
+        st[r, 1] = q
+        st[r, 2] = _f16(numba.int16(am))
         st[r, 3] = nn
         st[r, 4] = ni
 
 
-def _lut(dtype: torch.dtype) -> np.ndarray:
-    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).to(torch.float64).numpy()
+@numba.njit(nogil=True, fastmath=_FM, cache=True)
+def _rows_f32(words: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
+    rows, n = words.shape
+    for r in range(rows):
+        d = numba.uint64(0)
+        s = 0.0
+        q = 0.0
+        am = numba.int32(0)
+        nn = numba.int32(0)
+        ni = numba.int32(0)
+        for i in range(n):
+            w = numba.int32(words[r, i])
+            d += _mix(numba.int64(w), i + 1 + off)
+            e = w & 0x7FFFFFFF
+            fin = e < 0x7F800000
+            nn += e > 0x7F800000
+            ni += e == 0x7F800000
+            am = max(am, e if fin else 0)
+            f = numba.float64(_f32(w)) if fin else 0.0
+            s += f
+            q += f * f
+        dig[r] = d
+        st[r, 0] = s
+        st[r, 1] = q
+        st[r, 2] = numba.float64(_f32(am))
+        st[r, 3] = nn
+        st[r, 4] = ni
 
 
-_LUTS = {torch.bfloat16: _lut(torch.bfloat16), torch.float16: _lut(torch.float16)}
+@numba.njit(nogil=True, fastmath=_FM, cache=True)
+def _rows_f64(words: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
+    inf = numba.int64(0x7FF0000000000000)
+    rows, n = words.shape
+    for r in range(rows):
+        d = numba.uint64(0)
+        s = 0.0
+        q = 0.0
+        am = numba.int64(0)
+        nn = numba.int64(0)
+        ni = numba.int64(0)
+        for i in range(n):
+            w = numba.int64(words[r, i])
+            d += _mix(w, i + 1 + off)
+            e = w & 0x7FFFFFFFFFFFFFFF
+            fin = e < inf
+            nn += e > inf
+            ni += e == inf
+            am = max(am, e if fin else 0)
+            f = _f64(w) if fin else 0.0
+            s += f
+            q += f * f
+        dig[r] = d
+        st[r, 0] = s
+        st[r, 1] = q
+        st[r, 2] = _f64(am)
+        st[r, 3] = nn
+        st[r, 4] = ni
+
+
+@numba.njit(nogil=True, fastmath=_FM, cache=True)
+def _rows_int(words: Any, vals: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
+    rows, n = words.shape
+    for r in range(rows):
+        d = numba.uint64(0)
+        s = 0.0
+        q = 0.0
+        am = 0.0
+        for i in range(n):
+            d += _mix(numba.int64(words[r, i]), i + 1 + off)
+            f = numba.float64(vals[r, i])
+            s += f
+            q += f * f
+            am = max(am, abs(f))
+        dig[r] = d
+        st[r, 0] = s
+        st[r, 1] = q
+        st[r, 2] = am
+        st[r, 3] = 0.0
+        st[r, 4] = 0.0
+
+
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FLOAT = {torch.bfloat16: _rows_bf16, torch.float16: _rows_f16, torch.float32: _rows_f32, torch.float64: _rows_f64}
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int16,
              torch.int8, torch.uint8, torch.bool)
 
 
-# Threads for the row loop. One by default: capture runs between the engine's own (OpenMP)
-# kernels, whose pool would otherwise compete with numba's; MISMATCH_PROBE_CAPTURE_THREADS=N to change.
-THREADS = max(1, int(os.environ.get("MISMATCH_PROBE_CAPTURE_THREADS", "1")))
-
-
 def rows(t: torch.Tensor, dig: np.ndarray, st: np.ndarray, col_offset: int = 0) -> None:
     """``t``: 2-D CPU tensor with unit inner stride; writes ``dig`` (uint64 [rows]) and ``st``."""
-    numba.set_num_threads(min(THREADS, numba.config.NUMBA_NUM_THREADS))
+    off = np.int64(col_offset)
     if t.dtype == torch.bool:
-        words = t.view(torch.uint8).view(torch.int8).numpy()
+        u8 = t.view(torch.uint8)
+        _rows_int(u8.view(torch.int8).numpy(), u8.numpy(), off, dig, st)
+        return
+    words = t.view(_INTS[t.element_size()]).numpy()
+    k = _FLOAT.get(t.dtype)
+    if k is not None:
+        k(words, off, dig, st)
     else:
-        words = t.view(_INTS[t.element_size()]).numpy()
-    lut = _LUTS.get(t.dtype)
-    if lut is not None:
-        _rows_lut(words, lut, np.int64(col_offset), dig, st)
-    elif t.dtype in (torch.float32, torch.float64):
-        _rows_val(words, t.numpy(), np.int64(col_offset), dig, st)
-    else:
-        _rows_val(words, words, np.int64(col_offset), dig, st)
+        _rows_int(words, t.numpy(), off, dig, st)
