@@ -131,7 +131,10 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
     ref_lp = None
     try:
         for mode in modes:
-            plan = plans(full_rows)[mode]
+            # MODE@thread: the same capture with the writer thread instead of the writer process
+            base_mode, _, writer = mode.partition("@")
+            os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = writer or "process"
+            plan = plans(full_rows)[base_mode]
             r.capture = plan
             dest = tmp / f"{shape}-{mode}.parquet"
             r.ops_dest = dest if plan is not None else None
@@ -162,6 +165,7 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
     finally:
         recmod.OpRecorder.close = orig_close
+        os.environ.pop("MISMATCH_PROBE_CAPTURE_WRITER", None)
     del model, r
     return out
 
@@ -186,25 +190,98 @@ def _check_full_rows(path: Path) -> dict[str, Any]:
 
 
 def cuda_digest_check() -> dict[str, Any]:
-    """Random tensors of each dtype: the Triton kernel on CUDA == the numpy reference, bit for bit."""
+    """Random tensors of each dtype (NaN, Inf, -Inf planted in float rows): the Triton kernel on
+    CUDA == the numpy reference, digests bit for bit, stats to float64 rounding."""
     import torch
 
     from mismatch_probe.probes import digest as D
     from mismatch_probe.probes import digest_triton
 
     res = {}
-    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.bool):
+    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int8,
+               torch.uint8, torch.bool):
         g = torch.Generator(device="cuda").manual_seed(1)
         x = torch.randn(257, 5003, device="cuda", generator=g) * 100
         x = (x > 0) if dt == torch.bool else x.to(dt)
+        if dt.is_floating_point:
+            x[0, 1], x[1, 2], x[2, 3] = float("nan"), float("inf"), float("-inf")
         dig = torch.zeros(257, dtype=torch.int64, device="cuda")
         st = torch.zeros(257, 5, dtype=torch.float64, device="cuda")
         digest_triton.launch([(x, 0, 0)], dig, st)
         xc = x.cpu()
         raw = D.word_view(xc).numpy().view(np.uint8).reshape(257, -1)
         ref = D.digest_bytes_ref(raw, xc.element_size())
-        res[str(dt).removeprefix("torch.")] = bool(np.array_equal(dig.cpu().numpy().view(np.uint64), ref))
+        sref = D.stats_ref(xc.double().numpy() if dt != torch.bool else xc.numpy().astype(float))
+        stc = st.cpu().numpy()
+        res[str(dt).removeprefix("torch.")] = {
+            "digest_equal": bool(np.array_equal(dig.cpu().numpy().view(np.uint64), ref)),
+            "stats_close": bool(np.allclose(stc, sref, rtol=1e-12, atol=0)),
+            "counts_equal": bool(np.array_equal(stc[:, 2:], sref[:, 2:]))}
     return res
+
+
+def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
+    """The digest+stats kernel alone on one forward's captured tensors of ``shape`` (bf16 rows of
+    the widths a forward captures, one tensor per op), per (BLOCK, WARPS): elements per second."""
+    import torch
+
+    from mismatch_probe.probes import digest_triton
+
+    c = SHAPES[shape]
+    h, q, kv, i, v = (c["hidden_size"], c["num_attention_heads"] * c["head_dim"],
+                      c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"], c["vocab_size"])
+    widths = [h, q, kv, kv, q, kv, q, kv, q, h, h, h, i, i, i, h, h] * c["num_hidden_layers"] + [h, h, v]
+    pool = {w: torch.randn(tokens, w, device="cuda").to(torch.bfloat16) for w in set(widths)}
+    ts = [pool[w] for w in widths]
+    n_el = sum(t.numel() for t in ts)
+    dig = torch.empty(len(ts) * tokens, dtype=torch.int64, device="cuda")
+    st = torch.empty(len(ts) * tokens, 5, dtype=torch.float64, device="cuda")
+    out = []
+    saved = digest_triton.BLOCK, digest_triton.WARPS
+    for block, warps in ((256, 1), (512, 1), (512, 2), (1024, 4)):
+        digest_triton.BLOCK, digest_triton.WARPS = block, warps
+
+        def run() -> None:
+            for a in range(0, len(ts), 64):
+                digest_triton.launch([(t, (a + j) * tokens, 0) for j, t in enumerate(ts[a : a + 64])], dig, st)
+
+        run()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            run()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / 1e3)
+        t = statistics.median(times)
+        out.append({"shape": shape, "block": block, "warps": warps, "elements": n_el, "seconds": t,
+                    "g_elements_per_s": n_el / t / 1e9, "gb_per_s": 2 * n_el / t / 1e9})
+        print(json.dumps(out[-1]), flush=True)
+    digest_triton.BLOCK, digest_triton.WARPS = saved
+    return out
+
+
+def profile_forward(shape: str, mode: str, seq_len: int, per_mb: int, tmp: Path, out_dir: Path) -> None:
+    """torch.profiler over one score() with capture ``mode``: the host/device time table."""
+    import torch
+
+    model = build_model(shape, "cuda")
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, model.config.vocab_size, seq_len).tolist() for _ in range(per_mb)]
+    r = learner(model, "cuda", per_mb)
+    r.capture = plans(256)[mode]
+    r.ops_dest = tmp / "prof.parquet"
+    r.score(seqs, list(range(per_mb)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        r.score(seqs, list(range(per_mb)))
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    (out_dir / f"profile_{shape}_{mode}.txt").write_text(table + "\n\n" + prof.key_averages().table(
+        sort_by="self_cuda_time_total", row_limit=20))
+    print(table[:3000], flush=True)
+    del model, r
 
 
 def cli_check(seq_len: int, n_seqs: int, repeats: int) -> list[dict[str, Any]]:
@@ -304,6 +381,8 @@ def main() -> None:
     ap.add_argument("--cli-check", action="store_true")
     ap.add_argument("--cli-seq-len", type=int, default=512)
     ap.add_argument("--rss", action="store_true")
+    ap.add_argument("--kernel-bench", action="store_true", help="CUDA: the digest kernel alone per (BLOCK, WARPS)")
+    ap.add_argument("--profile", action="store_true", help="CUDA: torch.profiler table of one digest forward")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     res: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "argv": sys.argv,
@@ -315,11 +394,15 @@ def main() -> None:
     else:
         import torch
 
+        tmp = Path(tempfile.mkdtemp(prefix="bench-capture-"))
         if a.device == "cuda":
             res["gpu"] = torch.cuda.get_device_name()
             res["cuda_digest_equal_numpy"] = cuda_digest_check()
             print(json.dumps(res["cuda_digest_equal_numpy"]), flush=True)
-        tmp = Path(tempfile.mkdtemp(prefix="bench-capture-"))
+            if a.kernel_bench:
+                res["kernel"] = [k for shape in a.shapes.split(",") for k in kernel_bench(shape)]
+            if a.profile:
+                profile_forward(a.shapes.split(",")[0], "digest", a.seq_len, a.seqs_per_mb, tmp, a.out.parent if a.out else tmp)
         res["runs"] = []
         for shape in a.shapes.split(","):
             res["runs"] += time_modes(shape, a.device, a.seq_len, a.seqs_per_mb, a.mbs, a.repeats, a.full_rows,

@@ -2,10 +2,18 @@
 stats of every row of several tensors of one dtype (a descriptor table of base address, rows,
 columns, row stride, output row, column offset), reading each element once.
 
+Cost per element (what keeps it near the memory rate): the elements are loaded as integers of
+their width; the digest is 64-bit integer arithmetic with the position key added, not multiplied,
+per element; finiteness, NaN/Inf counts and ``abs_max`` come from the raw bits (integer compares,
+an integer max: for finite floats the order of ``|x|`` is the order of the bits with the sign
+cleared); only ``sum`` and ``sum_sq`` are float64 (one conversion, one add, one fma). One warp
+per row (``WARPS``), so the per-row reductions stay inside a warp.
+
 Without CUDA the same kernel runs through Triton's interpreter on CPU tensors (for tests)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -18,11 +26,14 @@ if INTERPRET:
 else:
     _jit = triton.jit
 
-BLOCK = 1024
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64,
-       torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.int8: tl.int8, torch.uint8: tl.int8,
-       torch.bool: tl.int8}
+# elements per program per step, warps per program (one row per program)
+BLOCK = int(os.environ.get("MISMATCH_PROBE_DIGEST_BLOCK", "256"))
+WARPS = int(os.environ.get("MISMATCH_PROBE_DIGEST_WARPS", "1"))
+
 _ITL = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+# KIND: 0 bf16, 1 fp16, 2 fp32, 3 fp64, 4 signed int, 5 unsigned byte (uint8, bool)
+_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3, torch.int64: 4, torch.int32: 4,
+         torch.int16: 4, torch.int8: 4, torch.uint8: 5, torch.bool: 5}
 
 
 # tl.sum / tl.max are @triton.jit functions the interpreter cannot call; tl.reduce is a builtin.
@@ -37,8 +48,7 @@ def _rmax(x):
 
 
 @_jit
-def _rows_kernel(desc_ptr, dig_ptr, st_ptr, DTYPE: tl.constexpr, ITYPE: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _rows_kernel(desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, ITYPE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     d = desc_ptr + tl.program_id(1) * 6
     n_rows = tl.load(d + 1)
@@ -48,43 +58,84 @@ def _rows_kernel(desc_ptr, dig_ptr, st_ptr, DTYPE: tl.constexpr, ITYPE: tl.const
         stride = tl.load(d + 3)
         out = tl.load(d + 4) + row
         coff = tl.load(d + 5)
-        base = addr.to(tl.pointer_type(DTYPE)) + row * stride
+        base = addr.to(tl.pointer_type(ITYPE)) + row * stride
+        lane = tl.arange(0, BLOCK)
+        lane_key = lane.to(tl.uint64) * 0x9E3779B97F4A7C15  # key of column c0 + j = (c0 + coff + 1) * G + j * G
         acc = tl.full([BLOCK], 0, tl.uint64)
         s = tl.full([BLOCK], 0.0, tl.float64)
         ss = tl.full([BLOCK], 0.0, tl.float64)
-        am = tl.full([BLOCK], 0.0, tl.float64)
-        nn = tl.full([BLOCK], 0, tl.int32)
-        ni = tl.full([BLOCK], 0, tl.int32)
+        if KIND == 3:
+            am = tl.full([BLOCK], 0, tl.int64)
+        elif KIND >= 4:
+            am = tl.full([BLOCK], 0.0, tl.float64)
+        else:
+            am = tl.full([BLOCK], 0, tl.int32)
+        cnt = tl.full([BLOCK], 0, tl.int64)  # n_nan + (n_inf << 32)
         for c0 in range(0, n_cols, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
+            cols = c0 + lane
             m = cols < n_cols
-            v = tl.load(base + cols, mask=m, other=0)
-            w = v.to(ITYPE, bitcast=True).to(tl.int64).to(tl.uint64, bitcast=True)
-            x = w ^ ((cols + coff + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
+            w = tl.load(base + cols, mask=m, other=0)
+            key = (c0 + coff + 1).to(tl.uint64) * 0x9E3779B97F4A7C15 + lane_key
+            x = w.to(tl.int64).to(tl.uint64, bitcast=True) ^ key
             x = x ^ (x >> 30)
             x = x * 0xBF58476D1CE4E5B9
             x = x ^ (x >> 27)
             x = x * 0x94D049BB133111EB
             x = x ^ (x >> 31)
             acc += tl.where(m, x, 0)
-            if HALF:
-                f = v.to(tl.float32).to(tl.float64)
-            else:
-                f = v.to(tl.float64)
-            fin = (f - f) == 0.0
+            if KIND == 0:  # bf16: the bits of a float32 shifted
+                wi = w.to(tl.int32)
+                e = wi & 0x7FFF
+                fin = e < 0x7F80
+                f = (wi << 16).to(tl.float32, bitcast=True).to(tl.float64)
+                cnt += (e > 0x7F80).to(tl.int64) + ((e == 0x7F80).to(tl.int64) << 32)
+                am = tl.maximum(am, tl.where(fin, e, 0))
+            elif KIND == 1:  # fp16
+                e = w.to(tl.int32) & 0x7FFF
+                fin = e < 0x7C00
+                f = w.to(tl.float16, bitcast=True).to(tl.float32).to(tl.float64)
+                cnt += (e > 0x7C00).to(tl.int64) + ((e == 0x7C00).to(tl.int64) << 32)
+                am = tl.maximum(am, tl.where(fin, e, 0))
+            elif KIND == 2:  # fp32
+                e = w & 0x7FFFFFFF
+                fin = e < 0x7F800000
+                f = w.to(tl.float32, bitcast=True).to(tl.float64)
+                cnt += (e > 0x7F800000).to(tl.int64) + ((e == 0x7F800000).to(tl.int64) << 32)
+                am = tl.maximum(am, tl.where(fin, e, 0))
+            elif KIND == 3:  # fp64
+                e = w & 0x7FFFFFFFFFFFFFFF
+                fin = e < 0x7FF0000000000000
+                f = w.to(tl.float64, bitcast=True)
+                cnt += (e > 0x7FF0000000000000).to(tl.int64) + ((e == 0x7FF0000000000000).to(tl.int64) << 32)
+                am = tl.maximum(am, tl.where(fin, e, 0))
+            else:  # integers: always finite
+                if KIND == 5:
+                    f = (w.to(tl.int32) & 0xFF).to(tl.float64)
+                else:
+                    f = w.to(tl.float64)
+                fin = m
+                am = tl.maximum(am, tl.abs(f))
             c = tl.where(fin, f, 0.0)
             s += c
             ss += c * c
-            am = tl.maximum(am, tl.abs(c))
-            nn += (f != f).to(tl.int32)
-            ni += ((f == f) & (~fin)).to(tl.int32)
-        tl.store(dig_ptr + out, _rsum(acc))
+        tl.store(dig_ptr + out, _rsum(acc).to(tl.int64, bitcast=True))
         st = st_ptr + out * 5
         tl.store(st, _rsum(s))
         tl.store(st + 1, _rsum(ss))
-        tl.store(st + 2, _rmax(am))
-        tl.store(st + 3, _rsum(nn).to(tl.float64))
-        tl.store(st + 4, _rsum(ni).to(tl.float64))
+        a = _rmax(am)
+        if KIND == 0:
+            tl.store(st + 2, (a << 16).to(tl.float32, bitcast=True).to(tl.float64))
+        elif KIND == 1:
+            tl.store(st + 2, a.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.float64))
+        elif KIND == 2:
+            tl.store(st + 2, a.to(tl.float32, bitcast=True).to(tl.float64))
+        elif KIND == 3:
+            tl.store(st + 2, a.to(tl.float64, bitcast=True))
+        else:
+            tl.store(st + 2, a)
+        n = _rsum(cnt)
+        tl.store(st + 3, (n & 0xFFFFFFFF).to(tl.float64))
+        tl.store(st + 4, (n >> 32).to(tl.float64))
 
 
 def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any) -> None:
@@ -92,15 +143,15 @@ def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any) -> None:
     writes ``dig`` (int64 [cap], the uint64 bits) and ``st`` (float64 [cap, 5]) at the output rows."""
     t0 = items[0][0]
     desc = [[t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), out, coff] for t, out, coff in items]
-    max_rows = max(t.shape[0] for t, _, _ in items)
-    grid = (max_rows, len(items))
-    args = dict(DTYPE=_TL[t0.dtype], ITYPE=_ITL[t0.element_size()], HALF=t0.dtype in (torch.bfloat16, torch.float16),
-                BLOCK=BLOCK)
-    if INTERPRET:
-        import numpy as np
+    launch_desc(desc, t0.dtype, t0.device, max(t.shape[0] for t, _, _ in items), dig, st)
 
-        with np.errstate(invalid="ignore"):  # inf - inf in the finiteness test is intended
-            _rows_kernel[grid](torch.tensor(desc, dtype=torch.int64), dig, st, **args)
+
+def launch_desc(desc: list[list[int]], dtype: torch.dtype, device: Any, max_rows: int, dig: Any, st: Any) -> None:
+    """The launch over a ready descriptor table (rows of [address, rows, cols, row stride, out, col offset])."""
+    grid = (max_rows, len(desc))
+    args = dict(KIND=_KIND[dtype], ITYPE=_ITL[1 if dtype == torch.bool else dtype.itemsize], BLOCK=BLOCK)
+    if INTERPRET:
+        _rows_kernel[grid](torch.tensor(desc, dtype=torch.int64), dig, st, **args)
     else:
-        dt = torch.tensor(desc, dtype=torch.int64, pin_memory=True).to(t0.device, non_blocking=True)
-        _rows_kernel[grid](dt, dig, st, **args)
+        dt = torch.tensor(desc, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        _rows_kernel[grid](dt, dig, st, num_warps=WARPS, **args)

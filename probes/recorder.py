@@ -24,62 +24,21 @@ and without capture are bitwise equal).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from mismatch_probe.families.opnames import split_op
-from mismatch_probe.probes.digest import digest_stats_cpu, hex_array, hex_chars
+from mismatch_probe.probes.digest import digest_stats_cpu, hex_chars
+from mismatch_probe.probes.ops_table import FULL, STATS, _build_table, _dtype_name, _ops_schema, _Rows, _Seg
+from mismatch_probe.run.schema import DIGEST_KEY
 
-FULL, STATS, DIGEST = 3, 2, 1
 BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, one row group)
 _QUEUE_OPS = 64  # queued tensors (CUDA) before a launch
 _QUEUE_BYTES = 1 << 30
-
-
-@dataclass
-class _Rows:
-    """Which rows of a (batch, op) are written, and how (computed once per batch and op)."""
-
-    keep: np.ndarray  # row indices kept (not padding, mode > off)
-    seq: np.ndarray
-    pos: np.ndarray
-    modes: np.ndarray  # of the kept rows
-    full: np.ndarray  # row indices (into the tensor) kept in full mode, ascending
-    full_dev: Any = None
-
-
-@dataclass(slots=True)
-class _Seg:
-    op: str
-    dtype: str
-    shape: list[int]
-    width: int
-    itemsize: int
-    rows: _Rows
-    arena_off: int  # arena row of the tensor's first row (batched) or of the first kept row (CPU)
-    batched: bool  # arena rows: arena_off + rows.keep (batched) or arena_off + arange(kept)
-    has_topk: bool = False
-    topk_rows: np.ndarray | None = None  # row of each kept row in this chunk's top-k block
-
-
-_DTYPE_NAMES: dict[Any, str] = {}
-
-
-def _dtype_name(dt: Any) -> str:
-    name = _DTYPE_NAMES.get(dt)
-    if name is None:
-        name = _DTYPE_NAMES[dt] = str(dt).removeprefix("torch.")
-    return name
-
-
-def _ops_schema() -> pa.Schema:
-    from mismatch_probe.run.schema import OPS_OPTIONAL, OPS_V1
-
-    return pa.schema(list(OPS_V1) + [pa.field(k, v) for k, v in OPS_OPTIONAL.items()])
+_META = {DIGEST_KEY: b"mp64"}
 
 
 class OpRecorder:
@@ -101,21 +60,38 @@ class OpRecorder:
         self._window: tuple[np.ndarray, np.ndarray] | None = None  # sorted seq ids, full-row limit each
         self._writer: Any = None
         self._tables: list[pa.Table] = []
+        self.queue_chunks = 2  # chunks waiting for the writer before recording blocks
+        # rows are written by a separate process (recorder_writer.py: no GIL shared with the engine)
+        # or, for in-memory recorders and MISMATCH_PROBE_CAPTURE_WRITER=thread, by a thread
+        self.writer_mode = "memory" if sink is None else os.environ.get("MISMATCH_PROBE_CAPTURE_WRITER", "process")
+        if self.writer_mode not in ("memory", "process", "thread"):
+            raise ValueError(f"MISMATCH_PROBE_CAPTURE_WRITER must be process or thread, not {self.writer_mode!r}")
+        self._proc: Any = None
+        self._sink = None if sink is None else Path(sink)
         if sink is not None:
-            from mismatch_probe.run.schema import DIGEST_KEY, StreamWriter
+            from mismatch_probe.run.schema import StreamWriter
 
-            self._writer = StreamWriter(Path(sink), "ops", _ops_schema(), {DIGEST_KEY: b"mp64"})
+            if self.writer_mode == "process":
+                from mismatch_probe.probes.recorder_writer import WriterProcess
+
+                self._sink.parent.mkdir(parents=True, exist_ok=True)
+                self._tmp = StreamWriter.temp_path(self._sink)
+                # started now: its imports overlap the engine's first forward
+                self._proc = WriterProcess(self._sink, self._tmp, _META, self.queue_chunks)
+            else:
+                self._writer = StreamWriter(self._sink, "ops", _ops_schema(), _META)
         self._device: Any = None
         self.force_batched = batched
         self._is_batched: bool | None = None
         self._closed = False
         self._reset_chunk()
         self._arenas: list[Any] = []
-        self.queue_chunks = 2
         self._thread: Any = None
         self._error: BaseException | None = None
         self._queue: dict[Any, list[tuple[Any, int]]] = {}
         self._queued = (0, 0)
+        self._intern: dict[bytes, _Rows | None] = {}
+        self._intern_key: tuple[Any, Any] = (None, None)
 
     # ---- setup ---------------------------------------------------------------------------
     def begin(self, seq_ids: list[int], lengths: list[int]) -> None:
@@ -132,6 +108,7 @@ class OpRecorder:
         before = np.concatenate([[0], np.cumsum(lens)[:-1]])
         self._window = (ids, np.clip(n - before, 0, lens))
         self._cache.clear()
+        self._intern, self._intern_key = {}, (None, None)
 
     def _in_window(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         if self._window is None:
@@ -147,11 +124,19 @@ class OpRecorder:
         s = np.asarray(seq, dtype=np.int64)
         p = np.asarray(pos, dtype=np.int64)
         modes = self.plan.modes_for(op, p, window=self._in_window(s, p))
-        keep = np.nonzero((s >= 0) & (modes > 0))[0]
-        rows = None
-        if keep.size:
-            mk = modes[keep]
-            rows = _Rows(keep, s[keep], p[keep], mk, keep[mk == FULL])
+        k0, k1 = self._intern_key
+        if k0 is not seq or k1 is not pos:
+            self._intern, self._intern_key = {}, (seq, pos)
+        key = modes.tobytes()  # ops of one batch with the same modes share one _Rows (and its device copy)
+        if key in self._intern:
+            rows = self._intern[key]
+        else:
+            keep = np.nonzero((s >= 0) & (modes > 0))[0]
+            rows = None
+            if keep.size:
+                mk = modes[keep]
+                rows = _Rows(keep, s[keep], p[keep], mk, keep[mk == FULL])
+            self._intern[key] = rows
         self._cache[op] = (seq, pos, rows)
         return rows
 
@@ -195,8 +180,10 @@ class OpRecorder:
             digest_stats_cpu(sel, dig[off : off + k], st[off : off + k])
         if rows.full.size:
             if cuda:
-                if rows.full_dev is None:
-                    rows.full_dev = torch.from_numpy(rows.full).to(t.device, non_blocking=True)
+                if rows.full_dev is None:  # once per batch and row set; pinned: no host sync
+                    idx = torch.from_numpy(rows.full)
+                    idx = idx.pin_memory() if t.device.type == "cuda" else idx
+                    rows.full_dev = idx.to(t.device, non_blocking=True)
                 v = t.index_select(0, rows.full_dev)
             else:
                 v = t[torch.from_numpy(rows.full)].contiguous()
@@ -291,6 +278,10 @@ class OpRecorder:
         import queue
         import threading
 
+        if self.writer_mode == "process":
+            ev, segs, dig, st, vals, tv, ti = job
+            self._proc.submit((ev, segs, {"dig": dig, "st": st, "vals": vals, "tv": tv, "ti": ti}))
+            return
         if self._thread is None:
             self._jobs: queue.Queue = queue.Queue(maxsize=self.queue_chunks)
             self._thread = threading.Thread(target=self._writer_loop, name="op-recorder-writer", daemon=True)
@@ -362,6 +353,10 @@ class OpRecorder:
             self._join()
             if self._error is not None:
                 raise self._error
+            if self._proc is not None:
+                self._proc.close()
+                self.rows_written, self.value_bytes = self._proc.rows, self._proc.value_bytes
+                self._proc = None
         except BaseException:
             self.abort()
             raise
@@ -380,87 +375,25 @@ class OpRecorder:
         self._arenas.clear()
         if self._writer is not None:
             self._writer.abort()
+        if self._proc is not None:
+            self._proc.abort()
+            self._proc = None
+        if self.writer_mode == "process":
+            Path(self._tmp).unlink(missing_ok=True)
 
     def summary(self) -> dict[str, Any]:
         """What was kept, for the manifest."""
         return {"plan": self.plan.to_json(), "digest": "mp64 (probes/digest.py)", "rows": self.rows_written,
                 "value_bytes": self.value_bytes, "buffer_rows": self.buffer_rows, "buffer_bytes": self.buffer_bytes,
-                "streamed": self._writer is not None}
+                "streamed": self._sink is not None, "writer": self.writer_mode}
 
     def table(self) -> pa.Table:
         """The whole ``ops`` table (in-memory recorders only)."""
         from mismatch_probe.run.schema import conform
 
         self.close()
-        if self._writer is not None:
+        if self._sink is not None:
             raise RuntimeError("this recorder streamed its rows to a file")
         if not self._tables:
             return _ops_schema().empty_table()
         return conform(pa.concat_tables(self._tables), "ops")
-
-
-def _build_table(segs: list[_Seg], dig: np.ndarray, st: np.ndarray, vals: np.ndarray | None, tv: Any, ti: Any) -> pa.Table:
-    """One chunk's rows as an Arrow table, built column-wise (no Python per row)."""
-    ops = {s.op: None for s in segs}
-    op_code = {o: i for i, o in enumerate(ops)}
-    dtypes = {s.dtype: None for s in segs}
-    dt_code = {d: i for i, d in enumerate(dtypes)}
-    ks = np.array([s.rows.keep.size for s in segs], np.int64)
-    arena = np.concatenate([s.arena_off + (s.rows.keep if s.batched else np.arange(s.rows.keep.size)) for s in segs])
-    seq = np.concatenate([s.rows.seq for s in segs])
-    pos = np.concatenate([s.rows.pos for s in segs])
-    modes = np.concatenate([s.rows.modes for s in segs])
-    width = np.repeat([s.width for s in segs], ks)
-    stats_on = modes >= STATS
-    hexc = dig[arena] if dig.ndim == 2 else hex_chars(dig[arena])
-    s5 = st[arena]
-    nan = np.where(stats_on[:, None], s5, np.nan)
-    n_total = int(ks.sum())
-    # values: full rows, concatenated in row order (= the order they were gathered)
-    vlen = np.where(modes == FULL, width * np.repeat([s.itemsize for s in segs], ks), 0)
-    voff = np.zeros(n_total + 1, np.int64)
-    np.cumsum(vlen, out=voff[1:])
-    valid = pa.py_buffer(np.packbits(modes == FULL, bitorder="little"))
-    data = pa.py_buffer(vals if vals is not None else b"")
-    values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n_total, [valid, pa.py_buffer(voff), data])
-    # shape: one list per row
-    slen = np.repeat([len(s.shape) for s in segs], ks)
-    soff = np.zeros(n_total + 1, np.int32)
-    np.cumsum(slen, out=soff[1:])
-    svals = np.concatenate([np.tile(np.asarray(s.shape, np.int64), s.rows.keep.size) for s in segs])
-    cols = {
-        "op": pa.DictionaryArray.from_arrays(np.repeat([op_code[s.op] for s in segs], ks).astype(np.int32),
-                                             list(ops)).dictionary_decode(),
-        "layer": np.repeat([split_op(s.op)[0] for s in segs], ks).astype(np.int32),
-        "seq_id": seq.astype(np.int32),
-        "pos": pos.astype(np.int32),
-        "dtype": pa.DictionaryArray.from_arrays(np.repeat([dt_code[s.dtype] for s in segs], ks).astype(np.int32),
-                                                list(dtypes)).dictionary_decode(),
-        "shape": pa.ListArray.from_arrays(soff, svals),
-        "numel": np.where(stats_on, width, 0).astype(np.int64),
-        "sum": nan[:, 0],
-        "sum_sq": nan[:, 1],
-        "abs_max": nan[:, 2],
-        "n_nan": np.where(stats_on, s5[:, 3], 0).astype(np.int64),
-        "n_inf": np.where(stats_on, s5[:, 4], 0).astype(np.int64),
-        "digest": hex_array(None, hexc),
-        "values": values.cast(pa.binary()),
-    }
-    cols["topk_ids"], cols["topk_values"] = _topk_cols(segs, ks, stats_on, tv, ti)
-    return pa.table(cols, schema=_ops_schema())
-
-
-def _topk_cols(segs: list[_Seg], ks: np.ndarray, stats_on: np.ndarray, tv: Any, ti: Any) -> tuple[pa.Array, pa.Array]:
-    n = int(ks.sum())
-    has = np.repeat([s.has_topk for s in segs], ks) & stats_on
-    if tv is None or not has.any():
-        return pa.nulls(n, pa.list_(pa.int32())), pa.nulls(n, pa.list_(pa.float32()))
-    k = tv.shape[1]
-    src = np.concatenate([s.topk_rows if s.has_topk else np.zeros(s.rows.keep.size, np.int64) for s in segs])
-    rows = src[has]
-    off = np.zeros(n + 1, np.int32)
-    np.cumsum(np.where(has, k, 0), out=off[1:])
-    mask = pa.array(~has)
-    ids = pa.ListArray.from_arrays(pa.array(off), pa.array(ti[rows].reshape(-1).astype(np.int32)), mask=mask)
-    vals = pa.ListArray.from_arrays(pa.array(off), pa.array(tv[rows].reshape(-1).astype(np.float32)), mask=mask)
-    return ids, vals

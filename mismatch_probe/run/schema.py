@@ -225,15 +225,22 @@ class StreamWriter:
     file beside ``path``; :meth:`close` renames it into place, :meth:`abort` removes it (an
     interrupted run never leaves a file that reads as complete)."""
 
-    def __init__(self, path: Path, kind: str, schema: pa.Schema, meta: dict[bytes, bytes] | None = None) -> None:
+    def __init__(self, path: Path, kind: str, schema: pa.Schema, meta: dict[bytes, bytes] | None = None,
+                 tmp: str | None = None) -> None:
         self.path = Path(path)
         self.kind = kind
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        os.close(fd)
+        self._tmp = tmp if tmp is not None else self.temp_path(self.path)
         self.schema = _stamp(schema, kind, meta)
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema)
         self.rows = 0
+
+    @staticmethod
+    def temp_path(path: Path) -> str:
+        """A new temp file beside ``path`` (created empty), the name :meth:`close` renames."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        return tmp
 
     def write(self, table: pa.Table) -> None:
         assert self._writer is not None, "StreamWriter already closed"

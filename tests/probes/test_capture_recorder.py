@@ -5,6 +5,9 @@ window and logits top-k, and v1 run directories read through the schema upgrade.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -18,7 +21,7 @@ from mismatch_probe.probes.capture import CapturePlan, build_plan, decode_values
 from mismatch_probe.probes.recorder import OpRecorder
 from mismatch_probe.run.schema import VERSION_KEY, read_table
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.bool)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool)
 
 
 def _rand(dtype: torch.dtype, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -26,6 +29,8 @@ def _rand(dtype: torch.dtype, rows: int, cols: int, seed: int) -> torch.Tensor:
     x = torch.randn(rows, cols, generator=g) * 50
     if dtype == torch.bool:
         return x > 0
+    if dtype == torch.uint8:
+        return x.abs().clamp(max=255).to(dtype)
     x = x.to(dtype)
     if dtype.is_floating_point and rows > 2 and cols > 3:
         x[0, 1], x[1, 2], x[2, 3] = float("nan"), float("inf"), float("-inf")
@@ -185,11 +190,16 @@ def test_v1_ops_files_read_and_compare_by_values(tmp_path):
     assert errs.bitwise_equal_frac.tolist() == [1.0]
 
 
-def test_batched_device_path_equals_the_cpu_path():
+def test_batched_device_path_equals_the_cpu_path(tmp_path, monkeypatch):
     """The CUDA code path (queued tensors, one Triton launch per dtype, device arena, chunked host
-    copies), run on CPU tensors through Triton's interpreter, writes the same rows as the numba path."""
+    copies), run on CPU tensors through Triton's interpreter, writes the same rows as the numba path,
+    whether the rows are kept in memory, streamed by the writer process (the default) or by a thread."""
     plan = build_plan("stats", ["0.mlp.*=digest"], full_rows=4, topk=2)
-    recs = [OpRecorder(plan, buffer_rows=30), OpRecorder(plan, buffer_rows=30, batched=True)]
+    recs = [OpRecorder(plan, buffer_rows=30), OpRecorder(plan, buffer_rows=30, batched=True),
+            OpRecorder(plan, sink=tmp_path / "p" / "ops.parquet", buffer_rows=30, batched=True)]
+    monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", "thread")
+    recs.append(OpRecorder(plan, sink=tmp_path / "t" / "ops.parquet", buffer_rows=30, batched=True))
+    assert [r.writer_mode for r in recs] == ["memory", "memory", "process", "thread"]
     seq = np.array([5, 5, 5, 6, 6, -1])
     pos = np.array([0, 1, 2, 0, 1, 2])
     for r in recs:
@@ -198,6 +208,26 @@ def test_batched_device_path_equals_the_cpu_path():
             r.record(f"{layer}.mlp.down", _rand(torch.bfloat16, 6, 33, layer), seq, pos)
             r.record(f"{layer}.attn.q", _rand(torch.float32, 6, 12, layer)[:, ::2], seq, pos)  # strided rows
         r.record("logits", _rand(torch.bfloat16, 6, 20, 7), seq, pos)
-    a, b = (r.table().to_pandas() for r in recs)
+    a, b = (r.table().to_pandas() for r in recs[:2])
+    for r in recs[2:]:
+        r.close()
+    c, d = (read_table(tmp_path / x / "ops.parquet", "ops").to_pandas() for x in ("p", "t"))
     pd.testing.assert_frame_equal(a, b)
+    pd.testing.assert_frame_equal(a, c)
+    pd.testing.assert_frame_equal(a, d)
     assert len(a) == 7 * 5 and a[a.op == "0.mlp.down"]["numel"].eq(0).all()
+    assert recs[2].summary()["writer"] == "process" and recs[2].summary()["rows"] == len(a)
+
+
+def test_writer_process_abort_leaves_no_files(tmp_path):
+    from mismatch_probe.probes.recorder_writer import _shm_dir
+
+    dest = tmp_path / "ops.parquet"
+    r = OpRecorder(CapturePlan("stats"), sink=dest, buffer_rows=4)
+    proc = r._proc.proc
+    for i in range(3):  # several chunks handed to the process
+        r.record(f"{i}.out", _rand(torch.bfloat16, 4, 8, i), np.zeros(4, np.int64), np.arange(4))
+    r.abort()
+    assert proc.wait(timeout=30) is not None
+    assert not any(tmp_path.iterdir())
+    assert not list(Path(_shm_dir()).glob(f"mp-ops-{os.getpid()}-*"))

@@ -1,0 +1,128 @@
+"""The rows of the ``ops`` table from a chunk of recorded ops: the segment records the recorder
+keeps per op call (:class:`_Seg`, :class:`_Rows`) and the column-wise table build (no Python per
+row), shared by the recorder's writer thread and its writer process (``recorder_writer``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from mismatch_probe.families.opnames import split_op
+from mismatch_probe.probes.digest import hex_array, hex_chars
+
+FULL, STATS, DIGEST = 3, 2, 1
+
+
+@dataclass
+class _Rows:
+    """Which rows of a (batch, op) are written, and how (computed once per batch and op)."""
+
+    keep: np.ndarray  # row indices kept (not padding, mode > off)
+    seq: np.ndarray
+    pos: np.ndarray
+    modes: np.ndarray  # of the kept rows
+    full: np.ndarray  # row indices (into the tensor) kept in full mode, ascending
+    full_dev: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:  # sent to the writer process without the device copy
+        return {**self.__dict__, "full_dev": None}
+
+
+@dataclass(slots=True)
+class _Seg:
+    op: str
+    dtype: str
+    shape: list[int]
+    width: int
+    itemsize: int
+    rows: _Rows
+    arena_off: int  # arena row of the tensor's first row (batched) or of the first kept row (CPU)
+    batched: bool  # arena rows: arena_off + rows.keep (batched) or arena_off + arange(kept)
+    has_topk: bool = False
+    topk_rows: np.ndarray | None = None  # row of each kept row in this chunk's top-k block
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dt: Any) -> str:
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt).removeprefix("torch.")
+    return name
+
+
+def _ops_schema() -> pa.Schema:
+    from mismatch_probe.run.schema import OPS_OPTIONAL, OPS_V1
+
+    return pa.schema(list(OPS_V1) + [pa.field(k, v) for k, v in OPS_OPTIONAL.items()])
+
+
+def _build_table(segs: list[_Seg], dig: np.ndarray, st: np.ndarray, vals: np.ndarray | None, tv: Any, ti: Any) -> pa.Table:
+    """One chunk's rows as an Arrow table, built column-wise (no Python per row)."""
+    ops = {s.op: None for s in segs}
+    op_code = {o: i for i, o in enumerate(ops)}
+    dtypes = {s.dtype: None for s in segs}
+    dt_code = {d: i for i, d in enumerate(dtypes)}
+    ks = np.array([s.rows.keep.size for s in segs], np.int64)
+    arena = np.concatenate([s.arena_off + (s.rows.keep if s.batched else np.arange(s.rows.keep.size)) for s in segs])
+    seq = np.concatenate([s.rows.seq for s in segs])
+    pos = np.concatenate([s.rows.pos for s in segs])
+    modes = np.concatenate([s.rows.modes for s in segs])
+    width = np.repeat([s.width for s in segs], ks)
+    stats_on = modes >= STATS
+    hexc = dig[arena] if dig.ndim == 2 else hex_chars(dig[arena])
+    s5 = st[arena]
+    nan = np.where(stats_on[:, None], s5, np.nan)
+    n_total = int(ks.sum())
+    # values: full rows, concatenated in row order (= the order they were gathered)
+    vlen = np.where(modes == FULL, width * np.repeat([s.itemsize for s in segs], ks), 0)
+    voff = np.zeros(n_total + 1, np.int64)
+    np.cumsum(vlen, out=voff[1:])
+    valid = pa.py_buffer(np.packbits(modes == FULL, bitorder="little"))
+    data = pa.py_buffer(vals if vals is not None else b"")
+    values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n_total, [valid, pa.py_buffer(voff), data])
+    # shape: one list per row
+    slen = np.repeat([len(s.shape) for s in segs], ks)
+    soff = np.zeros(n_total + 1, np.int32)
+    np.cumsum(slen, out=soff[1:])
+    svals = np.concatenate([np.tile(np.asarray(s.shape, np.int64), s.rows.keep.size) for s in segs])
+    cols = {
+        "op": pa.DictionaryArray.from_arrays(np.repeat([op_code[s.op] for s in segs], ks).astype(np.int32),
+                                             list(ops)).dictionary_decode(),
+        "layer": np.repeat([split_op(s.op)[0] for s in segs], ks).astype(np.int32),
+        "seq_id": seq.astype(np.int32),
+        "pos": pos.astype(np.int32),
+        "dtype": pa.DictionaryArray.from_arrays(np.repeat([dt_code[s.dtype] for s in segs], ks).astype(np.int32),
+                                                list(dtypes)).dictionary_decode(),
+        "shape": pa.ListArray.from_arrays(soff, svals),
+        "numel": np.where(stats_on, width, 0).astype(np.int64),
+        "sum": nan[:, 0],
+        "sum_sq": nan[:, 1],
+        "abs_max": nan[:, 2],
+        "n_nan": np.where(stats_on, s5[:, 3], 0).astype(np.int64),
+        "n_inf": np.where(stats_on, s5[:, 4], 0).astype(np.int64),
+        "digest": hex_array(None, hexc),
+        "values": values.cast(pa.binary()),
+    }
+    cols["topk_ids"], cols["topk_values"] = _topk_cols(segs, ks, stats_on, tv, ti)
+    return pa.table(cols, schema=_ops_schema())
+
+
+def _topk_cols(segs: list[_Seg], ks: np.ndarray, stats_on: np.ndarray, tv: Any, ti: Any) -> tuple[pa.Array, pa.Array]:
+    n = int(ks.sum())
+    has = np.repeat([s.has_topk for s in segs], ks) & stats_on
+    if tv is None or not has.any():
+        return pa.nulls(n, pa.list_(pa.int32())), pa.nulls(n, pa.list_(pa.float32()))
+    k = tv.shape[1]
+    src = np.concatenate([s.topk_rows if s.has_topk else np.zeros(s.rows.keep.size, np.int64) for s in segs])
+    rows = src[has]
+    off = np.zeros(n + 1, np.int32)
+    np.cumsum(np.where(has, k, 0), out=off[1:])
+    mask = pa.array(~has)
+    ids = pa.ListArray.from_arrays(pa.array(off), pa.array(ti[rows].reshape(-1).astype(np.int32)), mask=mask)
+    vals = pa.ListArray.from_arrays(pa.array(off), pa.array(tv[rows].reshape(-1).astype(np.float32)), mask=mask)
+    return ids, vals

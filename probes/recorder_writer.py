@@ -1,0 +1,236 @@
+"""The op recorder's writer process: builds the Arrow rows of each chunk and writes them to
+``ops.parquet``, outside the engine's process.
+
+Why a process: a writer thread builds Arrow columns and compresses Parquet pages while the
+engine's forward runs, and every torch call of the forward releases and re-takes the GIL; a thread
+holding it delays the forward (measured: a short GPU forward ran at a fraction of its speed while
+the thread wrote). Here the engine's process only waits for the chunk's device-to-host copy (on a
+feeder thread, GIL released), writes the chunk's bytes to one file in shared memory (``/dev/shm``,
+one ``write`` call, GIL released) and sends a small message (the chunk's op segments); this
+process reads the file, builds the table and writes the row group. The table is the same as the
+in-memory path's (tested).
+
+Protocol (pickles over two pipes): ``("chunk", data_path, parts, segs)`` -> ``("ack", rows,
+value_bytes)``; ``("close",)`` -> ``("closed",)`` (file renamed into place); ``("abort",)`` ->
+``("aborted",)`` (temp file removed); any failure -> ``("error", text)``.
+
+Host memory stays bounded: the feeder keeps at most ``queue_chunks`` chunks in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PARTS = ("dig", "st", "vals", "tv", "ti")
+
+
+def _shm_dir() -> str:
+    d = "/dev/shm"
+    try:
+        if os.path.isdir(d) and os.access(d, os.W_OK) and os.statvfs(d).f_bavail * os.statvfs(d).f_frsize > 1 << 30:
+            return d
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+class WriterProcess:
+    """Parent side: a feeder thread that turns queued chunk jobs into files + messages for the
+    writer process. ``submit`` blocks while ``queue_chunks`` jobs wait (bounded memory)."""
+
+    def __init__(self, sink: Path, tmp: str, meta: dict[bytes, bytes], queue_chunks: int) -> None:
+        import queue
+
+        r_child, w_parent = os.pipe()
+        r_parent, w_child = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mismatch_probe.probes.recorder_writer", str(r_child), str(w_child)],
+            pass_fds=(r_child, w_child), stdin=subprocess.DEVNULL)
+        os.close(r_child)
+        os.close(w_child)
+        self.tx = Connection(w_parent, readable=False)
+        self.rx = Connection(r_parent, writable=False)
+        self.tx.send(("open", str(sink), tmp, meta))
+        self.dir = _shm_dir()
+        self.queue_chunks = queue_chunks
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_chunks)
+        self.error: BaseException | None = None
+        self.rows = 0
+        self.value_bytes = 0
+        self._inflight = 0
+        self._n = 0
+        self._files: set[str] = set()
+        self.thread = threading.Thread(target=self._feed, name="op-recorder-feeder", daemon=True)
+        self.thread.start()
+
+    # ---- feeder thread -----------------------------------------------------------------------
+    def _feed(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                self._send(*job)
+            except BaseException as e:  # reported by the recording thread
+                self.error = e
+
+    def _send(self, ev: Any, segs: list, parts: dict[str, Any]) -> None:
+        if ev is not None:
+            ev.synchronize()  # the chunk's device-to-host copy (GIL released while waiting)
+        self._n += 1
+        path = os.path.join(self.dir, f"mp-ops-{os.getpid()}-{id(self)}-{self._n}.bin")
+        layout = {}
+        off = 0
+        self._files.add(path)
+        with open(path, "wb") as f:
+            for name in PARTS:
+                a = parts.get(name)
+                if a is None:
+                    continue
+                a = a.numpy() if hasattr(a, "numpy") else a
+                a = np.ascontiguousarray(a)
+                layout[name] = (a.dtype.str, a.shape, off)
+                f.write(memoryview(a.reshape(-1).view(np.uint8)))
+                off += a.nbytes
+        while self._inflight >= self.queue_chunks:
+            self._recv_ack()
+        self.tx.send(("chunk", path, layout, segs))
+        self._inflight += 1
+
+    def _recv_ack(self) -> None:
+        msg = self._recv()
+        if msg[0] != "ack":
+            raise RuntimeError(f"op writer process: unexpected {msg[0]!r}")
+        self.rows += msg[1]
+        self.value_bytes += msg[2]
+        self._files.discard(msg[3])
+        self._inflight -= 1
+
+    def _recv(self) -> tuple:
+        try:
+            msg = self.rx.recv()
+        except EOFError:
+            raise RuntimeError(f"op writer process exited (code {self.proc.wait()})") from None
+        if msg[0] == "error":
+            raise RuntimeError(f"op writer process failed:\n{msg[1]}")
+        return msg
+
+    # ---- recording thread ----------------------------------------------------------------------
+    def submit(self, job: tuple) -> None:
+        self.jobs.put(job)
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        while self._inflight:
+            self._recv_ack()
+        self.tx.send(("close",))
+        if self._recv()[0] != "closed":
+            raise RuntimeError("op writer process did not close the file")
+        self._finish()
+
+    def abort(self) -> None:
+        import queue
+
+        self.error = self.error or RuntimeError("aborted")
+        while True:  # drop the chunks not yet handed over; the feeder then sees the end
+            try:
+                self.jobs.get_nowait()
+            except queue.Empty:
+                break
+        self.jobs.put(None)
+        self.thread.join()
+        try:
+            self.tx.send(("abort",))
+            while self._recv()[0] != "aborted":
+                pass
+        except Exception:
+            pass
+        self._finish()
+
+    def _finish(self) -> None:
+        for c in (self.tx, self.rx):
+            c.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        for p in self._files:
+            Path(p).unlink(missing_ok=True)
+
+
+# ---- the writer process ----------------------------------------------------------------------
+def _read_parts(path: str, layout: dict[str, tuple[str, tuple, int]]) -> dict[str, np.ndarray]:
+    size = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for dt, shape, _ in layout.values())
+    buf = np.fromfile(path, dtype=np.uint8, count=size)
+    out = {}
+    for name, (dt, shape, off) in layout.items():
+        n = int(np.prod(shape)) * np.dtype(dt).itemsize
+        out[name] = buf[off : off + n].view(np.dtype(dt)).reshape(shape)
+    return out
+
+
+def main(rfd: int, wfd: int) -> None:
+    from mismatch_probe.probes.ops_table import _build_table, _ops_schema
+    from mismatch_probe.run.schema import StreamWriter
+
+    rx, tx = Connection(rfd, writable=False), Connection(wfd, readable=False)
+    writer = None
+    try:
+        while True:
+            try:
+                msg = rx.recv()
+            except EOFError:  # the engine's process is gone: leave no half-written file
+                if writer is not None:
+                    writer.abort()
+                return
+            if msg[0] == "open":
+                _, sink, tmp, meta = msg
+                writer = StreamWriter(Path(sink), "ops", _ops_schema(), meta, tmp=tmp)
+            elif msg[0] == "chunk":
+                _, path, layout, segs = msg
+                p = _read_parts(path, layout)
+                os.unlink(path)
+                table = _build_table(segs, p["dig"], p["st"], p.get("vals"), p.get("tv"), p.get("ti"))
+                assert writer is not None
+                writer.write(table)
+                vals = p.get("vals")
+                tx.send(("ack", table.num_rows, 0 if vals is None else int(vals.size), path))
+            elif msg[0] == "close":
+                assert writer is not None
+                writer.close()
+                tx.send(("closed",))
+                return
+            elif msg[0] == "abort":
+                if writer is not None:
+                    writer.abort()
+                tx.send(("aborted",))
+                return
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        try:
+            tx.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
