@@ -30,7 +30,7 @@ else:
 BLOCK = int(os.environ.get("MISMATCH_PROBE_DIGEST_BLOCK", "256"))
 WARPS = int(os.environ.get("MISMATCH_PROBE_DIGEST_WARPS", "1"))
 
-_ITL = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+_ITORCH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # KIND: 0 bf16, 1 fp16, 2 fp32, 3 fp64, 4 signed int, 5 unsigned byte (uint8, bool)
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3, torch.int64: 4, torch.int32: 4,
          torch.int16: 4, torch.int8: 4, torch.uint8: 5, torch.bool: 5}
@@ -48,17 +48,78 @@ def _rmax(x):
 
 
 @_jit
-def _rows_kernel(desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, ITYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _step(ptrs, m, key, acc, s, ss, am, nn, ni, KIND: tl.constexpr, MASKED: tl.constexpr):
+    """One block of a row: digest terms and stats of BLOCK elements (MASKED: the row's tail)."""
+    if MASKED:
+        w = tl.load(ptrs, mask=m, other=0)
+    else:
+        w = tl.load(ptrs)
+    x = w.to(tl.int64).to(tl.uint64, bitcast=True) ^ key
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    x = x ^ (x >> 31)
+    if MASKED:
+        acc += tl.where(m, x, 0)  # masked lanes read 0: neutral for every stat, not for the digest
+    else:
+        acc += x
+    if KIND == 0:  # bf16: its bits are the high half of a float32
+        wi = w.to(tl.int32)
+        e = wi & 0x7FFF
+        fin = e < 0x7F80
+        f = tl.where(fin, (wi << 16).to(tl.float32, bitcast=True), 0.0).to(tl.float64)
+        nn += (e > 0x7F80).to(tl.int32)
+        ni += (e == 0x7F80).to(tl.int32)
+        am = tl.maximum(am, tl.where(fin, e, 0))
+    elif KIND == 1:  # fp16
+        e = w.to(tl.int32) & 0x7FFF
+        fin = e < 0x7C00
+        f = tl.where(fin, w.to(tl.float16, bitcast=True).to(tl.float32), 0.0).to(tl.float64)
+        nn += (e > 0x7C00).to(tl.int32)
+        ni += (e == 0x7C00).to(tl.int32)
+        am = tl.maximum(am, tl.where(fin, e, 0))
+    elif KIND == 2:  # fp32
+        e = w & 0x7FFFFFFF
+        fin = e < 0x7F800000
+        f = tl.where(fin, w.to(tl.float32, bitcast=True), 0.0).to(tl.float64)
+        nn += (e > 0x7F800000).to(tl.int32)
+        ni += (e == 0x7F800000).to(tl.int32)
+        am = tl.maximum(am, tl.where(fin, e, 0))
+    elif KIND == 3:  # fp64
+        e = w & 0x7FFFFFFFFFFFFFFF
+        fin = e < 0x7FF0000000000000
+        f = tl.where(fin, w.to(tl.float64, bitcast=True), 0.0)
+        nn += (e > 0x7FF0000000000000).to(tl.int32)
+        ni += (e == 0x7FF0000000000000).to(tl.int32)
+        am = tl.maximum(am, tl.where(fin, e, 0))
+    elif KIND == 5:  # uint8, bool: unsigned values (the digest reads them sign-extended)
+        f = (w.to(tl.int32) & 0xFF).to(tl.float64)
+        am = tl.maximum(am, f)
+    else:  # signed integers: always finite
+        f = w.to(tl.float64)
+        am = tl.maximum(am, tl.abs(f))
+    s += f
+    ss += f * f
+    return acc, s, ss, am, nn, ni
+
+
+@_jit
+def _rows_kernel(x_ptr, desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     row = tl.program_id(0)
     d = desc_ptr + tl.program_id(1) * 6
     n_rows = tl.load(d + 1)
     if row < n_rows:
-        addr = tl.load(d)
+        start = tl.load(d)  # elements from x_ptr (an integer-typed view of the first tensor)
         n_cols = tl.load(d + 2)
         stride = tl.load(d + 3)
         out = tl.load(d + 4) + row
         coff = tl.load(d + 5)
-        base = addr.to(tl.pointer_type(ITYPE)) + row * stride
+        if VEC > 1:  # every start, row stride and row width is a multiple of 16 bytes: vector loads
+            start = tl.multiple_of(start, VEC)
+            stride = tl.multiple_of(stride, VEC)
+            n_cols = tl.multiple_of(n_cols, VEC)
+        base = x_ptr + (start + row * stride)
         lane = tl.arange(0, BLOCK)
         lane_key = lane.to(tl.uint64) * 0x9E3779B97F4A7C15  # key of column c0 + j = (c0 + coff + 1) * G + j * G
         acc = tl.full([BLOCK], 0, tl.uint64)
@@ -70,54 +131,19 @@ def _rows_kernel(desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, ITYPE: tl.conste
             am = tl.full([BLOCK], 0.0, tl.float64)
         else:
             am = tl.full([BLOCK], 0, tl.int32)
-        cnt = tl.full([BLOCK], 0, tl.int64)  # n_nan + (n_inf << 32)
-        for c0 in range(0, n_cols, BLOCK):
-            cols = c0 + lane
-            m = cols < n_cols
-            w = tl.load(base + cols, mask=m, other=0)
+        nn = tl.full([BLOCK], 0, tl.int32)
+        ni = tl.full([BLOCK], 0, tl.int32)
+        n_full = n_cols - n_cols % BLOCK
+        for c0 in range(0, n_full, BLOCK):
+            cols = tl.max_contiguous(tl.multiple_of(c0 + lane, BLOCK), BLOCK)
             key = (c0 + coff + 1).to(tl.uint64) * 0x9E3779B97F4A7C15 + lane_key
-            x = w.to(tl.int64).to(tl.uint64, bitcast=True) ^ key
-            x = x ^ (x >> 30)
-            x = x * 0xBF58476D1CE4E5B9
-            x = x ^ (x >> 27)
-            x = x * 0x94D049BB133111EB
-            x = x ^ (x >> 31)
-            acc += tl.where(m, x, 0)
-            if KIND == 0:  # bf16: the bits of a float32 shifted
-                wi = w.to(tl.int32)
-                e = wi & 0x7FFF
-                fin = e < 0x7F80
-                f = (wi << 16).to(tl.float32, bitcast=True).to(tl.float64)
-                cnt += (e > 0x7F80).to(tl.int64) + ((e == 0x7F80).to(tl.int64) << 32)
-                am = tl.maximum(am, tl.where(fin, e, 0))
-            elif KIND == 1:  # fp16
-                e = w.to(tl.int32) & 0x7FFF
-                fin = e < 0x7C00
-                f = w.to(tl.float16, bitcast=True).to(tl.float32).to(tl.float64)
-                cnt += (e > 0x7C00).to(tl.int64) + ((e == 0x7C00).to(tl.int64) << 32)
-                am = tl.maximum(am, tl.where(fin, e, 0))
-            elif KIND == 2:  # fp32
-                e = w & 0x7FFFFFFF
-                fin = e < 0x7F800000
-                f = w.to(tl.float32, bitcast=True).to(tl.float64)
-                cnt += (e > 0x7F800000).to(tl.int64) + ((e == 0x7F800000).to(tl.int64) << 32)
-                am = tl.maximum(am, tl.where(fin, e, 0))
-            elif KIND == 3:  # fp64
-                e = w & 0x7FFFFFFFFFFFFFFF
-                fin = e < 0x7FF0000000000000
-                f = w.to(tl.float64, bitcast=True)
-                cnt += (e > 0x7FF0000000000000).to(tl.int64) + ((e == 0x7FF0000000000000).to(tl.int64) << 32)
-                am = tl.maximum(am, tl.where(fin, e, 0))
-            else:  # integers: always finite
-                if KIND == 5:
-                    f = (w.to(tl.int32) & 0xFF).to(tl.float64)
-                else:
-                    f = w.to(tl.float64)
-                fin = m
-                am = tl.maximum(am, tl.abs(f))
-            c = tl.where(fin, f, 0.0)
-            s += c
-            ss += c * c
+            acc, s, ss, am, nn, ni = _step(base + cols, cols < n_cols, key, acc, s, ss, am, nn, ni, KIND=KIND,
+                                           MASKED=False)
+        if n_full < n_cols:
+            cols = tl.max_contiguous(tl.multiple_of(n_full + lane, BLOCK), BLOCK)
+            key = (n_full + coff + 1).to(tl.uint64) * 0x9E3779B97F4A7C15 + lane_key
+            acc, s, ss, am, nn, ni = _step(base + cols, cols < n_cols, key, acc, s, ss, am, nn, ni, KIND=KIND,
+                                           MASKED=True)
         tl.store(dig_ptr + out, _rsum(acc).to(tl.int64, bitcast=True))
         st = st_ptr + out * 5
         tl.store(st, _rsum(s))
@@ -133,9 +159,8 @@ def _rows_kernel(desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, ITYPE: tl.conste
             tl.store(st + 2, a.to(tl.float64, bitcast=True))
         else:
             tl.store(st + 2, a)
-        n = _rsum(cnt)
-        tl.store(st + 3, (n & 0xFFFFFFFF).to(tl.float64))
-        tl.store(st + 4, (n >> 32).to(tl.float64))
+        tl.store(st + 3, _rsum(nn).to(tl.float64))
+        tl.store(st + 4, _rsum(ni).to(tl.float64))
 
 
 def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any) -> None:
@@ -143,15 +168,24 @@ def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any) -> None:
     writes ``dig`` (int64 [cap], the uint64 bits) and ``st`` (float64 [cap, 5]) at the output rows."""
     t0 = items[0][0]
     desc = [[t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), out, coff] for t, out, coff in items]
-    launch_desc(desc, t0.dtype, t0.device, max(t.shape[0] for t, _, _ in items), dig, st)
+    launch_desc(desc, t0, max(t.shape[0] for t, _, _ in items), dig, st)
 
 
-def launch_desc(desc: list[list[int]], dtype: torch.dtype, device: Any, max_rows: int, dig: Any, st: Any) -> None:
-    """The launch over a ready descriptor table (rows of [address, rows, cols, row stride, out, col offset])."""
+def launch_desc(desc: list[list[int]], x: Any, max_rows: int, dig: Any, st: Any) -> None:
+    """The launch over a ready descriptor table (rows of [address, rows, cols, row stride, out, col
+    offset]) of tensors of ``x``'s dtype (any one of them)."""
+    size = 1 if x.dtype == torch.bool else x.dtype.itemsize
+    base = x.data_ptr()
+    for row in desc:  # addresses -> element offsets from x (tensors of one dtype are itemsize-aligned)
+        row[0] = (row[0] - base) // size
+    vec = 16 // size
+    aligned = base % 16 == 0 and all(
+        (a * size) % 16 == 0 and (stride * size) % 16 == 0 and (cols * size) % 16 == 0 for a, _, cols, stride, _, _ in desc)
+    xi = x.view(torch.uint8).view(torch.int8) if x.dtype == torch.bool else x.view(_ITORCH[size])
     grid = (max_rows, len(desc))
-    args = dict(KIND=_KIND[dtype], ITYPE=_ITL[1 if dtype == torch.bool else dtype.itemsize], BLOCK=BLOCK)
+    args = dict(KIND=_KIND[x.dtype], BLOCK=BLOCK, VEC=vec if aligned else 1)
     if INTERPRET:
-        _rows_kernel[grid](torch.tensor(desc, dtype=torch.int64), dig, st, **args)
+        _rows_kernel[grid](xi, torch.tensor(desc, dtype=torch.int64), dig, st, **args)
     else:
-        dt = torch.tensor(desc, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-        _rows_kernel[grid](dt, dig, st, num_warps=WARPS, **args)
+        dt = torch.tensor(desc, dtype=torch.int64, pin_memory=True).to(x.device, non_blocking=True)
+        _rows_kernel[grid](xi, dt, dig, st, num_warps=WARPS, **args)
