@@ -220,6 +220,12 @@ def cuda_digest_check() -> dict[str, Any]:
     return res
 
 
+def digest_triton_cfg() -> tuple[int, int]:
+    from mismatch_probe.probes import digest_triton
+
+    return digest_triton.BLOCK, digest_triton.WARPS
+
+
 def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
     """The digest+stats kernel alone on one forward's captured tensors of ``shape`` (bf16 rows of
     the widths a forward captures, one tensor per op), per (BLOCK, WARPS): elements per second."""
@@ -383,6 +389,8 @@ def main() -> None:
     ap.add_argument("--rss", action="store_true")
     ap.add_argument("--kernel-bench", action="store_true", help="CUDA: the digest kernel alone per (BLOCK, WARPS)")
     ap.add_argument("--profile", action="store_true", help="CUDA: torch.profiler table of one digest forward")
+    ap.add_argument("--kernel-auto", action="store_true", help="CUDA: forwards use the fastest (BLOCK, WARPS) found")
+    ap.add_argument("--thread-shapes", default="qwen3-0.6b", help="shapes that also run the MODE@thread modes")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     res: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "argv": sys.argv,
@@ -401,14 +409,33 @@ def main() -> None:
             print(json.dumps(res["cuda_digest_equal_numpy"]), flush=True)
             if a.kernel_bench:
                 res["kernel"] = [k for shape in a.shapes.split(",") for k in kernel_bench(shape)]
+                if a.kernel_auto:  # the forwards below run with the fastest (BLOCK, WARPS) over all shapes
+                    from mismatch_probe.probes import digest_triton
+
+                    tot: dict[tuple[int, int], float] = {}
+                    for k in res["kernel"]:
+                        tot[(k["block"], k["warps"])] = tot.get((k["block"], k["warps"]), 0.0) + k["seconds"]
+                    digest_triton.BLOCK, digest_triton.WARPS = min(tot, key=tot.get)
+            res["kernel_config"] = {"block": digest_triton_cfg()[0], "warps": digest_triton_cfg()[1]}
+            print(json.dumps(res["kernel_config"]), flush=True)
             if a.profile:
                 profile_forward(a.shapes.split(",")[0], "digest", a.seq_len, a.seqs_per_mb, tmp, a.out.parent if a.out else tmp)
         res["runs"] = []
         for shape in a.shapes.split(","):
+            # MODE@thread (writer thread instead of process) only on --thread-shapes
+            modes = [m for m in a.modes.split(",") if "@" not in m or shape in a.thread_shapes.split(",")]
             res["runs"] += time_modes(shape, a.device, a.seq_len, a.seqs_per_mb, a.mbs, a.repeats, a.full_rows,
-                                      a.buffer_rows, tmp, a.modes.split(","))
+                                      a.buffer_rows, tmp, modes)
             for f in tmp.glob("*.parquet"):
                 f.unlink()
+            if a.out:  # after each shape: a later failure keeps what ran
+                a.out.write_text(json.dumps(res, indent=1))
+        for k in res.get("kernel", []):
+            print(f"kernel {k['shape']:12} block {k['block']:5d} warps {k['warps']} {k['g_elements_per_s']:7.1f} G el/s "
+                  f"{k['gb_per_s']:7.1f} GB/s")
+        if "cuda_digest_equal_numpy" in res:
+            print("digest==numpy, stats close, counts equal:", {d: "".join("YN"[not v] for v in r.values())
+                                                                 for d, r in res["cuda_digest_equal_numpy"].items()})
         print(f"\n{'shape':12} {'mode':12} {'forward s':>10} {'x off':>6} {'total s':>8} {'x off':>6} {'B/token':>9} "
               f"{'rows':>10} {'peak RSS MB':>11} {'lp==off':>7}")
         base: dict[str, dict[str, float]] = {}

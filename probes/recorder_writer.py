@@ -10,15 +10,19 @@ one ``write`` call, GIL released) and sends a small message (the chunk's op segm
 process reads the file, builds the table and writes the row group. The table is the same as the
 in-memory path's (tested).
 
-Protocol (pickles over two pipes): ``("chunk", data_path, parts, segs)`` -> ``("ack", rows,
-value_bytes)``; ``("close",)`` -> ``("closed",)`` (file renamed into place); ``("abort",)`` ->
-``("aborted",)`` (temp file removed); any failure -> ``("error", text)``.
+Protocol (pickles over two pipes): ``("open", sink, tmp, meta)``; ``("chunk", data_path, parts,
+segs)`` -> ``("ack", rows, value_bytes, data_path)``; ``("close",)`` -> ``("closed",)`` (file
+renamed into place); ``("abort",)`` -> ``("aborted",)`` (temp file removed); any failure ->
+``("error", text)`` and the process exits. After ``closed``/``aborted`` the process waits for the
+next ``open`` (one process serves the recorders of an engine process one after another); it exits
+when its pipe closes (the engine's process ended), removing a file left open.
 
 Host memory stays bounded: the feeder keeps at most ``queue_chunks`` chunks in flight.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -44,13 +48,11 @@ def _shm_dir() -> str:
     return tempfile.gettempdir()
 
 
-class WriterProcess:
-    """Parent side: a feeder thread that turns queued chunk jobs into files + messages for the
-    writer process. ``submit`` blocks while ``queue_chunks`` jobs wait (bounded memory)."""
+class _Child:
+    """One writer process and its two pipes; kept for the next recorder of this process when a
+    recorder is done with it (a process start costs more than a short forward)."""
 
-    def __init__(self, sink: Path, tmp: str, meta: dict[bytes, bytes], queue_chunks: int) -> None:
-        import queue
-
+    def __init__(self) -> None:
         r_child, w_parent = os.pipe()
         r_parent, w_child = os.pipe()
         self.proc = subprocess.Popen(
@@ -60,6 +62,60 @@ class WriterProcess:
         os.close(w_child)
         self.tx = Connection(w_parent, readable=False)
         self.rx = Connection(r_parent, writable=False)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        for c in (self.tx, self.rx):
+            c.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+_IDLE: list[_Child] = []
+_IDLE_LOCK = threading.Lock()
+
+
+def _take_child() -> _Child:
+    with _IDLE_LOCK:
+        while _IDLE:
+            c = _IDLE.pop()
+            if c.alive():
+                return c
+            c.stop()
+    return _Child()
+
+
+def _give_back(c: _Child) -> None:
+    with _IDLE_LOCK:
+        if c.alive() and not _IDLE:
+            _IDLE.append(c)
+            return
+    c.stop()
+
+
+def _stop_idle() -> None:
+    with _IDLE_LOCK:
+        while _IDLE:
+            _IDLE.pop().stop()
+
+
+atexit.register(_stop_idle)
+
+
+class WriterProcess:
+    """Parent side of one ``ops.parquet``: a feeder thread that turns queued chunk jobs into files
+    + messages for a writer process. ``submit`` blocks while ``queue_chunks`` jobs wait (bounded
+    memory)."""
+
+    def __init__(self, sink: Path, tmp: str, meta: dict[bytes, bytes], queue_chunks: int) -> None:
+        import queue
+
+        self.child = _take_child()
+        self.proc, self.tx, self.rx = self.child.proc, self.child.tx, self.child.rx
         self.tx.send(("open", str(sink), tmp, meta))
         self.dir = _shm_dir()
         self.queue_chunks = queue_chunks
@@ -143,7 +199,7 @@ class WriterProcess:
         self.tx.send(("close",))
         if self._recv()[0] != "closed":
             raise RuntimeError("op writer process did not close the file")
-        self._finish()
+        self._finish(reuse=True)
 
     def abort(self) -> None:
         import queue
@@ -156,23 +212,23 @@ class WriterProcess:
                 break
         self.jobs.put(None)
         self.thread.join()
+        ok = False
         try:
             self.tx.send(("abort",))
             while self._recv()[0] != "aborted":
                 pass
+            ok = True
         except Exception:
             pass
-        self._finish()
+        self._finish(reuse=ok)
 
-    def _finish(self) -> None:
-        for c in (self.tx, self.rx):
-            c.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    def _finish(self, reuse: bool = False) -> None:
         for p in self._files:
             Path(p).unlink(missing_ok=True)
+        if reuse:
+            _give_back(self.child)
+        else:
+            self.child.stop()
 
 
 # ---- the writer process ----------------------------------------------------------------------
@@ -212,16 +268,16 @@ def main(rfd: int, wfd: int) -> None:
                 writer.write(table)
                 vals = p.get("vals")
                 tx.send(("ack", table.num_rows, 0 if vals is None else int(vals.size), path))
-            elif msg[0] == "close":
+            elif msg[0] == "close":  # the file is complete; wait for the next one
                 assert writer is not None
                 writer.close()
+                writer = None
                 tx.send(("closed",))
-                return
             elif msg[0] == "abort":
                 if writer is not None:
                     writer.abort()
+                writer = None
                 tx.send(("aborted",))
-                return
     except BaseException:
         if writer is not None:
             writer.abort()

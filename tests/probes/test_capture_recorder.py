@@ -219,15 +219,19 @@ def test_batched_device_path_equals_the_cpu_path(tmp_path, monkeypatch):
     assert recs[2].summary()["writer"] == "process" and recs[2].summary()["rows"] == len(a)
 
 
-def test_writer_process_abort_leaves_no_files(tmp_path):
+def test_writer_process_abort_leaves_no_files_and_is_reused(tmp_path):
     from mismatch_probe.probes.recorder_writer import _shm_dir
 
     dest = tmp_path / "ops.parquet"
     r = OpRecorder(CapturePlan("stats"), sink=dest, buffer_rows=4)
-    proc = r._proc.proc
+    pid = r._proc.proc.pid
     for i in range(3):  # several chunks handed to the process
         r.record(f"{i}.out", _rand(torch.bfloat16, 4, 8, i), np.zeros(4, np.int64), np.arange(4))
     r.abort()
-    assert proc.wait(timeout=30) is not None
     assert not any(tmp_path.iterdir())
     assert not list(Path(_shm_dir()).glob(f"mp-ops-{os.getpid()}-*"))
+    r2 = OpRecorder(CapturePlan("stats"), sink=dest)  # the next recorder writes through the same process
+    assert r2._proc.proc.pid == pid
+    r2.record("0.out", _rand(torch.bfloat16, 4, 8, 0), np.zeros(4, np.int64), np.arange(4))
+    r2.close()
+    assert read_table(dest, "ops").num_rows == 4 and r2.summary()["rows"] == 4
