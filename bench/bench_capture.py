@@ -127,13 +127,23 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
 
     recmod.BUFFER_ROWS = buffer_rows
     recmod.OpRecorder.close = timed_close
+    from mismatch_probe.probes import digest_triton
+
+    orig_launch, orig_record = digest_triton.launch_desc, recmod.OpRecorder.record
     out = []
     ref_lp = None
     try:
         for mode in modes:
-            # MODE@thread: the same capture with the writer thread instead of the writer process
-            base_mode, _, writer = mode.partition("@")
-            os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = writer or "process"
+            # variants of a mode (MODE@VARIANT), to attribute the cost:
+            #   thread   the writer thread instead of the writer process
+            #   main     the digest kernels on the engine's stream instead of a side stream
+            #   nolaunch no digest kernel launched (host work, copies and writing only; rows hold garbage)
+            #   hooks    the hooks run but record nothing (hook dispatch + the reshape of each tensor)
+            base_mode, _, variant = mode.partition("@")
+            os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
+            os.environ["MISMATCH_PROBE_CAPTURE_STREAM"] = "main" if variant == "main" else "side"
+            digest_triton.launch_desc = (lambda *a, **k: None) if variant == "nolaunch" else orig_launch
+            recmod.OpRecorder.record = (lambda *a, **k: None) if variant == "hooks" else orig_record
             plan = plans(full_rows)[base_mode]
             r.capture = plan
             dest = tmp / f"{shape}-{mode}.parquet"
@@ -161,13 +171,30 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
                 size = dest.stat().st_size
                 row.update(bytes=size, bytes_per_token=size / tokens, rows=r.info.settings["capture"]["rows"])
                 row["digest_check"] = _check_full_rows(dest)
+                row["table_sha"] = _table_sha(dest)  # same hash across variants: the same rows, bit for bit
             out.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
     finally:
         recmod.OpRecorder.close = orig_close
+        digest_triton.launch_desc, recmod.OpRecorder.record = orig_launch, orig_record
         os.environ.pop("MISMATCH_PROBE_CAPTURE_WRITER", None)
+        os.environ.pop("MISMATCH_PROBE_CAPTURE_STREAM", None)
     del model, r
     return out
+
+
+def _table_sha(path: Path) -> str:
+    """sha256 of the digest and stats columns in (op, seq_id, pos) order (values excluded)."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    cols = ["op", "seq_id", "pos", "digest", "sum", "sum_sq", "abs_max", "n_nan", "n_inf"]
+    t = pq.read_table(path, columns=cols).sort_by([("op", "ascending"), ("seq_id", "ascending"), ("pos", "ascending")])
+    h = hashlib.sha256()
+    for c in cols[3:]:
+        h.update(t.column(c).to_numpy(zero_copy_only=False).astype(str if c == "digest" else float).tobytes())
+    return h.hexdigest()[:12]
 
 
 def _check_full_rows(path: Path) -> dict[str, Any]:
@@ -390,7 +417,7 @@ def main() -> None:
     ap.add_argument("--kernel-bench", action="store_true", help="CUDA: the digest kernel alone per (BLOCK, WARPS)")
     ap.add_argument("--profile", action="store_true", help="CUDA: torch.profiler table of one digest forward")
     ap.add_argument("--kernel-auto", action="store_true", help="CUDA: forwards use the fastest (BLOCK, WARPS) found")
-    ap.add_argument("--thread-shapes", default="qwen3-0.6b", help="shapes that also run the MODE@thread modes")
+    ap.add_argument("--variant-shapes", default="qwen3-0.6b", help="shapes that also run the MODE@VARIANT modes")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     res: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "argv": sys.argv,
@@ -422,8 +449,8 @@ def main() -> None:
                 profile_forward(a.shapes.split(",")[0], "digest", a.seq_len, a.seqs_per_mb, tmp, a.out.parent if a.out else tmp)
         res["runs"] = []
         for shape in a.shapes.split(","):
-            # MODE@thread (writer thread instead of process) only on --thread-shapes
-            modes = [m for m in a.modes.split(",") if "@" not in m or shape in a.thread_shapes.split(",")]
+            # MODE@VARIANT (see time_modes) only on --variant-shapes
+            modes = [m for m in a.modes.split(",") if "@" not in m or shape in a.variant_shapes.split(",")]
             res["runs"] += time_modes(shape, a.device, a.seq_len, a.seqs_per_mb, a.mbs, a.repeats, a.full_rows,
                                       a.buffer_rows, tmp, modes)
             for f in tmp.glob("*.parquet"):
@@ -436,16 +463,17 @@ def main() -> None:
         if "cuda_digest_equal_numpy" in res:
             print("digest==numpy, stats close, counts equal:", {d: "".join("YN"[not v] for v in r.values())
                                                                  for d, r in res["cuda_digest_equal_numpy"].items()})
-        print(f"\n{'shape':12} {'mode':12} {'forward s':>10} {'x off':>6} {'total s':>8} {'x off':>6} {'B/token':>9} "
-              f"{'rows':>10} {'peak RSS MB':>11} {'lp==off':>7}")
+        print(f"\n{'shape':12} {'mode':16} {'forward s':>10} {'x off':>6} {'total s':>8} {'x off':>6} {'B/token':>9} "
+              f"{'rows':>10} {'peak RSS MB':>11} {'lp==off':>7} {'table sha':>12}")
         base: dict[str, dict[str, float]] = {}
         for r in res["runs"]:
             if r["mode"] == "off":
                 base[r["shape"]] = r
             b = base.get(r["shape"], r)
-            print(f"{r['shape']:12} {r['mode']:12} {r['forward_s']:10.4f} {r['forward_s'] / b['forward_s']:6.2f} "
+            print(f"{r['shape']:12} {r['mode']:16} {r['forward_s']:10.4f} {r['forward_s'] / b['forward_s']:6.2f} "
                   f"{r['total_s']:8.3f} {r['total_s'] / b['total_s']:6.2f} {r.get('bytes_per_token', 0):9.0f} "
-                  f"{r.get('rows', 0):10d} {r['peak_rss_mb']:11.0f} {str(r['logprobs_equal_off']):>7}")
+                  f"{r.get('rows', 0):10d} {r['peak_rss_mb']:11.0f} {str(r['logprobs_equal_off']):>7} "
+                  f"{r.get('table_sha', ''):>12}")
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
 

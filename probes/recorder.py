@@ -24,6 +24,7 @@ and without capture are bitwise equal).
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from mismatch_probe.run.schema import DIGEST_KEY
 BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, one row group)
 _QUEUE_OPS = 64  # queued tensors (CUDA) before a launch
 _QUEUE_BYTES = 1 << 30
+_HELD_MAX = 4  # side-stream batches in flight before the recording thread waits for the oldest
 _META = {DIGEST_KEY: b"mp64"}
 
 
@@ -92,6 +94,8 @@ class OpRecorder:
         self._queued = (0, 0)
         self._intern: dict[bytes, _Rows | None] = {}
         self._intern_key: tuple[Any, Any] = (None, None)
+        self._stream: Any = False  # not decided yet (see _side)
+        self._held: collections.deque = collections.deque()
 
     # ---- setup ---------------------------------------------------------------------------
     def begin(self, seq_ids: list[int], lengths: list[int]) -> None:
@@ -229,16 +233,61 @@ class OpRecorder:
         if self._queued[0] >= _QUEUE_OPS or self._queued[1] >= _QUEUE_BYTES:
             self._launch()
 
+    def _side(self) -> Any:
+        """The CUDA stream the recorder's device work runs on (None: the engine's own stream).
+
+        On a side stream the digest/stats kernels and the chunk copies overlap the engine's
+        kernels (they are integer-ALU-bound, the engine's GEMMs are not); each batch waits for an
+        event recorded on the engine's stream after the tensors it reads were produced, and the
+        tensors stay referenced until an event after the batch has completed, so the allocator
+        never hands their memory to the engine while they are read."""
+        import torch
+
+        if self._stream is False:
+            self._stream = None
+            if self._device.type == "cuda" and os.environ.get("MISMATCH_PROBE_CAPTURE_STREAM", "side") == "side":
+                self._stream = torch.cuda.Stream(self._device)
+        return self._stream
+
+    def _after_engine(self) -> Any:
+        """Context: device work ordered after everything the engine's stream has queued so far."""
+        import contextlib
+
+        import torch
+
+        side = self._side() if self._is_batched else None
+        if side is None:
+            return contextlib.nullcontext()
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        return torch.cuda.stream(side)
+
+    def _hold_until_done(self, refs: list[Any]) -> None:
+        """Keep ``refs`` alive until the side stream's work queued so far has run."""
+        import torch
+
+        if self._stream is None or self._stream is False:
+            return
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        self._held.append((done, refs))
+        while self._held and (self._held[0][0].query() or len(self._held) > _HELD_MAX):
+            self._held[0][0].synchronize()  # done already, unless too many batches are in flight
+            self._held.popleft()
+
     def _launch(self) -> None:
         from mismatch_probe.probes import digest_triton
 
         if not self._queue:
             return
-        dig, st = self._arena()
-        for items in self._queue.values():
-            items = [(t, off) for t, off in items if t.shape[1] > 0]
-            for i in range(0, len(items), 512):
-                digest_triton.launch([(t, off, 0) for t, off in items[i : i + 512]], dig, st)
+        refs = []
+        with self._after_engine():
+            dig, st = self._arena()
+            for items in self._queue.values():
+                items = [(t, off) for t, off in items if t.shape[1] > 0]
+                for i in range(0, len(items), 512):
+                    digest_triton.launch([(t, off, 0) for t, off in items[i : i + 512]], dig, st)
+                refs.append(items)
+        self._hold_until_done(refs)
         self._queue.clear()
         self._queued = (0, 0)
 
@@ -253,16 +302,18 @@ class OpRecorder:
         u = self._used
         if self._is_batched:
             self._launch()
-            dig, st = self._arena()
-            vals = self._to_host([v.reshape(-1).view(torch.uint8) for v in self._values])
-            tv = self._to_host([a for a, _ in self._topk])
-            ti = self._to_host([b for _, b in self._topk])
-            # hex digits made on the device: the host thread only slices bytes (short GIL holds)
-            hd, hs = self._to_host([hex_chars(dig[:u])]), self._to_host([st[:u]])  # stream-ordered
-            ev = None
-            if self._device.type == "cuda":
-                ev = torch.cuda.Event()
-                ev.record()
+            with self._after_engine():  # the values and top-k were gathered on the engine's stream
+                dig, st = self._arena()
+                vals = self._to_host([v.reshape(-1).view(torch.uint8) for v in self._values])
+                tv = self._to_host([a for a, _ in self._topk])
+                ti = self._to_host([b for _, b in self._topk])
+                # hex digits made on the device: the host thread only slices bytes (short GIL holds)
+                hd, hs = self._to_host([hex_chars(dig[:u])]), self._to_host([st[:u]])  # stream-ordered
+                ev = None
+                if self._device.type == "cuda":
+                    ev = torch.cuda.Event()
+                    ev.record()
+            self._hold_until_done([self._values, self._topk])
             job = (ev, self._segs, hd, hs, vals, tv, ti)
         else:
             dig, st = self._arena()
@@ -363,6 +414,13 @@ class OpRecorder:
         if self._writer is not None:
             self._writer.close()
         self._closed = True
+        self._release_device()
+
+    def _release_device(self) -> None:
+        """Drop the arena and held tensors once the side stream has finished with them."""
+        if self._stream:
+            self._stream.synchronize()
+        self._held.clear()
         self._arenas.clear()
 
     def abort(self) -> None:
@@ -372,7 +430,7 @@ class OpRecorder:
         if self._thread is not None:
             self._error = self._error or RuntimeError("aborted")
             self._join()
-        self._arenas.clear()
+        self._release_device()
         if self._writer is not None:
             self._writer.abort()
         if self._proc is not None:
