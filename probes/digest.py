@@ -168,6 +168,17 @@ def _numba_kernels() -> Any:
     return _NB
 
 
+def warm_cpu_kernels() -> None:
+    """Import the numba kernels and load their compiled code for the usual dtypes (for a thread
+    started while the engine loads its model, so the first captured op does not pay for it)."""
+    import torch
+
+    nb = _numba_kernels()
+    if nb:
+        for dt in (torch.bfloat16, torch.float32):
+            nb.rows(torch.zeros(1, 8, dtype=dt), np.zeros(1, np.uint64), np.zeros((1, 5)))
+
+
 def digest_stats_cpu(t: Any, dig_out: np.ndarray, st_out: np.ndarray, col_offset: int = 0) -> None:
     """Digest and stats of the rows of a 2-D CPU tensor into ``dig_out`` (uint64 [rows]) and
     ``st_out`` (float64 [rows, 5]) (numba when available, else torch ops)."""

@@ -84,7 +84,11 @@ def _build_table(segs: list[_Seg], dig: np.ndarray, st: np.ndarray, vals: np.nda
     np.cumsum(vlen, out=voff[1:])
     valid = pa.py_buffer(np.packbits(modes == FULL, bitorder="little"))
     data = pa.py_buffer(vals if vals is not None else b"")
-    values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n_total, [valid, pa.py_buffer(voff), data])
+    if voff[-1] < 1 << 31:  # int32 offsets: the column's own type, no cast (a copy of every value byte)
+        values = pa.BinaryArray.from_buffers(pa.binary(), n_total, [valid, pa.py_buffer(voff.astype(np.int32)), data])
+    else:
+        values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n_total, [valid, pa.py_buffer(voff), data])
+        values = values.cast(pa.binary())
     # shape: one list per row
     slen = np.repeat([len(s.shape) for s in segs], ks)
     soff = np.zeros(n_total + 1, np.int32)
@@ -106,7 +110,7 @@ def _build_table(segs: list[_Seg], dig: np.ndarray, st: np.ndarray, vals: np.nda
         "n_nan": np.where(stats_on, s5[:, 3], 0).astype(np.int64),
         "n_inf": np.where(stats_on, s5[:, 4], 0).astype(np.int64),
         "digest": hex_array(None, hexc),
-        "values": values.cast(pa.binary()),
+        "values": values,
     }
     cols["topk_ids"], cols["topk_values"] = _topk_cols(segs, ks, stats_on, tv, ti)
     return pa.table(cols, schema=_ops_schema())

@@ -39,6 +39,8 @@ from mismatch_probe.run.schema import DIGEST_KEY
 BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, one row group)
 _QUEUE_OPS = 64  # queued tensors (CUDA) before a launch
 _QUEUE_BYTES = 1 << 30
+# CPU: kept values go to the writer in pieces of this size, so it writes them while the engine runs on
+_CPU_VALUE_BYTES = 64 << 20
 _HELD_MAX = 4  # side-stream batches in flight before the recording thread waits for the oldest
 _META = {DIGEST_KEY: b"mp64"}
 
@@ -202,7 +204,7 @@ class OpRecorder:
             self._topk_n += src.shape[0]
             self._topk.append((tv.float(), ti.int()))
         self._segs.append(seg)
-        if self._vbytes > self.buffer_bytes:
+        if self._vbytes > (self.buffer_bytes if cuda else min(self.buffer_bytes, _CPU_VALUE_BYTES)):
             self.flush()
 
     # ---- device arena (CUDA) ---------------------------------------------------------------
@@ -318,7 +320,8 @@ class OpRecorder:
         else:
             dig, st = self._arena()
             self._arenas.clear()  # the writer owns these arrays now; the next chunk gets new ones
-            vals = np.concatenate([v.reshape(-1).view(torch.uint8).numpy() for v in self._values]) if self._values else None
+            # the values in pieces (the feeder writes them one after another: no concatenated copy here)
+            vals = [v.reshape(-1).view(torch.uint8).numpy() for v in self._values] or None
             tv = torch.cat([a for a, _ in self._topk]).numpy() if self._topk else None
             ti = torch.cat([b for _, b in self._topk]).numpy() if self._topk else None
             job = (None, self._segs, dig[:u], st[:u], vals, tv, ti)
@@ -376,6 +379,8 @@ class OpRecorder:
     def _drain(self, ev: Any, segs: list[_Seg], dig: Any, st: Any, vals: Any, tv: Any, ti: Any) -> None:
         if ev is not None:
             ev.synchronize()
+        if isinstance(vals, list):
+            vals = np.concatenate(vals)
         if not isinstance(dig, np.ndarray):
             dig, st = dig.numpy(), st.numpy()  # dig: hex digits uint8 [rows, 16]
             vals = None if vals is None else vals.numpy()

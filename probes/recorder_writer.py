@@ -155,11 +155,13 @@ class WriterProcess:
                 a = parts.get(name)
                 if a is None:
                     continue
-                a = a.numpy() if hasattr(a, "numpy") else a
-                a = np.ascontiguousarray(a)
-                layout[name] = (a.dtype.str, a.shape, off)
-                f.write(memoryview(a.reshape(-1).view(np.uint8)))
-                off += a.nbytes
+                pieces = a if isinstance(a, list) else [a]  # a list: byte pieces of one part (CPU values)
+                pieces = [np.ascontiguousarray(x.numpy() if hasattr(x, "numpy") else x) for x in pieces]
+                n = sum(x.nbytes for x in pieces)
+                layout[name] = ("|u1", (n,), off) if isinstance(a, list) else (pieces[0].dtype.str, pieces[0].shape, off)
+                for x in pieces:
+                    f.write(memoryview(x.reshape(-1).view(np.uint8)))
+                off += n
         while self._inflight >= self.queue_chunks:
             self._recv_ack()
         self.tx.send(("chunk", path, layout, segs))

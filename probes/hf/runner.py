@@ -139,6 +139,12 @@ class HfLearner(Runner):
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
             self.info.auto["device"] = {"value": self.device, "reason": "CUDA available" if self.device == "cuda" else "no CUDA"}
+        if str(self.device) == "cpu" and (self.capture is not None or self.ops_dest is not None):
+            import threading
+
+            from mismatch_probe.probes.digest import warm_cpu_kernels
+
+            threading.Thread(target=warm_cpu_kernels, name="capture-kernel-warmup", daemon=True).start()
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation=self.attn_implementation,
             **self.model_kwargs,
