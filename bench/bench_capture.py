@@ -169,7 +169,8 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
                    "logprobs_equal_off": all(np.array_equal(a, b) for a, b in zip(lp, ref_lp, strict=True))}
             if plan is not None:
                 size = dest.stat().st_size
-                row.update(bytes=size, bytes_per_token=size / tokens, rows=r.info.settings["capture"]["rows"])
+                row.update(bytes=size, bytes_per_token=size / tokens, rows=r.info.settings["capture"]["rows"],
+                           writer_peak_rss_mb=r.info.settings["capture"].get("writer_peak_rss_mb"))
                 row["digest_check"] = _check_full_rows(dest)
                 row["table_sha"] = _table_sha(dest)  # same hash across variants: the same rows, bit for bit
             out.append(row)
@@ -397,6 +398,7 @@ def _rss_child(n_seqs: int, seq_len: int) -> None:
     print(json.dumps({"seqs": n_seqs, "tokens": n_seqs * seq_len, "rows": r.info.settings["capture"]["rows"],
                       "ops_mb": round(r.ops_dest.stat().st_size / 1e6, 1), "seconds": round(time.perf_counter() - t0, 1),
                       "rss_before_mb": round(base, 1), "peak_rss_during_mb": round(_peak_rss_mb(), 1),
+                      "writer_process_peak_rss_mb": r.info.settings["capture"].get("writer_peak_rss_mb"),
                       "buffer_rows": r.info.settings["capture"]["buffer_rows"], "threads": torch.get_num_threads()}))
 
 

@@ -60,6 +60,7 @@ class OpRecorder:
         self.buffer_bytes = int(buffer_bytes)
         self.rows_written = 0
         self.value_bytes = 0
+        self.writer_peak_rss_mb: float | None = None  # the writer process's (the engine's process reports its own)
         self._cache: dict[str, tuple[Any, Any, _Rows | None]] = {}
         self._window: tuple[np.ndarray, np.ndarray] | None = None  # sorted seq ids, full-row limit each
         self._writer: Any = None
@@ -412,6 +413,7 @@ class OpRecorder:
             if self._proc is not None:
                 self._proc.close()
                 self.rows_written, self.value_bytes = self._proc.rows, self._proc.value_bytes
+                self.writer_peak_rss_mb = self._proc.peak_rss_mb
                 self._proc = None
         except BaseException:
             self.abort()
@@ -448,7 +450,8 @@ class OpRecorder:
         """What was kept, for the manifest."""
         return {"plan": self.plan.to_json(), "digest": "mp64 (probes/digest.py)", "rows": self.rows_written,
                 "value_bytes": self.value_bytes, "buffer_rows": self.buffer_rows, "buffer_bytes": self.buffer_bytes,
-                "streamed": self._sink is not None, "writer": self.writer_mode}
+                "streamed": self._sink is not None, "writer": self.writer_mode,
+                **({"writer_peak_rss_mb": self.writer_peak_rss_mb} if self.writer_peak_rss_mb is not None else {})}
 
     def table(self) -> pa.Table:
         """The whole ``ops`` table (in-memory recorders only)."""

@@ -11,7 +11,8 @@ process reads the file, builds the table and writes the row group. The table is 
 in-memory path's (tested).
 
 Protocol (pickles over two pipes): ``("open", sink, tmp, meta)``; ``("chunk", data_path, parts,
-segs)`` -> ``("ack", rows, value_bytes, data_path)``; ``("close",)`` -> ``("closed",)`` (file
+segs)`` -> ``("ack", rows, value_bytes, data_path)``; ``("close",)`` -> ``("closed", peak RSS MB
+of this process while it wrote the file)`` (file
 renamed into place); ``("abort",)`` -> ``("aborted",)`` (temp file removed); any failure ->
 ``("error", text)`` and the process exits. After ``closed``/``aborted`` the process waits for the
 next ``open`` (one process serves the recorders of an engine process one after another); it exits
@@ -123,6 +124,7 @@ class WriterProcess:
         self.error: BaseException | None = None
         self.rows = 0
         self.value_bytes = 0
+        self.peak_rss_mb: float | None = None
         self._inflight = 0
         self._n = 0
         self._files: set[str] = set()
@@ -199,8 +201,10 @@ class WriterProcess:
         while self._inflight:
             self._recv_ack()
         self.tx.send(("close",))
-        if self._recv()[0] != "closed":
+        msg = self._recv()
+        if msg[0] != "closed":
             raise RuntimeError("op writer process did not close the file")
+        self.peak_rss_mb = msg[1]
         self._finish(reuse=True)
 
     def abort(self) -> None:
@@ -244,6 +248,23 @@ def _read_parts(path: str, layout: dict[str, tuple[str, tuple, int]]) -> dict[st
     return out
 
 
+def _peak_rss_reset() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def main(rfd: int, wfd: int) -> None:
     from mismatch_probe.probes.ops_table import _build_table, _ops_schema
     from mismatch_probe.run.schema import StreamWriter
@@ -259,6 +280,7 @@ def main(rfd: int, wfd: int) -> None:
                     writer.abort()
                 return
             if msg[0] == "open":
+                _peak_rss_reset()
                 _, sink, tmp, meta = msg
                 writer = StreamWriter(Path(sink), "ops", _ops_schema(), meta, tmp=tmp)
             elif msg[0] == "chunk":
@@ -274,7 +296,7 @@ def main(rfd: int, wfd: int) -> None:
                 assert writer is not None
                 writer.close()
                 writer = None
-                tx.send(("closed",))
+                tx.send(("closed", _peak_rss_mb()))
             elif msg[0] == "abort":
                 if writer is not None:
                     writer.abort()
