@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The H200 round of BENCHMARKS.md "Op capture (issue #11)". Builds an importable package under $PKG
+# (the repo's package-dir layout, no `pip install` needed on the GPU machine), then runs:
+#   1. the CUDA digest/stats check against numpy (9 dtypes) and the Qwen3-0.6B-shaped forwards with the
+#      cost-attribution variants (see bench_capture.py time_modes),
+#   2. the Qwen3-8B-shaped forwards.
+# Raw JSON and logs go to $OUT. Round 1 of 2026-12-01 (the kernel alone per block/warps, writer process vs
+# thread, profiler table) was: bench_capture.py --device cuda --shapes qwen3-0.6b,qwen3-8b --repeats 3 --mbs 3
+#   --modes off,digest,stats,full-window,digest@thread,stats@thread --kernel-bench --kernel-auto --profile
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+pkg="${PKG:-/tmp/mp_capture_pkg}"
+rm -rf "$pkg" && mkdir -p "$pkg"
+cp -r "$root/mismatch_probe" "$pkg/mismatch_probe"
+for sub in probes kernels reports; do cp -r "$root/$sub" "$pkg/mismatch_probe/$sub"; done
+export PYTHONPATH="$pkg:$root" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+cd "$root"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python -c "import torch, triton, transformers, pyarrow, os; print(torch.__version__, triton.__version__, transformers.__version__, pyarrow.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/gpu.txt"
+python bench/bench_capture.py --device cuda --shapes qwen3-0.6b --repeats 3 --mbs 3 \
+  --modes off,digest,stats,full-window,digest@main,stats@main,digest@nolaunch,digest@hooks --variant-shapes qwen3-0.6b \
+  --out "$OUT/h200_capture_06b.json" 2>&1 | tee "$OUT/h200_capture_06b.log"
+python bench/bench_capture.py --device cuda --shapes qwen3-8b --repeats 3 --mbs 3 \
+  --modes off,digest,stats,full-window,stats@main --variant-shapes qwen3-8b \
+  --out "$OUT/h200_capture_8b.json" 2>&1 | tee "$OUT/h200_capture_8b.log"
