@@ -15,8 +15,9 @@
    (native and Triton) and prefill paths, repeated runs (N = K = 8192).
 5. ``moe``: Qwen3-30B-A3B experts (128, top-8, hidden 2048, intermediate 768), 16384 and 64 tokens:
    ``torch._grouped_mm`` bf16 vs the grouped NVFP4 GEMM; grouped == per-expert calls.
-6. ``e2e``: HF forward of a Qwen3-0.6B-shaped model (random weights, built in memory) on 4 x 1024
-   tokens: bf16, ``nvfp4-per-token`` linears only, the whole ``nvfp4-per-token`` recipe.
+6. ``e2e``: HF forward of a Qwen3-0.6B-shaped model (random weights, built in memory): bf16 vs
+   ``nvfp4-per-token`` linears only on 4 x 1024 tokens and on 1 x 16 (decode-shaped: the native
+   decode GEMM), the whole ``nvfp4-per-token`` recipe on 1 x 256.
 
 Kernel timings: ``triton.testing.do_bench_cudagraph`` medians (launch overhead excluded, as under
 CUDA graphs in a serving engine); a few rows also without graphs. The HF forward: wall time of
@@ -330,6 +331,7 @@ def e2e() -> None:
 
     small = ids[:1, :256]
     for inp, label, ops, runs in ((ids, "nvfp4-per-token, linears only", ["linear"], 5),
+                                  (ids[:1, :16], "nvfp4-per-token, linears only, decode-shaped (M = 16)", ["linear"], 5),
                                   (small, "nvfp4-per-token, whole recipe (strict norm/act/rope/attention too)", None, 1)):
         base, lb = timed("bf16 (engine)", inp, runs=runs)
         with patch(model, "nvfp4-per-token", ops=ops) as h:
@@ -337,8 +339,10 @@ def e2e() -> None:
             ROWS[-1]["vs_bf16"] = base / t
             summ = h.describe().get("nvfp4_kernels") or {}
             paths = sorted({p for s in summ.values() for p in s["paths_used"]})
+            kern = next(iter(summ.values()), {}).get("kernel") or {}
             note(f"e2e {label}: {len(summ)} NVFP4 linears, paths used {paths}; logits vs bf16 max |d| "
-                 f"{float((lo - lb).abs().max()):.3g}")
+                 f"{float((lo - lb).abs().max()):.3g}; first linear's manifest record: backend {kern.get('backend')}, "
+                 f"path {kern.get('path')}, config {kern.get('config')}")
 
 
 def table() -> None:

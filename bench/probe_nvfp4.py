@@ -285,6 +285,162 @@ def decode() -> None:
         T.DECODE_CFG.clear()
 
 
+# (NSEG_TARGET, NSEG_MAX) candidates of tc_linear.nseg_for, and the layer shapes (N, K) timed beside
+# N = K = 8192: Qwen3-8B q/o, gate/up, down; Qwen3-0.6B gate/up, q
+NSEG_CANDIDATES = ((512, 8), (1024, 8), (256, 8), (128, 8))
+NSEG_SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (3072, 1024), (2048, 1024))
+NSEG_NK, NSEG_ROWS, NSEG_ROWS2, DEV = 8192, 8192, 4096, "cuda"  # (smaller on the CPU, for a dry run of the logic)
+OUT_DIR = {"path": "."}
+
+
+@section
+def nseg() -> None:
+    """Per candidate K-segment rule: N = K = 8192 native decode (in-kernel / separate reduction) M = 1,
+    16, 64, Triton decode M = 16, prefill M = 8192, the linear at M = 16; rows identical for every M
+    of the issue's list, offsets 0 and 37, every path; tolerance vs the per-block reference; then
+    the layer shapes: decode M = 16 and prefill M = 4096 vs cuBLAS, decode rows == prefill rows."""
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
+    from mismatch_probe.kernels.nvfp4 import native
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    n = k = NSEG_NK
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    wq = nvfp4_quantize(w)
+    X = torch.randn(NSEG_ROWS, k, device=DEV, dtype=torch.bfloat16)
+    aq = nvfp4_quantize(X, per_token=True)
+    aop = T.act_operand(aq)
+    cub = {m: rec(f"N=K={n} M={m} cuBLAS bf16", lambda: X[:m] @ w.t(), m=m) for m in (1, 16, 64, NSEG_ROWS)}
+    shapes = []
+    for i, (n2, k2) in enumerate(NSEG_SHAPES):  # odd ones: per-row weight amax (the aligned recipes' weights)
+        w2 = torch.randn(n2, k2, device=DEV, dtype=torch.bfloat16)
+        x2 = torch.randn(NSEG_ROWS2, k2, device=DEV, dtype=torch.bfloat16)
+        a2 = nvfp4_quantize(x2, per_token=True)
+        shapes.append((n2, k2, nvfp4_quantize(w2, per_token=i % 2 == 1), a2, T.act_operand(a2),
+                       rec(f"N={n2} K={k2} M=16 cuBLAS bf16", lambda: x2[:16] @ w2.t()),
+                       rec(f"N={n2} K={k2} M=4096 cuBLAS bf16", lambda: x2 @ w2.t())))
+    summary: list[dict] = []
+    NSEG_SUMMARY.update(cublas={str(m): v for m, v in cub.items()}, candidates=summary,
+                        shapes_cublas={f"N={n2} K={k2}": [c16, c4096] for n2, k2, *_, c16, c4096 in shapes})
+    for target, cap in NSEG_CANDIDATES:
+        T.NSEG_TARGET, T.NSEG_MAX = target, cap
+        tw = T.prepare(wq)
+        tag = f"[target {target} max {cap}] N=K={n} nseg={tw.nseg}"
+        full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
+        bad = [] if eq(T.tc_matmul(aq, tw, path="prefill", a_op=aop), full) else ["repeat prefill"]
+        row = {"target": target, "max": cap, "nseg": tw.nseg}
+        row["prefill_8192"] = rec(f"{tag} M={NSEG_ROWS} prefill", lambda: T.tc_matmul(aq, tw, path="prefill", a_op=aop),
+                                  cublas_ms=cub[NSEG_ROWS], nseg=tw.nseg)
+        for m in (1, 16, 64):
+            a = type(aq)(aq.codes[:m], aq.scales[:m], aq.amax[:m], True)
+            op = aop[:m]
+            for fused in ((True, False) if tw.nseg > 1 else (True,)):
+                native.NATIVE_CFG["fused"] = fused
+                ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
+                lab = "native decode" + ("" if tw.nseg == 1 else (" in-kernel reduce" if fused else " + reduce_kernel"))
+                row[f"{lab} M={m}"] = rec(f"{tag} M={m} {lab}", lambda: T.tc_matmul(a, tw, path="decode", a_op=op),
+                                          cublas_ms=cub[m], rows_eq_prefill=ok, nseg=tw.nseg)
+                if not ok:
+                    bad.append((m, 0, lab))
+            native.NATIVE_CFG.clear()
+            if m == 16:
+                T.DECODE_CFG["NATIVE"] = False
+                ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
+                row["triton decode M=16"] = rec(f"{tag} M=16 Triton decode", lambda: T.tc_matmul(a, tw, path="decode", a_op=op),
+                                                cublas_ms=cub[m], rows_eq_prefill=ok, nseg=tw.nseg)
+                T.DECODE_CFG.clear()
+                x16 = X[:16]
+                row["linear M=16"] = rec(f"{tag} M=16 linear incl. quantize", lambda: T.tc_linear(x16, tw),
+                                         cublas_ms=cub[m], nseg=tw.nseg)
+        n_cmp = 0
+        for m in TC_MS:
+            for off in (0, 37):
+                if off + m > aq.shape[0]:
+                    continue
+                sub = type(aq)(aq.codes[off:off + m], aq.scales[off:off + m], aq.amax[off:off + m], True)
+                ways = (("native", {}), ("native-2launch", {"fused": False}), ("triton", None), ("prefill", None),
+                        ("linear", None)) if m <= 64 else (("prefill", None),)
+                for way, ncfg in ways:
+                    n_cmp += 1
+                    if way.startswith("native"):
+                        native.NATIVE_CFG.update(ncfg)
+                        got = T.tc_matmul(sub, tw, path="decode")
+                        native.NATIVE_CFG.clear()
+                    elif way == "triton":
+                        T.DECODE_CFG["NATIVE"] = False
+                        got = T.tc_matmul(sub, tw, path="decode")
+                        T.DECODE_CFG.clear()
+                    elif way == "linear":
+                        got = T.tc_linear(X[off:off + m], tw)
+                    else:
+                        got = T.tc_matmul(sub, tw, path="prefill")
+                    if not eq(got, full[off:off + m]):
+                        bad.append((m, off, way))
+        sub = type(aq)(aq.codes[:64], aq.scales[:64], aq.amax[:64], True)
+        row["rows"] = f"{n_cmp} comparisons: {'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad}'}"
+        try:
+            row["tolerance"] = tc_within_bound(full[:64], sub, wq)
+        except AssertionError as e:
+            row["tolerance"] = f"FAILED: {e}"
+        note(f"{tag}: {row['rows']}; vs per-block reference (64 rows): {row['tolerance']}; "
+             f"record M=16: {T.kernel_record(16, tw)}")
+        for n2, k2, wq2, a2, aop2, cub16, cub4096 in shapes:
+            tp = T.prepare(wq2)
+            t2 = f"[target {target} max {cap}] N={n2} K={k2} nseg={tp.nseg}"
+            f2 = T.tc_matmul(a2, tp, path="prefill", a_op=aop2)
+            bad2 = []
+            for m in (1, 16, 33, 64):
+                sub = type(a2)(a2.codes[:m], a2.scales[:m], a2.amax[:m], True)
+                if not eq(T.tc_matmul(sub, tp, path="decode"), f2[:m]):
+                    bad2.append(m)
+            a16 = type(a2)(a2.codes[:16], a2.scales[:16], a2.amax[:16], True)
+            op16 = aop2[:16]
+            row[f"N={n2} K={k2}"] = {
+                "nseg": tp.nseg, "decode_eq_prefill": not bad2, "per_row_weight": tp.per_row,
+                "decode_16": rec(f"{t2} M=16 native decode", lambda: T.tc_matmul(a16, tp, path="decode", a_op=op16),
+                                 cublas_ms=cub16, rows_eq_prefill=not bad2, nseg=tp.nseg),
+                "prefill_4096": rec(f"{t2} M={NSEG_ROWS2} prefill", lambda: T.tc_matmul(a2, tp, path="prefill", a_op=aop2),
+                                    cublas_ms=cub4096, nseg=tp.nseg)}
+            if bad2:
+                note(f"{t2}: decode rows differ from prefill at M {bad2}")
+        summary.append(row)
+        with open(os.path.join(OUT_DIR["path"], "nseg.json"), "w") as f:  # after each candidate (a cut-off run keeps them)
+            json.dump({"rows": ROWS, "notes": NOTES, "nseg": NSEG_SUMMARY}, f, indent=1)
+    T.NSEG_TARGET, T.NSEG_MAX = 128, 8
+
+
+NSEG_SUMMARY: dict = {}
+
+
+def nseg_table() -> None:
+    """The candidates side by side (printed last): us, and prefill as a multiple of cuBLAS bf16's time."""
+    us = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
+    x = lambda v, c: "-" if v is None or not c else f"{v / c:.2f}x"  # noqa: E731
+    cub, sc = NSEG_SUMMARY["cublas"], NSEG_SUMMARY["shapes_cublas"]
+    big = str(NSEG_ROWS)
+    print(f"\nN=K={NSEG_NK} cuBLAS bf16: M=1 {us(cub['1'])}, M=16 {us(cub['16'])}, M=64 {us(cub['64'])}, "
+          f"M={big} {us(cub[big])} us; layer shapes M=16 / M={NSEG_ROWS2}: "
+          + "; ".join(f"{key} {us(v[0])} / {us(v[1])}" for key, v in sc.items()))
+    print("| target (max) | nseg | native dec M=1 | M=16 | M=16, 2 launches | M=64 | Triton M=16 | linear M=16 "
+          "| prefill M=8192 | rows, tolerance |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in NSEG_SUMMARY["candidates"]:
+        d = {m: r.get(f"native decode M={m}", r.get(f"native decode in-kernel reduce M={m}")) for m in (1, 16, 64)}
+        print(f"| {r['target']} ({r['max']}) | {r['nseg']} | {us(d[1])} | {us(d[16])} | "
+              f"{us(r.get('native decode + reduce_kernel M=16'))} | {us(d[64])} | {us(r.get('triton decode M=16'))} | "
+              f"{us(r.get('linear M=16'))} | {us(r['prefill_8192'])} ({x(r['prefill_8192'], cub[big])}) | "
+              f"{r['rows'][:60]}; {r['tolerance'][:40]} |")
+    print("| target | " + " | ".join(sc) + " |  (nseg, native decode M=16 us, prefill M=4096 x cuBLAS)")
+    print("|---|" + "---|" * len(sc))
+    for r in NSEG_SUMMARY["candidates"]:
+        cells = []
+        for key, (c16, c4096) in sc.items():
+            v = r.get(key)
+            cells.append("-" if v is None else f"{v['nseg']}, {us(v['decode_16'])} ({x(c16, v['decode_16'])} faster), "
+                         f"{x(v['prefill_4096'], c4096)}{'' if v['decode_eq_prefill'] else ' ROWS DIFFER'}")
+        print(f"| {r['target']} | " + " | ".join(cells) + " |")
+
+
 def table() -> None:
     print("\n| probe | median us | derived |")
     print("|---|---:|---|")
@@ -315,12 +471,15 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="checks,quantize,gemm,moe")
     args = ap.parse_args()
+    OUT_DIR["path"] = args.out
     print(torch.cuda.get_device_name(0), torch.__version__, triton.__version__, flush=True)
     for part in args.only.split(","):
-        {"checks": checks, "quantize": quantize, "gemm": gemm, "moe": moe, "decode": decode}[part]()
+        {"checks": checks, "quantize": quantize, "gemm": gemm, "moe": moe, "decode": decode, "nseg": nseg}[part]()
         with open(os.path.join(args.out, "probe.json"), "w") as f:
-            json.dump({"rows": ROWS, "notes": NOTES}, f, indent=1)
+            json.dump({"rows": ROWS, "notes": NOTES, "nseg": NSEG_SUMMARY}, f, indent=1)
     table()
+    if NSEG_SUMMARY:
+        nseg_table()
 
 
 if __name__ == "__main__":

@@ -40,14 +40,21 @@ def chunk_for(k: int) -> int:
     return 0
 
 
+# K segments of dense weights: split K until ceil(N/64) * NSEG >= NSEG_TARGET decode programs (64
+# weight rows each), at most NSEG_MAX segments, whole decode chunks per segment. These two numbers
+# decide the accumulation segments (hence the bits) of every path for a shape; chosen from the
+# H200 runs of BENCHMARKS.md (bench/probe_nvfp4.py --only nseg measures the candidates).
+NSEG_TARGET = 128
+NSEG_MAX = 8
+
+
 def nseg_for(n: int, k: int, grouped: bool = False) -> int:
-    """K segments, a function of (N, K) only: split K until ceil(N/64) * NSEG >= 128 programs
-    (at most 8, whole decode chunks per segment); expert weights: 1."""
+    """K segments, a function of (N, K) only (see NSEG_TARGET); expert weights: 1."""
     bkc = chunk_for(k)
     if grouped or bkc == 0:
         return 1
     tiles, s = triton.cdiv(n, 64), 1
-    while tiles * s < 128 and s < 8 and (k // bkc) % (2 * s) == 0:
+    while tiles * s < NSEG_TARGET and s < NSEG_MAX and (k // bkc) % (2 * s) == 0:
         s *= 2
     return s
 
@@ -69,6 +76,7 @@ class TCWeight:
     _op: torch.Tensor | None = field(default=None, repr=False)
     native: bool | None = field(default=None, repr=False)  # native decode usable (None: not decided yet)
     native_w: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    native_cnt: torch.Tensor | None = field(default=None, repr=False)  # tile counters (native in-kernel reduction)
 
     @property
     def n(self) -> int:
@@ -199,8 +207,8 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         if use_native(w, a_op, nseg):
             from . import native
 
-            native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part)
-            if nseg > 1:
+            reduced = native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part)
+            if nseg > 1 and not reduced:
                 launch(reduce_kernel, (triton.cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16),
                        m, n, nseg, 1024, w.per_row, False, num_warps=4)
             return out
@@ -313,7 +321,8 @@ def kernel_record(m: int, w: TCWeight, path: str = "auto") -> dict[str, Any]:
 
             st = native.status()
             return {"backend": "cuda-native", "kernel": "nvfp4_native.decode_gemm", "path": p,
-                    "config": {**native.decode_variant(m, w), "NSEG": w.nseg, "KC": 128, "operands": "float16"},
+                    "config": {**native.decode_variant(m, w), "NSEG": w.nseg, "KC": 128, "operands": "float16",
+                               "REDUCE": "none" if w.nseg == 1 else native.reduce_mode(m)},
                     "arch": st.get("arch"), "torch": torch.__version__, "cuda": getattr(torch.version, "cuda", None)}
     return {"backend": "triton-interpreter" if INTERPRET else "triton", "kernel": "gemm_tc", "path": p,
             "config": {**cfg, "NSEG": w.nseg, "BKC": w.bkc, "operands": str(OP_DTYPE).replace("torch.", "")},
