@@ -1,7 +1,10 @@
 # ruff: noqa: B023
 """One-call GPU probe of the tensor-core NVFP4 kernels: variants side by side, bitwise properties.
 
-    python bench/probe_nvfp4.py --out DIR
+    python bench/probe_nvfp4.py --out DIR [--only checks,quantize,gemm,moe,decode,nseg]
+
+``nseg``: the K-segment rule's candidates (``tc_linear.NSEG_TARGET`` / ``NSEG_MAX``) side by side at
+N = K = 8192 and at layer shapes, with the bitwise row checks of every path (BENCHMARKS.md).
 
 Prints a table last; writes ``probe.json``. Timings: triton.testing.do_bench median (ms).
 """
@@ -287,7 +290,7 @@ def decode() -> None:
 
 # (NSEG_TARGET, NSEG_MAX) candidates of tc_linear.nseg_for, and the layer shapes (N, K) timed beside
 # N = K = 8192: Qwen3-8B q/o, gate/up, down; Qwen3-0.6B gate/up, q
-NSEG_CANDIDATES = ((512, 8), (1024, 8), (256, 8), (128, 8))
+NSEG_CANDIDATES = ((128, 8), (256, 8), (512, 8), (1024, 8))
 NSEG_SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (3072, 1024), (2048, 1024))
 NSEG_NK, NSEG_ROWS, NSEG_ROWS2, DEV = 8192, 8192, 4096, "cuda"  # (smaller on the CPU, for a dry run of the logic)
 OUT_DIR = {"path": "."}
@@ -295,13 +298,12 @@ OUT_DIR = {"path": "."}
 
 @section
 def nseg() -> None:
-    """Per candidate K-segment rule: N = K = 8192 native decode (in-kernel / separate reduction) M = 1,
-    16, 64, Triton decode M = 16, prefill M = 8192, the linear at M = 16; rows identical for every M
+    """Per candidate K-segment rule: N = K = 8192 native decode M = 1, 16, 64, Triton decode M = 16,
+    prefill M = 8192, the linear at M = 16; rows identical for every M
     of the issue's list, offsets 0 and 37, every path; tolerance vs the per-block reference; then
     the layer shapes: decode M = 16 and prefill M = 4096 vs cuBLAS, decode rows == prefill rows."""
     from mismatch_probe.kernels import nvfp4_quantize
     from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
-    from mismatch_probe.kernels.nvfp4 import native
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
     n = k = NSEG_NK
@@ -334,15 +336,11 @@ def nseg() -> None:
         for m in (1, 16, 64):
             a = type(aq)(aq.codes[:m], aq.scales[:m], aq.amax[:m], True)
             op = aop[:m]
-            for fused in ((True, False) if tw.nseg > 1 else (True,)):
-                native.NATIVE_CFG["fused"] = fused
-                ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
-                lab = "native decode" + ("" if tw.nseg == 1 else (" in-kernel reduce" if fused else " + reduce_kernel"))
-                row[f"{lab} M={m}"] = rec(f"{tag} M={m} {lab}", lambda: T.tc_matmul(a, tw, path="decode", a_op=op),
-                                          cublas_ms=cub[m], rows_eq_prefill=ok, nseg=tw.nseg)
-                if not ok:
-                    bad.append((m, 0, lab))
-            native.NATIVE_CFG.clear()
+            ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
+            row[f"native decode M={m}"] = rec(f"{tag} M={m} native decode", lambda: T.tc_matmul(a, tw, path="decode", a_op=op),
+                                              cublas_ms=cub[m], rows_eq_prefill=ok, nseg=tw.nseg)
+            if not ok:
+                bad.append((m, 0, "native decode"))
             if m == 16:
                 T.DECODE_CFG["NATIVE"] = False
                 ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
@@ -358,14 +356,10 @@ def nseg() -> None:
                 if off + m > aq.shape[0]:
                     continue
                 sub = type(aq)(aq.codes[off:off + m], aq.scales[off:off + m], aq.amax[off:off + m], True)
-                ways = (("native", {}), ("native-2launch", {"fused": False}), ("triton", None), ("prefill", None),
-                        ("linear", None)) if m <= 64 else (("prefill", None),)
-                for way, ncfg in ways:
+                for way in ("native", "triton", "prefill", "linear") if m <= 64 else ("prefill",):
                     n_cmp += 1
-                    if way.startswith("native"):
-                        native.NATIVE_CFG.update(ncfg)
+                    if way == "native":
                         got = T.tc_matmul(sub, tw, path="decode")
-                        native.NATIVE_CFG.clear()
                     elif way == "triton":
                         T.DECODE_CFG["NATIVE"] = False
                         got = T.tc_matmul(sub, tw, path="decode")
@@ -421,13 +415,13 @@ def nseg_table() -> None:
     print(f"\nN=K={NSEG_NK} cuBLAS bf16: M=1 {us(cub['1'])}, M=16 {us(cub['16'])}, M=64 {us(cub['64'])}, "
           f"M={big} {us(cub[big])} us; layer shapes M=16 / M={NSEG_ROWS2}: "
           + "; ".join(f"{key} {us(v[0])} / {us(v[1])}" for key, v in sc.items()))
-    print("| target (max) | nseg | native dec M=1 | M=16 | M=16, 2 launches | M=64 | Triton M=16 | linear M=16 "
+    print("| target (max) | nseg | native dec M=1 | M=16 | M=64 | Triton M=16 | linear M=16 "
           "| prefill M=8192 | rows, tolerance |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in NSEG_SUMMARY["candidates"]:
-        d = {m: r.get(f"native decode M={m}", r.get(f"native decode in-kernel reduce M={m}")) for m in (1, 16, 64)}
+        d = {m: r.get(f"native decode M={m}") for m in (1, 16, 64)}
         print(f"| {r['target']} ({r['max']}) | {r['nseg']} | {us(d[1])} | {us(d[16])} | "
-              f"{us(r.get('native decode + reduce_kernel M=16'))} | {us(d[64])} | {us(r.get('triton decode M=16'))} | "
+              f"{us(d[64])} | {us(r.get('triton decode M=16'))} | "
               f"{us(r.get('linear M=16'))} | {us(r['prefill_8192'])} ({x(r['prefill_8192'], cub[big])}) | "
               f"{r['rows'][:60]}; {r['tolerance'][:40]} |")
     print("| target | " + " | ".join(sc) + " |  (nseg, native decode M=16 us, prefill M=4096 x cuBLAS)")

@@ -28,12 +28,7 @@ from .ref import unpack_codes
 
 SRC = Path(__file__).parent / "csrc" / "nvfp4_native.cu"
 MIN_CC = (8, 9)
-NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (M <= 16, see VARIANTS), "fused" (see FUSED_REDUCE)
-# nseg > 1: the mma.sync kernels add the K segments' partials themselves (the CTA finishing a
-# 64-row tile last, through per-weight tile counters; same order and bits as reduce_kernel); False:
-# gemm_tc.reduce_kernel runs after the GEMM (one more launch). The counters make concurrent calls
-# with the same weight on two streams unsafe: one stream per weight, as the learner runs.
-FUSED_REDUCE = True
+NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (M <= 16, see VARIANTS)
 # M <= 16 decode variants. mma.sync: (weight tiles of 8 rows per warp, pipeline stages, 128-wide K
 # chunks per stage); M 17-32: 2 token tiles, M > 32: 4 (both (2, 6 or 4, 2)); M <= 8 reads token
 # rows 0-7 only. wgmma (sm_90a builds): ("wgmma", stages, chunks), M <= 8: m64n8, else m64n16.
@@ -180,35 +175,12 @@ def _variant() -> int:
     return v if v < 4 or wgmma_ok else 0
 
 
-def reduce_mode(m: int) -> str:
-    """How the K segments' partials are added for M rows (nseg > 1): in the kernel or by reduce_kernel."""
-    fused = bool(NATIVE_CFG.get("fused", FUSED_REDUCE)) and not (m <= 16 and _variant() >= 4)
-    return "in-kernel (last CTA per tile, segment order)" if fused else "reduce_kernel (segment order)"
-
-
 def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: int, out: torch.Tensor,
-                part: torch.Tensor) -> bool:
-    """Runs the kernel; True when it also reduced the K segments (``out`` final), False when
-    nseg > 1 and the caller must run ``reduce_kernel`` over ``part``."""
+                part: torch.Tensor) -> None:
     mod = load()
     wq, ws = w.native_w
     a = a_op if a_op.data_ptr() % 16 == 0 else a_op.clone()
-    cnt = _no_cnt(a.device)
-    if nseg > 1 and bool(NATIVE_CFG.get("fused", FUSED_REDUCE)):
-        if w.native_cnt is None or w.native_cnt.device != a.device:  # once per weight version, zeros
-            w.native_cnt = torch.zeros(-(-w.n // 64) * 4, dtype=torch.int32, device=a.device)
-        cnt = w.native_cnt
-    return bool(mod.decode_gemm(wq, ws, w.amax, bool(w.per_row), a, a_amax, out, part, cnt, m, w.n, w.k, nseg,
-                                _variant()))
-
-
-_EMPTY: dict[torch.device, torch.Tensor] = {}
-
-
-def _no_cnt(dev: torch.device) -> torch.Tensor:
-    if dev not in _EMPTY:
-        _EMPTY[dev] = torch.empty(0, dtype=torch.int32, device=dev)
-    return _EMPTY[dev]
+    mod.decode_gemm(wq, ws, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant())
 
 
 # ---------------------------------------------------------------------------------------------

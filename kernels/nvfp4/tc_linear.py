@@ -76,7 +76,6 @@ class TCWeight:
     _op: torch.Tensor | None = field(default=None, repr=False)
     native: bool | None = field(default=None, repr=False)  # native decode usable (None: not decided yet)
     native_w: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    native_cnt: torch.Tensor | None = field(default=None, repr=False)  # tile counters (native in-kernel reduction)
 
     @property
     def n(self) -> int:
@@ -207,8 +206,8 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         if use_native(w, a_op, nseg):
             from . import native
 
-            reduced = native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part)
-            if nseg > 1 and not reduced:
+            native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part)
+            if nseg > 1:
                 launch(reduce_kernel, (triton.cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16),
                        m, n, nseg, 1024, w.per_row, False, num_warps=4)
             return out
@@ -321,8 +320,7 @@ def kernel_record(m: int, w: TCWeight, path: str = "auto") -> dict[str, Any]:
 
             st = native.status()
             return {"backend": "cuda-native", "kernel": "nvfp4_native.decode_gemm", "path": p,
-                    "config": {**native.decode_variant(m, w), "NSEG": w.nseg, "KC": 128, "operands": "float16",
-                               "REDUCE": "none" if w.nseg == 1 else native.reduce_mode(m)},
+                    "config": {**native.decode_variant(m, w), "NSEG": w.nseg, "KC": 128, "operands": "float16"},
                     "arch": st.get("arch"), "torch": torch.__version__, "cuda": getattr(torch.version, "cuda", None)}
     return {"backend": "triton-interpreter" if INTERPRET else "triton", "kernel": "gemm_tc", "path": p,
             "config": {**cfg, "NSEG": w.nseg, "BKC": w.bkc, "operands": str(OP_DTYPE).replace("torch.", "")},

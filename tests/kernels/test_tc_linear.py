@@ -40,6 +40,15 @@ def test_nseg_depends_on_n_k_only():
     assert T.chunk_for(48) == 0 and T.chunk_for(96) == 32 and T.chunk_for(768) == 128
 
 
+def test_nseg_rule_constants(monkeypatch):
+    """NSEG_TARGET / NSEG_MAX drive the rule (the probe's candidates), whole chunks per segment."""
+    monkeypatch.setattr(T, "NSEG_TARGET", 512)
+    assert T.nseg_for(8192, 8192) == 4 and T.nseg_for(4096, 4096) == 8 and T.nseg_for(1024, 3072) == 8
+    monkeypatch.setattr(T, "NSEG_MAX", 16)
+    assert T.nseg_for(1024, 2048) == 16 and T.nseg_for(1024, 1024) == 8  # 8 chunks of 128: at most 8
+    assert T.nseg_for(1536, 2048, grouped=True) == 1
+
+
 @pytest.mark.parametrize("m,n,k,path", [(3, 48, 256, "decode"), (3, 48, 256, "prefill"), (20, 40, 96, "decode"),
                                         (70, 64, 128, "prefill"), (5, 16, 48, "auto")])
 def test_tc_matmul_within_gemm_tolerance(m, n, k, path):

@@ -6,10 +6,8 @@
 //    rows per warp on its N side; one fp32 accumulator chain per output along K in increasing
 //    order (k16 blocks in order, each k16 fed in natural order to the fragment positions), over
 //    the K segment [seg*K/nseg, (seg+1)*K/nseg); nseg == 1: epilogue
-//    RN_bf16((acc * 2^7) * ((amaxA * amaxB) * RN(1/(36*448^2)))); nseg > 1: fp32 partials, added
-//    in segment order either by the CTA that finishes its 64-row tile last (tile counters; the
-//    mma.sync variants, default) or by gemm_tc.reduce_kernel afterwards (the same sum, the same
-//    bits as the Triton decode path).
+//    RN_bf16((acc * 2^7) * ((amaxA * amaxB) * RN(1/(36*448^2)))); nseg > 1: fp32 partials for
+//    gemm_tc.reduce_kernel (the same reduction as the Triton decode path).
 //    Weights stream in the "native layout" (native.py: native_layout), arranged once per weight
 //    version: per 64 rows x 128 K chunk, 4 KB of codes where each thread's 16 bytes are exactly its
 //    B fragments for the chunk's 8 k16 steps, then 512 B of scale bytes. A cp.async ring of
@@ -84,7 +82,7 @@ template <int MT, int STAGES, int CPS, int NT, bool HALF>
 __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
     const uint4* __restrict__ wq, const uint4* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
     const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
-    float* __restrict__ part, int* __restrict__ cnt, int M, int N, int K, int nseg) {
+    float* __restrict__ part, int M, int N, int K, int nseg) {
   // 8 / NT warps, each NT tiles of 8 weight rows (64 rows per CTA). One pipeline stage = CPS
   // chunks of 128 K: codes [CPS][4096 B], scales [CPS][512 B], activations [ROWS][CPS*128 + 8] fp16
   // (ROWS = 8 when HALF: M <= 8, ldmatrix.x2, rows 8-15 of the MMA's A operand are zero registers).
@@ -207,67 +205,14 @@ __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
   cp_wait<0>();
 
   const int q = lane & 3;
-  // nseg > 1: every CTA stores its fp32 partials; with cnt (in-kernel reduction), the CTA that
-  // arrives last at its tile's counter then adds the nseg partials in segment order
-  // (((p0 + p1) + p2) + ..., exactly gemm_tc.reduce_kernel's sum), applies the epilogue and resets
-  // the counter to 0 for the next launch. Without cnt, reduce_kernel runs after this kernel.
-  if (nseg > 1) {
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int n = nb * 64 + (warp * NT + t) * 8 + 2 * q;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int m = m0 + mt * 16 + g + 8 * hh;
-          if (m >= M) continue;
-          float* pp = part + ((size_t)seg * M + m) * N;
-          if (n < N) pp[n] = acc[mt][t][2 * hh];
-          if (n + 1 < N) pp[n + 1] = acc[mt][t][2 * hh + 1];
-        }
-      }
-    }
-    if (cnt == nullptr) return;
-    __shared__ int s_last;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      const int ticket = atomicAdd(cnt + blockIdx.y * gridDim.x + nb, 1);
-      s_last = ticket == nseg - 1;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int n = nb * 64 + (warp * NT + t) * 8 + 2 * q;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int m = m0 + mt * 16 + g + 8 * hh;
-          if (m >= M) continue;
-          float s0 = 0.0f, s1 = 0.0f;
-          for (int sg = 0; sg < nseg; ++sg) {
-            const float* pp = part + ((size_t)sg * M + m) * N;
-            const float v0 = sg == seg ? acc[mt][t][2 * hh] : (n < N ? __ldcg(pp + n) : 0.0f);
-            const float v1 = sg == seg ? acc[mt][t][2 * hh + 1] : (n + 1 < N ? __ldcg(pp + n + 1) : 0.0f);
-            s0 = sg == 0 ? v0 : __fadd_rn(s0, v0);
-            s1 = sg == 0 ? v1 : __fadd_rn(s1, v1);
-          }
-          acc[mt][t][2 * hh] = s0;
-          acc[mt][t][2 * hh + 1] = s1;
-        }
-      }
-    }
-    if (tid == 0) cnt[blockIdx.y * gridDim.x + nb] = 0;
-  }
-
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     const int n = nb * 64 + (warp * NT + t) * 8 + 2 * q;
-    const float ba0 = w_amax[w_amax_row ? (n < N ? n : N - 1) : 0];
-    const float ba1 = w_amax[w_amax_row ? (n + 1 < N ? n + 1 : N - 1) : 0];
+    float ba0 = 0.0f, ba1 = 0.0f;
+    if (nseg == 1) {
+      ba0 = w_amax[w_amax_row ? (n < N ? n : N - 1) : 0];
+      ba1 = w_amax[w_amax_row ? (n + 1 < N ? n + 1 : N - 1) : 0];
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -275,11 +220,17 @@ __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
         const int m = m0 + mt * 16 + g + 8 * hh;
         if (m >= M) continue;
         const float t0 = acc[mt][t][2 * hh], t1 = acc[mt][t][2 * hh + 1];
-        const float aa = a_amax[m];
-        const float r0 = __fmul_rn(__fmul_rn(t0, 128.0f), __fmul_rn(__fmul_rn(aa, ba0), RCP_ALPHA));
-        const float r1 = __fmul_rn(__fmul_rn(t1, 128.0f), __fmul_rn(__fmul_rn(aa, ba1), RCP_ALPHA));
-        if (n < N) out[(size_t)m * N + n] = bf16_bits_rne(r0);
-        if (n + 1 < N) out[(size_t)m * N + n + 1] = bf16_bits_rne(r1);
+        if (nseg == 1) {
+          const float aa = a_amax[m];
+          const float r0 = __fmul_rn(__fmul_rn(t0, 128.0f), __fmul_rn(__fmul_rn(aa, ba0), RCP_ALPHA));
+          const float r1 = __fmul_rn(__fmul_rn(t1, 128.0f), __fmul_rn(__fmul_rn(aa, ba1), RCP_ALPHA));
+          if (n < N) out[(size_t)m * N + n] = bf16_bits_rne(r0);
+          if (n + 1 < N) out[(size_t)m * N + n + 1] = bf16_bits_rne(r1);
+        } else {
+          float* pp = part + ((size_t)seg * M + m) * N;
+          if (n < N) pp[n] = t0;
+          if (n + 1 < N) pp[n + 1] = t1;
+        }
       }
     }
   }
@@ -634,8 +585,8 @@ namespace {
 
 template <int MT, int STAGES, int CPS, int NT, bool HALF>
 void launch_decode(const torch::Tensor& wq, const torch::Tensor& wsc, const torch::Tensor& w_amax, bool w_amax_row,
-                   const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part,
-                   int* cnt, int M, int N, int K, int nseg) {
+                   const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
+                   int N, int K, int nseg) {
   constexpr int STAGE = CPS * (W_BYTES + S_BYTES) + (HALF ? 8 : MT * 16) * (KC * CPS + 8) * 2;
   constexpr int SMEM = STAGES * STAGE;
   auto kern = decode_gemm_kernel<MT, STAGES, CPS, NT, HALF>;
@@ -649,8 +600,7 @@ void launch_decode(const torch::Tensor& wq, const torch::Tensor& wsc, const torc
   kern<<<grid, 256 / NT, SMEM, stream>>>(
       reinterpret_cast<const uint4*>(wq.data_ptr()), reinterpret_cast<const uint4*>(wsc.data_ptr()),
       w_amax.data_ptr<float>(), w_amax_row ? 1 : 0, reinterpret_cast<const __half*>(a.data_ptr()),
-      a_amax.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), cnt, M, N, K,
-      nseg);
+      a_amax.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -693,18 +643,10 @@ void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& co
 
 }  // namespace
 
-bool decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor w_amax, bool w_amax_row, torch::Tensor a,
-                 torch::Tensor a_amax, torch::Tensor out, torch::Tensor part, torch::Tensor cnt, int64_t M, int64_t N,
-                 int64_t K, int64_t nseg, int64_t variant) {
+void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor w_amax, bool w_amax_row, torch::Tensor a,
+                 torch::Tensor a_amax, torch::Tensor out, torch::Tensor part, int64_t M, int64_t N, int64_t K,
+                 int64_t nseg, int64_t variant) {
   TORCH_CHECK(K % KC == 0 && (K / KC) % nseg == 0, "decode_gemm: K must be a multiple of 128 * nseg");
-  // cnt: int32 tile counters, all 0 (the kernel leaves them 0), for the in-kernel reduction of the
-  // mma.sync variants when nseg > 1; empty: the caller runs gemm_tc.reduce_kernel
-  const bool fused = nseg > 1 && cnt.numel() > 0;
-  TORCH_CHECK(!fused || cnt.numel() >= (N + 63) / 64 * 4,
-              "decode_gemm: too few tile counters");
-  TORCH_CHECK(!fused || cnt.scalar_type() == at::kInt, "decode_gemm: int32 tile counters");
-  const bool wg = M <= 16 && variant >= 4;  // the wgmma variants store partials only
-  int* cntp = fused && !wg ? cnt.data_ptr<int>() : nullptr;
   TORCH_CHECK(a.scalar_type() == at::kHalf && a.is_contiguous(), "decode_gemm: fp16 contiguous activations");
   TORCH_CHECK(M >= 1, "decode_gemm: M >= 1");
   const c10::cuda::CUDAGuard guard(a.device());
@@ -715,7 +657,7 @@ bool decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor w_amax, bool
   const bool two = (K / KC / nseg) % 2 == 0;
   const bool half = M <= 8;
 #define MP_DEC(MT_, ST_, CPS_, NT_, H_) \
-  launch_decode<MT_, ST_, CPS_, NT_, H_>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, cntp, m, n, k, s)
+  launch_decode<MT_, ST_, CPS_, NT_, H_>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s)
   if (M <= 16 && variant >= 4) {  // wgmma (sm_90a builds only; native.py checks): 4: 6 stages, 5: 8 stages
     if (two) {
       if (variant == 5) {
@@ -741,7 +683,6 @@ bool decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor w_amax, bool
     if (two) MP_DEC(4, 4, 2, 2, false); else MP_DEC(4, 4, 1, 2, false);
   }
 #undef MP_DEC
-  return cntp != nullptr;  // true: out written (reduced in the kernel); false with nseg > 1: run reduce_kernel
 }
 
 void quantize_rows(torch::Tensor x, torch::Tensor amax, torch::Tensor codes, torch::Tensor scales, torch::Tensor op,
@@ -760,7 +701,7 @@ void quantize_rows(torch::Tensor x, torch::Tensor amax, torch::Tensor codes, tor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_gemm", &decode_gemm, "NVFP4 decode GEMM (native layout weights, fp16 activation operand); true: reduced in-kernel");
+  m.def("decode_gemm", &decode_gemm, "NVFP4 decode GEMM (native layout weights, fp16 activation operand)");
   m.def("quantize_rows", &quantize_rows, "NVFP4 per-token / given-amax quantizer, bf16 rows");
 }
 #else
