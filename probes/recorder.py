@@ -81,9 +81,12 @@ class OpRecorder:
 
                 self._sink.parent.mkdir(parents=True, exist_ok=True)
                 self._tmp = StreamWriter.temp_path(self._sink)
-                # started now: its imports overlap the engine's first forward
-                self._proc = WriterProcess(self._sink, self._tmp, _META, self.queue_chunks)
-            else:
+                try:  # started now: its imports overlap the engine's first forward
+                    self._proc = WriterProcess(self._sink, self._tmp, _META, self.queue_chunks)
+                except OSError:  # no process can be started here: the writer thread writes the same rows
+                    Path(self._tmp).unlink(missing_ok=True)
+                    self.writer_mode = "thread"
+            if self.writer_mode == "thread":
                 self._writer = StreamWriter(self._sink, "ops", _ops_schema(), _META)
         self._device: Any = None
         self.force_batched = batched

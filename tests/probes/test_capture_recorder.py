@@ -235,3 +235,20 @@ def test_writer_process_abort_leaves_no_files_and_is_reused(tmp_path):
     r2.record("0.out", _rand(torch.bfloat16, 4, 8, 0), np.zeros(4, np.int64), np.arange(4))
     r2.close()
     assert read_table(dest, "ops").num_rows == 4 and r2.summary()["rows"] == 4
+
+
+def test_writer_falls_back_to_a_thread_when_no_process_can_start(tmp_path, monkeypatch):
+    import subprocess
+
+    from mismatch_probe.probes import recorder_writer
+
+    def no_process(*a, **k):
+        raise OSError("no fork here")
+
+    monkeypatch.setattr(recorder_writer, "_IDLE", [])
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    r = OpRecorder(CapturePlan("stats"), sink=tmp_path / "ops.parquet")
+    assert r.writer_mode == "thread" and len(list(tmp_path.iterdir())) == 1  # the thread's temp file only
+    r.record("0.out", _rand(torch.bfloat16, 4, 8, 0), np.zeros(4, np.int64), np.arange(4))
+    r.close()
+    assert read_table(tmp_path / "ops.parquet", "ops").num_rows == 4 and r.summary()["writer"] == "thread"
