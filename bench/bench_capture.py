@@ -297,25 +297,49 @@ def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
     return out
 
 
-def profile_forward(shape: str, mode: str, seq_len: int, per_mb: int, tmp: Path, out_dir: Path) -> None:
-    """torch.profiler over one score() with capture ``mode``: the host/device time table."""
-    import torch
+def profile_forward(shape: str, modes: list[str], device: str, seq_len: int, per_mb: int, tmp: Path,
+                    out_dir: Path) -> dict[str, Any]:
+    """torch.profiler over one score() (one micro-batch) per capture mode, side by side: ``off``,
+    ``digest@hooks`` (hooks that record nothing), ``digest``...; a table per mode in ``out_dir``
+    and a summary (wall, host and device totals, kernel launches) per mode."""
+    from torch.profiler import ProfilerActivity, profile
 
-    model = build_model(shape, "cuda")
+    from mismatch_probe.probes import recorder as recmod
+
+    model = build_model(shape, device)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, model.config.vocab_size, seq_len).tolist() for _ in range(per_mb)]
-    r = learner(model, "cuda", per_mb)
-    r.capture = plans(256)[mode]
-    r.ops_dest = tmp / "prof.parquet"
-    r.score(seqs, list(range(per_mb)))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        r.score(seqs, list(range(per_mb)))
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    (out_dir / f"profile_{shape}_{mode}.txt").write_text(table + "\n\n" + prof.key_averages().table(
-        sort_by="self_cuda_time_total", row_limit=20))
-    print(table[:3000], flush=True)
+    r = learner(model, device, per_mb)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    orig_record = recmod.OpRecorder.record
+    out: dict[str, Any] = {}
+    try:
+        for mode in modes:
+            base_mode, _, variant = mode.partition("@")
+            recmod.OpRecorder.record = (lambda *a, **k: None) if variant == "hooks" else orig_record
+            r.capture = plans(256)[base_mode]
+            r.ops_dest = tmp / "prof.parquet" if r.capture is not None else None
+            r.score(seqs, list(range(per_mb)))  # warm-up
+            _sync(device)
+            t0 = time.perf_counter()
+            with profile(activities=acts) as prof:
+                r.score(seqs, list(range(per_mb)))
+                _sync(device)
+            wall = time.perf_counter() - t0
+            ka = prof.key_averages()
+            launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"))
+            out[mode] = {"wall_s_profiled": wall, "self_cpu_ms": sum(e.self_cpu_time_total for e in ka) / 1e3,
+                         "self_device_ms": sum(getattr(e, "self_device_time_total", 0) for e in ka) / 1e3,
+                         "kernel_launches": launches}
+            name = mode.replace("@", "_at_")
+            (out_dir / f"profile_{shape}_{name}.txt").write_text(
+                ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n\n"
+                + (ka.table(sort_by="self_device_time_total", row_limit=20) if device == "cuda" else ""))
+            print(json.dumps({"profile": mode, **out[mode]}), flush=True)
+    finally:
+        recmod.OpRecorder.record = orig_record
     del model, r
+    return out
 
 
 def cli_check(seq_len: int, n_seqs: int, repeats: int) -> list[dict[str, Any]]:
@@ -417,7 +441,8 @@ def main() -> None:
     ap.add_argument("--cli-seq-len", type=int, default=512)
     ap.add_argument("--rss", action="store_true")
     ap.add_argument("--kernel-bench", action="store_true", help="CUDA: the digest kernel alone per (BLOCK, WARPS)")
-    ap.add_argument("--profile", action="store_true", help="CUDA: torch.profiler table of one digest forward")
+    ap.add_argument("--profile", action="store_true", help="CUDA: torch.profiler of one forward per --profile-modes")
+    ap.add_argument("--profile-modes", default="off,digest@hooks,digest", help="modes profiled side by side")
     ap.add_argument("--kernel-auto", action="store_true", help="CUDA: forwards use the fastest (BLOCK, WARPS) found")
     ap.add_argument("--variant-shapes", default="qwen3-0.6b", help="shapes that also run the MODE@VARIANT modes")
     ap.add_argument("--out", type=Path)
@@ -448,7 +473,8 @@ def main() -> None:
             res["kernel_config"] = {"block": digest_triton_cfg()[0], "warps": digest_triton_cfg()[1]}
             print(json.dumps(res["kernel_config"]), flush=True)
             if a.profile:
-                profile_forward(a.shapes.split(",")[0], "digest", a.seq_len, a.seqs_per_mb, tmp, a.out.parent if a.out else tmp)
+                res["profile"] = profile_forward(a.shapes.split(",")[0], a.profile_modes.split(","), "cuda", a.seq_len,
+                                                 a.seqs_per_mb, tmp, a.out.parent if a.out else tmp)
         res["runs"] = []
         for shape in a.shapes.split(","):
             # MODE@VARIANT (see time_modes) only on --variant-shapes
