@@ -13,12 +13,13 @@ Without CUDA the same kernel runs through Triton's interpreter on CPU tensors (f
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+from mismatch_probe import settings
 
 INTERPRET = not torch.cuda.is_available()
 if INTERPRET:
@@ -27,8 +28,8 @@ else:
     _jit = triton.jit
 
 # elements per program per step, warps per program (one row per program)
-BLOCK = int(os.environ.get("MISMATCH_PROBE_DIGEST_BLOCK", "256"))
-WARPS = int(os.environ.get("MISMATCH_PROBE_DIGEST_WARPS", "1"))
+BLOCK: int = settings.get("MISMATCH_PROBE_DIGEST_BLOCK")  # module constants: benches set them directly
+WARPS: int = settings.get("MISMATCH_PROBE_DIGEST_WARPS")
 
 _ITORCH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # KIND: 0 bf16, 1 fp16, 2 fp32, 3 fp64, 4 signed int, 5 unsigned byte (uint8, bool)

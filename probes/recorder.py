@@ -25,13 +25,13 @@ and without capture are bitwise equal).
 from __future__ import annotations
 
 import collections
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from mismatch_probe import settings
 from mismatch_probe.probes.digest import digest_stats_cpu, hex_chars
 from mismatch_probe.probes.ops_table import FULL, STATS, _build_table, _dtype_name, _ops_schema, _Rows, _Seg
 from mismatch_probe.run.schema import DIGEST_KEY
@@ -68,9 +68,7 @@ class OpRecorder:
         self.queue_chunks = 2  # chunks waiting for the writer before recording blocks
         # rows are written by a separate process (recorder_writer.py: no GIL shared with the engine)
         # or, for in-memory recorders and MISMATCH_PROBE_CAPTURE_WRITER=thread, by a thread
-        self.writer_mode = "memory" if sink is None else os.environ.get("MISMATCH_PROBE_CAPTURE_WRITER", "process")
-        if self.writer_mode not in ("memory", "process", "thread"):
-            raise ValueError(f"MISMATCH_PROBE_CAPTURE_WRITER must be process or thread, not {self.writer_mode!r}")
+        self.writer_mode = "memory" if sink is None else settings.get("MISMATCH_PROBE_CAPTURE_WRITER")
         self._proc: Any = None
         self._sink = None if sink is None else Path(sink)
         if sink is not None:
@@ -251,7 +249,7 @@ class OpRecorder:
 
         if self._stream is False:
             self._stream = None
-            if self._device.type == "cuda" and os.environ.get("MISMATCH_PROBE_CAPTURE_STREAM", "side") == "side":
+            if self._device.type == "cuda" and settings.get("MISMATCH_PROBE_CAPTURE_STREAM") == "side":
                 self._stream = torch.cuda.Stream(self._device)
         return self._stream
 

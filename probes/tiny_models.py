@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from mismatch_probe import settings
 from mismatch_probe.families.registry import tiny_models
 
 BUILD_VERSION = 1
@@ -53,7 +54,7 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", ".", ",", "?", "!"]
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("MISMATCH_PROBE_CACHE", Path.home() / ".cache" / "mismatch-probe"))
+    return settings.get("MISMATCH_PROBE_CACHE")
 
 
 def _vocab() -> dict[str, int]:

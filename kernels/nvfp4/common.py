@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-_MODE = os.environ.get("MISMATCH_PROBE_TRITON_MODE", "auto")  # auto | jit (force, e.g. AOT compile tests)
+from mismatch_probe import settings
+
+_MODE = settings.get("MISMATCH_PROBE_TRITON_MODE")  # auto | jit (force, e.g. AOT compile tests)
 INTERPRET: bool = _MODE != "jit" and (os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available())
 
 if INTERPRET:

@@ -1,7 +1,8 @@
 """The optional native (CUDA C++) backend: ``csrc/nvfp4_native.cu``, built at first use.
 
 Built with ``torch.utils.cpp_extension.load`` (nvcc + ninja on the GPU machine) into a cache
-folder (``$MISMATCH_PROBE_NATIVE_CACHE``, default ``~/.cache/mismatch_probe/native``), once per
+folder (``$MISMATCH_PROBE_NATIVE_CACHE``, default ``<cache>/native`` under ``$MISMATCH_PROBE_CACHE``,
+:mod:`mismatch_probe.settings`), once per
 source / torch / GPU-architecture combination. Optional: without CUDA, without nvcc, on a GPU
 older than sm_89 (no hardware E4M3 conversion), with ``MISMATCH_PROBE_NATIVE=0``, or when the
 build fails, :func:`status` says why and the callers keep the Triton kernels.
@@ -18,11 +19,12 @@ Kernels (same bits as the Triton paths; the GPU checks compare them with ``torch
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mismatch_probe import settings
 
 from .ref import unpack_codes
 
@@ -39,12 +41,11 @@ _STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s"
 
 
 def _cache_dir(tag: str) -> Path:
-    root = os.environ.get("MISMATCH_PROBE_NATIVE_CACHE") or str(Path.home() / ".cache" / "mismatch_probe" / "native")
-    return Path(root) / tag
+    return settings.get("MISMATCH_PROBE_NATIVE_CACHE") / tag
 
 
 def _why_not() -> str | None:
-    if os.environ.get("MISMATCH_PROBE_NATIVE", "1") == "0":
+    if not settings.get("MISMATCH_PROBE_NATIVE"):
         return "disabled (MISMATCH_PROBE_NATIVE=0)"
     from .common import INTERPRET
 
@@ -87,7 +88,7 @@ def load() -> Any | None:
             build_directory=str(build),
             extra_cflags=["-O3"],
             extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"],
-            verbose=os.environ.get("MISMATCH_PROBE_NATIVE_VERBOSE", "0") == "1",
+            verbose=settings.get("MISMATCH_PROBE_NATIVE_VERBOSE"),
         )
     except Exception as e:  # a failed build leaves the Triton kernels in charge, with the reason
         _STATE["reason"] = f"build failed: {type(e).__name__}: {str(e)[-600:]}"
@@ -171,7 +172,7 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
 def _variant() -> int:
     """The M <= 16 variant to run: NATIVE_CFG's or the default; wgmma ones only in sm_90a builds."""
     v = int(NATIVE_CFG.get("variant", DEFAULT_VARIANT))
-    wgmma_ok = _STATE.get("arch") == "sm_90a" and os.environ.get("MISMATCH_PROBE_NATIVE_WGMMA", "1") != "0"
+    wgmma_ok = _STATE.get("arch") == "sm_90a" and settings.get("MISMATCH_PROBE_NATIVE_WGMMA")
     return v if v < 4 or wgmma_ok else 0
 
 

@@ -9,7 +9,7 @@ import platform
 
 from rich.table import Table
 
-from mismatch_probe import versions
+from mismatch_probe import settings, versions
 from mismatch_probe.cli.app import app, console
 
 
@@ -98,6 +98,7 @@ def _native_row() -> dict[str, str | bool]:
 def engines() -> None:
     """Show which engines and kernel backends are usable here, and why not; each engine's installed
     version against the range this release was tested with."""
+    settings.validate_all()  # a bad MISMATCH_PROBE_* value: its one-line error, before any probing
     table = Table(title="mismatch-probe engines")
     table.add_column("engine")
     table.add_column("status")
@@ -113,3 +114,15 @@ def engines() -> None:
             tested = f"[yellow]{tested}[/]"
         table.add_row(str(r["name"]), status, str(r["version"]), tested, str(r["detail"]))
     console.print(table)
+    _print_settings()
+
+
+def _print_settings() -> None:
+    """The MISMATCH_PROBE_* variables set here, with their kind."""
+    changed = settings.non_default()
+    if not changed:
+        console.print("settings: all MISMATCH_PROBE_* variables at their defaults", highlight=False)
+        return
+    console.print("settings (MISMATCH_PROBE_* set here, README 'Environment variables'):", highlight=False)
+    for name, value in changed.items():
+        console.print(f"  {name}={value}  ({settings.SETTINGS[name].kind})", highlight=False, soft_wrap=True)

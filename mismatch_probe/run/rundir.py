@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mismatch_probe import settings
 from mismatch_probe.errors import SchemaError, UsageError
 from mismatch_probe.run.schema import SCHEMA_VERSION, atomic_write_json
 
@@ -70,6 +71,7 @@ class RunWriter:
             "auto": {},
             "engines": {},
             "notes": [],
+            "settings": settings.non_default(kinds=("user", "tuning")),  # MISMATCH_PROBE_* set
         }
 
     def __enter__(self) -> RunWriter:

