@@ -73,121 +73,56 @@ def _mix(w: Any, i: Any) -> Any:
     return x
 
 
-@numba.njit(nogil=True, fastmath=_FM, cache=True)
-def _rows_bf16(words: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
-    rows, n = words.shape
-    for r in range(rows):
-        d = numba.uint64(0)
-        s = 0.0
-        q = 0.0
-        am = numba.int32(0)
-        nn = numba.int32(0)
-        ni = numba.int32(0)
-        for i in range(n):
-            w = numba.int32(words[r, i])
-            d += _mix(numba.int64(w), i + 1 + off)
-            e = w & 0x7FFF
-            fin = e < 0x7F80
-            nn += e > 0x7F80
-            ni += e == 0x7F80
-            am = max(am, e if fin else 0)
-            f = numba.float64(_f32(w << 16)) if fin else 0.0
-            s += f
-            q += f * f
-        dig[r] = d
-        st[r, 0] = s
-        st[r, 1] = q
-        st[r, 2] = numba.float64(_f32(am << 16))
-        st[r, 3] = nn
-        st[r, 4] = ni
+_BF16, _HALF, _SINGLE, _DOUBLE = 0, 1, 2, 3  # how ``_widen`` reads a word's bits
 
 
-@numba.njit(nogil=True, fastmath=_FM, cache=True)
-def _rows_f16(words: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
-    rows, n = words.shape
-    for r in range(rows):
-        d = numba.uint64(0)
-        s = 0.0
-        q = 0.0
-        am = numba.int32(0)
-        nn = numba.int32(0)
-        ni = numba.int32(0)
-        for i in range(n):
-            w = numba.int32(words[r, i])
-            d += _mix(numba.int64(w), i + 1 + off)
-            e = w & 0x7FFF
-            fin = e < 0x7C00
-            nn += e > 0x7C00
-            ni += e == 0x7C00
-            am = max(am, e if fin else 0)
-            f = _f16(numba.int16(w)) if fin else 0.0
-            s += f
-            q += f * f
-        dig[r] = d
-        st[r, 0] = s
-        st[r, 1] = q
-        st[r, 2] = _f16(numba.int16(am))
-        st[r, 3] = nn
-        st[r, 4] = ni
+@numba.njit(inline="always")
+def _widen(w: Any, kind: Any) -> Any:
+    """A float word's bits (sign-extended to int64) -> float64, exactly."""
+    if kind == _BF16:
+        return numba.float64(_f32(w << 16))
+    if kind == _HALF:
+        return _f16(numba.int16(w))
+    if kind == _SINGLE:
+        return numba.float64(_f32(w))
+    return _f64(w)
 
 
-@numba.njit(nogil=True, fastmath=_FM, cache=True)
-def _rows_f32(words: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
-    rows, n = words.shape
-    for r in range(rows):
-        d = numba.uint64(0)
-        s = 0.0
-        q = 0.0
-        am = numba.int32(0)
-        nn = numba.int32(0)
-        ni = numba.int32(0)
-        for i in range(n):
-            w = numba.int32(words[r, i])
-            d += _mix(numba.int64(w), i + 1 + off)
-            e = w & 0x7FFFFFFF
-            fin = e < 0x7F800000
-            nn += e > 0x7F800000
-            ni += e == 0x7F800000
-            am = max(am, e if fin else 0)
-            f = numba.float64(_f32(w)) if fin else 0.0
-            s += f
-            q += f * f
-        dig[r] = d
-        st[r, 0] = s
-        st[r, 1] = q
-        st[r, 2] = numba.float64(_f32(am))
-        st[r, 3] = nn
-        st[r, 4] = ni
+def _float_kernel(mask: int, inf: int, kind: int) -> Any:
+    """The row kernel of one float dtype: ``mask`` clears the sign, ``inf`` is the Inf pattern
+    (above it: NaN), ``kind`` picks the widening. numba freezes the three as constants, so each
+    dtype compiles to its own specialized loop, as fast as a hand-written one per dtype (measured:
+    equal ns per element); the cache keeps one entry per dtype (it keys closures by their values)."""
 
+    @numba.njit(nogil=True, fastmath=_FM, cache=True)
+    def rows_float(words: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
+        rows, n = words.shape
+        for r in range(rows):
+            d = numba.uint64(0)
+            s = 0.0
+            q = 0.0
+            am = numba.int64(0)
+            nn = numba.int64(0)
+            ni = numba.int64(0)
+            for i in range(n):
+                w = numba.int64(words[r, i])
+                d += _mix(w, i + 1 + off)
+                e = w & mask
+                fin = e < inf
+                nn += e > inf
+                ni += e == inf
+                am = max(am, e if fin else 0)
+                f = _widen(w, kind) if fin else 0.0
+                s += f
+                q += f * f
+            dig[r] = d
+            st[r, 0] = s
+            st[r, 1] = q
+            st[r, 2] = _widen(am, kind)
+            st[r, 3] = nn
+            st[r, 4] = ni
 
-@numba.njit(nogil=True, fastmath=_FM, cache=True)
-def _rows_f64(words: Any, off: Any, dig: Any, st: Any) -> None:  # pragma: no cover - compiled
-    inf = numba.int64(0x7FF0000000000000)
-    rows, n = words.shape
-    for r in range(rows):
-        d = numba.uint64(0)
-        s = 0.0
-        q = 0.0
-        am = numba.int64(0)
-        nn = numba.int64(0)
-        ni = numba.int64(0)
-        for i in range(n):
-            w = numba.int64(words[r, i])
-            d += _mix(w, i + 1 + off)
-            e = w & 0x7FFFFFFFFFFFFFFF
-            fin = e < inf
-            nn += e > inf
-            ni += e == inf
-            am = max(am, e if fin else 0)
-            f = _f64(w) if fin else 0.0
-            s += f
-            q += f * f
-        dig[r] = d
-        st[r, 0] = s
-        st[r, 1] = q
-        st[r, 2] = _f64(am)
-        st[r, 3] = nn
-        st[r, 4] = ni
+    return rows_float
 
 
 @numba.njit(nogil=True, fastmath=_FM, cache=True)
@@ -213,7 +148,9 @@ def _rows_int(words: Any, vals: Any, off: Any, dig: Any, st: Any) -> None:  # pr
 
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_FLOAT = {torch.bfloat16: _rows_bf16, torch.float16: _rows_f16, torch.float32: _rows_f32, torch.float64: _rows_f64}
+_FLOAT = {torch.bfloat16: _float_kernel(0x7FFF, 0x7F80, _BF16), torch.float16: _float_kernel(0x7FFF, 0x7C00, _HALF),
+          torch.float32: _float_kernel(0x7FFFFFFF, 0x7F800000, _SINGLE),
+          torch.float64: _float_kernel(0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, _DOUBLE)}
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int16,
              torch.int8, torch.uint8, torch.bool)
 
