@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.errors import ProbeError, UsageError
-from mismatch_probe.probes.base import Runner
 from mismatch_probe.probes.fsdp.worker import SPLIT
+from mismatch_probe.probes.hf.runner import HfModelRunner
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -40,7 +40,7 @@ class FsdpRankError(ProbeError):
     exit_code = 3
 
 
-class FsdpLearner(Runner):
+class FsdpLearner(HfModelRunner):
     """HF model under FSDP2 (``fully_shard`` per decoder layer, then the root), data parallel over
     ``nproc`` ranks, micro-batched with right padding exactly as :class:`HfLearner`."""
 
@@ -51,31 +51,18 @@ class FsdpLearner(Runner):
         model_dir: Path,
         vocab_size: int,
         *,
-        micro_batch_size: int = 8,
-        dtype: str = "bfloat16",
-        device: str | None = None,
-        attn_implementation: str = "sdpa",
-        progress: Any = None,
         nproc: int = 2,
         timeout_s: float = 300.0,
         mp_param_dtype: str | None = None,
         mp_reduce_dtype: str = "float32",
-        model_kwargs: dict[str, Any] | None = None,
-        recipe: str | None = None,
+        **common: Any,
     ) -> None:
-        super().__init__(vocab_size)
-        self.model_dir = Path(model_dir)
-        self.micro_batch_size = micro_batch_size
-        self.dtype = dtype
-        self.device = device
-        self.attn_implementation = attn_implementation
-        self.model_kwargs = dict(model_kwargs or {})  # --learner-arg: other from_pretrained kwargs
-        self.progress = progress  # callable(n_done) or None
+        """``common``: the keyword arguments of :class:`HfModelRunner` (``recipe``: applied on every rank)."""
+        super().__init__(model_dir, vocab_size, **common)
         self.nproc = nproc
         self.timeout_s = timeout_s
-        self.mp_param_dtype = mp_param_dtype or dtype
+        self.mp_param_dtype = mp_param_dtype or self.dtype
         self.mp_reduce_dtype = mp_reduce_dtype
-        self.recipe = recipe  # kernels.recipes name applied on every rank (None / 'engine': the model's own ops)
         # (seq_id, prompt_id, n_prompt_tokens) per sequence of the next score() call; default:
         # seq_id from score()'s seq_ids (else the index), prompt_id = seq_id, every scored token
         # counted as a response token. Its seq_ids win over score()'s.
@@ -91,7 +78,6 @@ class FsdpLearner(Runner):
     # -- Runner ---------------------------------------------------------------------------
     def _load_impl(self) -> None:
         import torch
-        import transformers
 
         if self.nproc < 1:
             raise UsageError(f"--nproc must be >= 1, got {self.nproc}")
@@ -103,12 +89,7 @@ class FsdpLearner(Runner):
                 raise UsageError(f"{flag} must be one of {', '.join(DTYPES)}, got {v!r}")
         if not (self.model_dir / "config.json").is_file():
             raise UsageError(f"{self.model_dir} is not an HF model folder (no config.json)")
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.info.auto["device"] = {
-                "value": self.device,
-                "reason": "CUDA available" if self.device == "cuda" else "no CUDA",
-            }
+        self._choose_device()
         if self.device not in ("cpu", "cuda"):
             raise UsageError(f"FSDP learner device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and torch.cuda.device_count() < self.nproc:
@@ -124,17 +105,10 @@ class FsdpLearner(Runner):
                 "mp_param_dtype": self.mp_param_dtype,
                 "mp_reduce_dtype": self.mp_reduce_dtype,
                 "data_parallel_split": SPLIT,
-                "dtype": self.dtype,
-                "device": self.device,
-                "micro_batch_size": self.micro_batch_size,
-                "padding_side": "right",
-                "attn_implementation": self.attn_implementation,
-                **({"learner_args": dict(self.model_kwargs)} if self.model_kwargs else {}),
-                "logsoftmax_dtype": "float32",
+                **self._model_settings(),
                 "timeout_s": self.timeout_s,
                 "threads_per_rank": self.threads_per_rank if self.device == "cpu" else None,
                 "torch_version": torch.__version__,
-                "transformers_version": transformers.__version__,
                 "dataset": "tokens partitioned by rank (rank=R/part.parquet)",
             }
         )

@@ -95,10 +95,10 @@ def record_topk(
     return out
 
 
-class HfLearner(Runner):
-    """Single-process HF model, micro-batched with right padding (as RL learners do)."""
-
-    name = "hf"
+class HfModelRunner(Runner):
+    """What the HF learner and the FSDP learner share: an HF model folder loaded with
+    ``from_pretrained`` (``dtype``, ``attn_implementation``, other ``model_kwargs``), scored in
+    micro-batches with right padding, with an optional kernels recipe."""
 
     def __init__(
         self,
@@ -110,23 +110,62 @@ class HfLearner(Runner):
         device: str | None = None,
         attn_implementation: str = "sdpa",
         progress: Any = None,
-        recipe: str | None = None,
-        recipe_ops: set[str] | None = None,
-        recipe_layers: set[int] | None = None,
         model_kwargs: dict[str, Any] | None = None,
+        recipe: str | None = None,
     ) -> None:
         super().__init__(vocab_size)
         self.model_dir = Path(model_dir)
-        self.recipe = recipe  # kernels.recipes name (None / 'engine': the model's own ops)
-        self.recipe_ops = recipe_ops  # subset of op classes / decoder layers patched (bisect's ablation)
-        self.recipe_layers = recipe_layers
-        self._patch: Any = None
         self.micro_batch_size = micro_batch_size
         self.dtype = dtype
         self.device = device
         self.attn_implementation = attn_implementation
         self.model_kwargs = dict(model_kwargs or {})  # --learner-arg: other from_pretrained kwargs (config overrides)
         self.progress = progress  # callable(n_done) or None
+        self.recipe = recipe  # kernels.recipes name (None / 'engine': the model's own ops)
+
+    def _choose_device(self) -> None:
+        """``device`` None: CUDA when available, else the CPU (recorded with the reason)."""
+        import torch
+
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.info.auto["device"] = {"value": self.device, "reason": "CUDA available" if self.device == "cuda" else "no CUDA"}
+
+    def _model_settings(self) -> dict[str, Any]:
+        """The manifest settings of the model's load and forward."""
+        import transformers
+
+        return {
+            "dtype": self.dtype,
+            "device": self.device,
+            "micro_batch_size": self.micro_batch_size,
+            "padding_side": "right",
+            "attn_implementation": self.attn_implementation,
+            **({"learner_args": dict(self.model_kwargs)} if self.model_kwargs else {}),
+            "logsoftmax_dtype": "float32",
+            "transformers_version": transformers.__version__,
+        }
+
+
+class HfLearner(HfModelRunner):
+    """Single-process HF model, micro-batched with right padding (as RL learners do)."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        vocab_size: int,
+        *,
+        recipe_ops: set[str] | None = None,
+        recipe_layers: set[int] | None = None,
+        **common: Any,
+    ) -> None:
+        """``common``: the keyword arguments of :class:`HfModelRunner`."""
+        super().__init__(model_dir, vocab_size, **common)
+        self.recipe_ops = recipe_ops  # subset of op classes / decoder layers patched (bisect's ablation)
+        self.recipe_layers = recipe_layers
+        self._patch: Any = None
         self.model: Any = None
         self.topk = 0  # --topk K: record own top-K, entropy, sampled-token rank, logprobs at the sampler's top-K
         self.topk_support: dict[int, dict[str, np.ndarray]] = {}  # seq_id -> name -> sampler ids [len-1, K] (-1: none)
@@ -136,9 +175,7 @@ class HfLearner(Runner):
         import torch
         import transformers
 
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.info.auto["device"] = {"value": self.device, "reason": "CUDA available" if self.device == "cuda" else "no CUDA"}
+        self._choose_device()
         if str(self.device) == "cpu" and (self.capture is not None or self.ops_dest is not None):
             import threading
 
@@ -151,18 +188,7 @@ class HfLearner(Runner):
         ).to(self.device)
         self.model.eval()
         self._apply_recipe()
-        self.info.settings.update(
-            {
-                "dtype": self.dtype,
-                "device": self.device,
-                "micro_batch_size": self.micro_batch_size,
-                "padding_side": "right",
-                "attn_implementation": self.attn_implementation,
-                **({"learner_args": dict(self.model_kwargs)} if self.model_kwargs else {}),
-                "logsoftmax_dtype": "float32",
-                "transformers_version": transformers.__version__,
-            }
-        )
+        self.info.settings.update(self._model_settings())
 
     def _apply_recipe(self) -> None:
         """Patch the model's ops with the recipe (kernels.patch_hf); calibrate static NVFP4 scales."""
