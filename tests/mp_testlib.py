@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,16 @@ def cli(*args: str, timeout: float = 600, check: bool = False, env: dict[str, st
 
 def load_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def plant(src: Path, dst: Path, scales: dict[str, float]) -> Path:
+    """Copy an HF folder and scale the named parameters (a known, planted perturbation)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = next(dst.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    for name, scale in scales.items():
+        tensors[name] = (tensors[name].float() * scale).to(tensors[name].dtype)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst

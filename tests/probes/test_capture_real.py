@@ -4,14 +4,13 @@ mapping, ground-truth planted perturbations, and the first divergent op confirme
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from mp_testlib import REPO, cli, load_json
+from mp_testlib import REPO, cli, load_json, plant
 
 from mismatch_probe.probes.models import resolve_model
 from mismatch_probe.run.schema import validate_file
@@ -91,19 +90,6 @@ def test_first_divergent_op_confirmed_by_calling_both_engines_directly(real_run_
     assert engine_checks["direct_rope_equal"] is False and engine_checks["direct_rope_max_diff"] > 0
 
 
-def _plant(src: Path, dst: Path, scales: dict[str, float]) -> Path:
-    """Copy an HF folder and scale the named parameters (a known, planted perturbation)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    f = next(dst.glob("*.safetensors"))
-    tensors = load_file(str(f))
-    for name, scale in scales.items():
-        tensors[name] = (tensors[name].float() * scale).to(tensors[name].dtype)
-    save_file(tensors, str(f), metadata={"format": "pt"})
-    return dst
-
-
 def _compare_and_bisect(tmp_path: Path, model: str, sampler_model: str) -> tuple[dict, dict]:
     out = tmp_path / "run"
     cli("compare", "--model", model, "--sampler-model", sampler_model, "--n", "1", "--max-tokens", "6",
@@ -125,8 +111,8 @@ def _compare_and_bisect(tmp_path: Path, model: str, sampler_model: str) -> tuple
 )
 def test_bisect_finds_planted_perturbations(tmp_path, model, sampler_plant, learner_plant, first, top):
     clean = resolve_model(model).path
-    sampler = _plant(clean, tmp_path / "sampler-planted", sampler_plant)
-    learner = _plant(clean, tmp_path / "learner-planted", learner_plant)
+    sampler = plant(clean, tmp_path / "sampler-planted", sampler_plant)
+    learner = plant(clean, tmp_path / "learner-planted", learner_plant)
     bis, parity = _compare_and_bisect(tmp_path, str(learner), str(sampler))
     assert bis["first_divergent"]["bitwise"]["op"] == first
     ranked = [r["op"] for r in bis["local_errors"]]

@@ -9,14 +9,13 @@ perturbed checkpoints on each side, then bisect without ablation).
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from mp_testlib import REPO, load_json
+from mp_testlib import REPO, load_json, plant
 
 from mismatch_probe.probes.models import resolve_model
 
@@ -49,19 +48,6 @@ FAMILIES = {
 }
 
 
-def _plant(src: Path, dst: Path, scales: dict[str, float]) -> Path:
-    """Copy an HF folder and scale the named parameters (a known, planted perturbation)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    f = next(dst.glob("*.safetensors"))
-    tensors = load_file(str(f))
-    for name, scale in scales.items():
-        tensors[name] = (tensors[name].float() * scale).to(tensors[name].dtype)
-    save_file(tensors, str(f), metadata={"format": "pt"})
-    return dst
-
-
 def _jobs(root: Path) -> dict[str, list[list[str]]]:
     jobs: dict[str, list[list[str]]] = {}
     for model, spec in FAMILIES.items():
@@ -71,8 +57,8 @@ def _jobs(root: Path) -> dict[str, list[list[str]]]:
             ["bisect", str(run)],
         ]
         clean = resolve_model(model).path
-        learner = _plant(clean, root / f"learner-{model}", spec["learner_plant"])
-        sampler = _plant(clean, root / f"sampler-{model}", spec["sampler_plant"])
+        learner = plant(clean, root / f"learner-{model}", spec["learner_plant"])
+        sampler = plant(clean, root / f"sampler-{model}", spec["sampler_plant"])
         run = root / f"planted-{model}"
         jobs[f"planted-{model}"] = [
             ["compare", "--model", str(learner), "--sampler-model", str(sampler), "--n", "1", "--max-tokens", "6",
