@@ -62,6 +62,12 @@ def _heads(x: Any, head_dim: int) -> Any:
     return x.reshape(x.shape[0], -1, head_dim)
 
 
+def _qk_norms(attn: Any, x: Any) -> dict[str, Any]:
+    """The q/k norm replays, alike in both engines: the attention's norm module per head."""
+    return {"attn.q_norm": lambda: attn.q_norm(_heads(x, attn.head_dim)),
+            "attn.k_norm": lambda: attn.k_norm(_heads(x, attn.head_dim))}
+
+
 def _hf_rope(model: Any, attn: Any, xs: list[Any], pos: Any, which: int) -> Any:
     import sys
 
@@ -97,8 +103,7 @@ def hf_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
         a, mlp = ly.self_attn, ly.mlp
         x = xs[0]
         special = {
-            "attn.q_norm": lambda: a.q_norm(_heads(x, a.head_dim)),
-            "attn.k_norm": lambda: a.k_norm(_heads(x, a.head_dim)),
+            **_qk_norms(a, x),
             "attn.rope_q": lambda: _hf_rope(model, a, xs, pos, 0),
             "attn.rope_k": lambda: _hf_rope(model, a, xs, pos, 1),
             "mlp.act": lambda: mlp.act_fn(x) * xs[1],
@@ -152,8 +157,7 @@ def vllm_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
         x = xs[0]
 
         special = {
-            "attn.q_norm": lambda: a.q_norm(_heads(x, a.head_dim)),
-            "attn.k_norm": lambda: a.k_norm(_heads(x, a.head_dim)),
+            **_qk_norms(a, x),
             "attn.rope_q": lambda: a.rotary_emb(pos, xs[0].clone(), xs[1].clone())[0],
             "attn.rope_k": lambda: a.rotary_emb(pos, xs[0].clone(), xs[1].clone())[1],
             "mlp.act": lambda: mlp.act_fn(torch.cat([x, xs[1]], -1)),
