@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.errors import UsageError
+from mismatch_probe.steps.prompts import jsonl_objects
 
 NAMINGS: dict[str, dict[str, str]] = {
     "ours": {"prompt": "prompt_token_ids", "response": "response_token_ids", "lp": "rollout_logprobs", "old": "old_logprobs"},
@@ -57,20 +58,8 @@ def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int], str]:
     if not path.is_file():
         raise UsageError(f"rollouts file not found: {path}")
     if path.suffix in (".jsonl", ".json", ".ndjson"):
-        rows, nums = [], []
-        with path.open(encoding="utf-8") as f:
-            for n, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise UsageError(f"{path} line {n}: each line must be a JSON object")
-                rows.append(obj)
-                nums.append(n)
-        return rows, nums, "line"
+        objs = list(jsonl_objects(path, lambda n: f"{path} line {n}"))
+        return [o for _, o in objs], [n for n, _ in objs], "line"
     try:
         import pyarrow.parquet as pq
 
