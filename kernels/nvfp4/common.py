@@ -53,6 +53,22 @@ def kernel_device_ok(*tensors: torch.Tensor) -> None:
             )
 
 
+def quant_outputs(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
+                  op_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor | None]:
+    """The buffers a row quantizer writes for ``x`` [rows, K]: (codes, scales, mode, amax, op or None).
+    ``mode``: 0 computes the amax per row (``amax`` None), 1 per-token amax given, 2 one amax given."""
+    rows, k = x.shape
+    dev = x.device
+    codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=dev)
+    if amax is None:
+        mode, amax_t = 0, torch.empty(rows, dtype=torch.float32, device=dev)
+    else:
+        mode, amax_t = (1 if per_token else 2), amax
+    op = torch.empty(rows, k, dtype=op_dtype, device=dev) if op_dtype is not None else None
+    return codes, scales, mode, amax_t, op
+
+
 def require_contiguous(t: torch.Tensor, name: str) -> None:
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")

@@ -26,6 +26,7 @@ import torch
 
 from mismatch_probe import settings
 
+from .common import quant_outputs
 from .ref import unpack_codes
 
 SRC = Path(__file__).parent / "csrc" / "nvfp4_native.cu"
@@ -196,14 +197,7 @@ def quant_ok(x: torch.Tensor) -> bool:
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
                   emit_op: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """As :func:`quant_fast.quantize_rows` (bf16 x; ``emit_op`` None or fp16)."""
-    rows, k = x.shape
-    dev = x.device
-    codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=dev)
-    scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=dev)
-    if amax is None:
-        mode, amax_t = 0, torch.empty(rows, dtype=torch.float32, device=dev)
-    else:
-        mode, amax_t = (1 if per_token else 2), amax.float().contiguous()
-    op = torch.empty(rows, k, dtype=torch.float16, device=dev) if emit_op is not None else codes
-    load().quantize_rows(x, amax_t, codes, scales, op, emit_op is not None, mode)
-    return codes, scales, amax_t, (op if emit_op is not None else None)
+    amax = None if amax is None else amax.float().contiguous()
+    codes, scales, mode, amax_t, op = quant_outputs(x, amax, per_token, None if emit_op is None else torch.float16)
+    load().quantize_rows(x, amax_t, codes, scales, codes if op is None else op, op is not None, mode)
+    return codes, scales, amax_t, op

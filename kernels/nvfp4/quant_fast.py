@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, bf16_bits_rne, bf16_round, e4m3_round, kjit, launch, load_as_f32, rmax, rsum
+from .common import INTERPRET, bf16_bits_rne, bf16_round, e4m3_round, kjit, launch, load_as_f32, quant_outputs, rmax, rsum
 
 MAX_K = 16384  # a row must fit in registers; longer rows use the tiled kernel of triton_nvfp4
 
@@ -177,21 +177,14 @@ def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
 
         return native.quantize_rows(x, amax, per_token, emit_op)
     rows, k = x.shape
-    dev = x.device
-    codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=dev)
-    scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=dev)
-    if amax is None:
-        mode, amax_t = 0, torch.empty(rows, dtype=torch.float32, device=dev)
-    else:
-        mode, amax_t = (1 if per_token else 2), amax
-    op = torch.empty(rows, k, dtype=emit_op, device=dev) if emit_op is not None else codes
+    codes, scales, mode, amax_t, op = quant_outputs(x, amax, per_token, emit_op)
     if rows == 0:
-        return codes, scales, amax_t, (op if emit_op is not None else None)
+        return codes, scales, amax_t, op
     xbits = x.dtype == torch.bfloat16
     r, nb, nw = pick_rows(k)
-    launch(_quant_fast_kernel, (triton.cdiv(rows, r),), x.view(torch.int16) if xbits else x, amax_t, codes, scales, op,
-           rows, k, r, nb, mode, xbits, not INTERPRET, emit_op is not None, num_warps=nw)
-    return codes, scales, amax_t, (op if emit_op is not None else None)
+    launch(_quant_fast_kernel, (triton.cdiv(rows, r),), x.view(torch.int16) if xbits else x, amax_t, codes, scales,
+           codes if op is None else op, rows, k, r, nb, mode, xbits, not INTERPRET, op is not None, num_warps=nw)
+    return codes, scales, amax_t, op
 
 
 @kjit
