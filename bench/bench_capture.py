@@ -107,7 +107,8 @@ def _sync(device: str) -> None:
 
 
 def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, repeats: int, full_rows: int,
-               buffer_rows: int, tmp: Path, modes: list[str]) -> list[dict[str, Any]]:
+               buffer_rows: int, tmp: Path, modes: list[str], cprofile_mode: str = "",
+               cprofile_out: Path | None = None) -> list[dict[str, Any]]:
     from mismatch_probe.probes import recorder as recmod
 
     model = build_model(shape, device)
@@ -129,55 +130,83 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
     recmod.OpRecorder.close = timed_close
     from mismatch_probe.probes import digest_triton
 
-    orig_launch, orig_record = digest_triton.launch_desc, recmod.OpRecorder.record
+    orig_launch, orig_record, orig_rows = digest_triton.launch_desc, recmod.OpRecorder.record, recmod.OpRecorder.record_rows
+
+    def setup(mode: str, lr: Any = r) -> Any:
+        # variants of a mode (MODE@VARIANT), to attribute the cost:
+        #   thread   the writer thread instead of the writer process
+        #   main     the digest kernels on the engine's stream instead of a side stream
+        #   nolaunch no digest kernel launched (host work, copies and writing only; rows hold garbage)
+        #   hooks    the hooks run but record nothing (hook dispatch only)
+        base_mode, _, variant = mode.partition("@")
+        os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
+        os.environ["MISMATCH_PROBE_CAPTURE_STREAM"] = "main" if variant == "main" else "side"
+        digest_triton.launch_desc = (lambda *a, **k: None) if variant == "nolaunch" else orig_launch
+        recmod.OpRecorder.record = (lambda *a, **k: None) if variant == "hooks" else orig_record
+        recmod.OpRecorder.record_rows = (lambda *a, **k: None) if variant == "hooks" else orig_rows
+        plan = plans(full_rows)[base_mode]
+        lr.capture = plan
+        lr.ops_dest = tmp / f"{shape}-{mode}.parquet" if plan is not None else None
+        return plan
+
     out = []
     ref_lp = None
+    fwds: dict[str, list[float]] = {m: [] for m in modes}
+    tots: dict[str, list[float]] = {m: [] for m in modes}
+    lps: dict[str, Any] = {}
+    infos: dict[str, dict[str, Any]] = {}
+    peaks: dict[str, float] = {}
     try:
-        for mode in modes:
-            # variants of a mode (MODE@VARIANT), to attribute the cost:
-            #   thread   the writer thread instead of the writer process
-            #   main     the digest kernels on the engine's stream instead of a side stream
-            #   nolaunch no digest kernel launched (host work, copies and writing only; rows hold garbage)
-            #   hooks    the hooks run but record nothing (hook dispatch + the reshape of each tensor)
-            base_mode, _, variant = mode.partition("@")
-            os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
-            os.environ["MISMATCH_PROBE_CAPTURE_STREAM"] = "main" if variant == "main" else "side"
-            digest_triton.launch_desc = (lambda *a, **k: None) if variant == "nolaunch" else orig_launch
-            recmod.OpRecorder.record = (lambda *a, **k: None) if variant == "hooks" else orig_record
-            plan = plans(full_rows)[base_mode]
-            r.capture = plan
-            dest = tmp / f"{shape}-{mode}.parquet"
-            r.ops_dest = dest if plan is not None else None
-            fwd, tot = [], []
-            for i in range(repeats + 1):  # the first run warms up (Triton compile, allocator)
+        # modes interleaved (round i runs every mode once): the host's speed drifts within a process
+        for i in range(repeats + 1):  # the first round warms up (Triton compile, allocator)
+            for mode in modes:
+                setup(mode)
                 closes.clear()
                 _sync(device)
                 _peak_rss_reset()
                 t0 = time.perf_counter()
-                lp = r.score(seqs, ids)
+                lps[mode] = r.score(seqs, ids)
                 _sync(device)
                 t1 = time.perf_counter()
                 if i:
-                    tot.append(t1 - t0)
-                    fwd.append(t1 - t0 - (closes[0] if closes else 0.0))
+                    tots[mode].append(t1 - t0)
+                    fwds[mode].append(t1 - t0 - (closes[0] if closes else 0.0))
+                infos[mode] = dict(r.info.settings.get("capture") or {})
+                peaks[mode] = max(peaks.get(mode, 0.0), _peak_rss_mb())
+        if cprofile_mode:  # after the timed rounds: the profiler slows the forwards it runs
+            import cProfile
+            import pstats
+
+            setup(cprofile_mode)
+            pr = cProfile.Profile()
+            pr.enable()
+            r.score(seqs, ids)
+            _sync(device)
+            pr.disable()
+            with open(cprofile_out, "w") as f:
+                for key in ("tottime", "cumulative"):
+                    pstats.Stats(pr, stream=f).sort_stats(key).print_stats(45)
+        for mode in modes:
+            plan = setup(mode)
+            dest, lp, fwd, tot = r.ops_dest, lps[mode], fwds[mode], tots[mode]
             if ref_lp is None:
                 ref_lp = lp
             row = {"shape": shape, "params_m": round(n_params / 1e6, 1), "device": device, "mode": mode,
                    "tokens": tokens, "micro_batch_tokens": per_mb * seq_len, "forward_s": statistics.median(fwd),
                    "total_s": statistics.median(tot), "forward_all": fwd, "total_all": tot,
-                   "peak_rss_mb": round(_peak_rss_mb(), 1),
+                   "peak_rss_mb": round(peaks[mode], 1),
                    "logprobs_equal_off": all(np.array_equal(a, b) for a, b in zip(lp, ref_lp, strict=True))}
             if plan is not None:
                 size = dest.stat().st_size
-                row.update(bytes=size, bytes_per_token=size / tokens, rows=r.info.settings["capture"]["rows"],
-                           writer_peak_rss_mb=r.info.settings["capture"].get("writer_peak_rss_mb"))
+                row.update(bytes=size, bytes_per_token=size / tokens, rows=infos[mode]["rows"],
+                           writer_peak_rss_mb=infos[mode].get("writer_peak_rss_mb"))
                 row["digest_check"] = _check_full_rows(dest)
                 row["table_sha"] = _table_sha(dest)  # same hash across variants: the same rows, bit for bit
             out.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
     finally:
         recmod.OpRecorder.close = orig_close
-        digest_triton.launch_desc, recmod.OpRecorder.record = orig_launch, orig_record
+        digest_triton.launch_desc, recmod.OpRecorder.record, recmod.OpRecorder.record_rows = orig_launch, orig_record, orig_rows
         os.environ.pop("MISMATCH_PROBE_CAPTURE_WRITER", None)
         os.environ.pop("MISMATCH_PROBE_CAPTURE_STREAM", None)
     del model, r
@@ -443,6 +472,8 @@ def main() -> None:
     ap.add_argument("--kernel-bench", action="store_true", help="CUDA: the digest kernel alone per (BLOCK, WARPS)")
     ap.add_argument("--profile", action="store_true", help="CUDA: torch.profiler of one forward per --profile-modes")
     ap.add_argument("--profile-modes", default="off,digest@hooks,digest", help="modes profiled side by side")
+    ap.add_argument("--cprofile", default="", help="cProfile one score() of this mode (first shape) after the "
+                    "timed rounds; tables by tottime and cumulative time next to --out")
     ap.add_argument("--kernel-auto", action="store_true", help="CUDA: forwards use the fastest (BLOCK, WARPS) found")
     ap.add_argument("--variant-shapes", default="qwen3-0.6b", help="shapes that also run the MODE@VARIANT modes")
     ap.add_argument("--out", type=Path)
@@ -479,8 +510,10 @@ def main() -> None:
         for shape in a.shapes.split(","):
             # MODE@VARIANT (see time_modes) only on --variant-shapes
             modes = [m for m in a.modes.split(",") if "@" not in m or shape in a.variant_shapes.split(",")]
+            cprof = a.cprofile if shape == a.shapes.split(",")[0] else ""
             res["runs"] += time_modes(shape, a.device, a.seq_len, a.seqs_per_mb, a.mbs, a.repeats, a.full_rows,
-                                      a.buffer_rows, tmp, modes)
+                                      a.buffer_rows, tmp, modes, cprof,
+                                      (a.out.parent if a.out else tmp) / f"cprofile_{shape}_{cprof.replace('@', '_at_')}.txt")
             for f in tmp.glob("*.parquet"):
                 f.unlink()
             if a.out:  # after each shape: a later failure keeps what ran

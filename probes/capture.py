@@ -77,6 +77,7 @@ class CapturePlan:
         if self.full_rows < 0 or self.topk < 0:
             raise UsageError("capture full_rows and topk must be >= 0")
         self._matching: dict[str, list[CaptureRule]] = {}
+        self._keys: dict[str, tuple[int, ...]] = {}
 
     def op_modes(self, op: str) -> list[tuple[str, tuple[int, int] | None]]:
         out: list[tuple[str, tuple[int, int] | None]] = [(self.default, None)]
@@ -88,6 +89,14 @@ class CapturePlan:
         if hit is None:
             hit = self._matching[op] = [r for r in self.rules if matches(op, r.pattern)]
         return hit
+
+    def rule_key(self, op: str) -> tuple[int, ...]:
+        """The indices of the rules that match ``op``: ops with the same key get the same modes
+        (:meth:`modes_for` depends on the op only through them)."""
+        key = self._keys.get(op)
+        if key is None:
+            key = self._keys[op] = tuple(i for i, r in enumerate(self.rules) if matches(op, r.pattern))
+        return key
 
     def modes_for(self, op: str, pos: np.ndarray, window: np.ndarray | None = None) -> np.ndarray:
         """Mode index (into MODES) for each token position of ``op`` (``window``: rows in the

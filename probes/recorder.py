@@ -25,6 +25,7 @@ and without capture are bitwise equal).
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,24 @@ _QUEUE_BYTES = 1 << 30
 _CPU_VALUE_BYTES = 64 << 20
 _HELD_MAX = 4  # side-stream batches in flight before the recording thread waits for the oldest
 _META = {DIGEST_KEY: b"mp64"}
+_NONE = object()
+
+
+@dataclass(slots=True)
+class _Fast:
+    """What :meth:`OpRecorder.record_rows` reuses for an op's next call in the same layout."""
+
+    dtype: Any
+    shape: Any  # the tensor as the hook passes it (torch.Size) and its strides
+    stride: tuple[int, ...]
+    key: tuple[int, ...]  # the plan's rule key of the op (its row set per batch)
+    n: int  # rows (tokens)
+    dtype_name: str
+    row_shape: list[int]
+    width: int
+    itemsize: int
+    row_stride: int
+    nbytes: int
 
 
 class OpRecorder:
@@ -61,7 +80,10 @@ class OpRecorder:
         self.rows_written = 0
         self.value_bytes = 0
         self.writer_peak_rss_mb: float | None = None  # the writer process's (the engine's process reports its own)
-        self._cache: dict[str, tuple[Any, Any, _Rows | None]] = {}
+        # row sets of the current batch (the seq_ids/pos arrays of _bkey), one per plan rule set
+        self._bkey: tuple[Any, Any] = (None, None)
+        self._brows: dict[tuple[int, ...], _Rows | None] = {}
+        self._fast: dict[str, _Fast] = {}  # record_rows: ops whose next call in the same layout is one append
         self._window: tuple[np.ndarray, np.ndarray] | None = None  # sorted seq ids, full-row limit each
         self._writer: Any = None
         self._tables: list[pa.Table] = []
@@ -94,10 +116,8 @@ class OpRecorder:
         self._arenas: list[Any] = []
         self._thread: Any = None
         self._error: BaseException | None = None
-        self._queue: dict[Any, list[tuple[Any, int]]] = {}
+        self._queue: dict[Any, list[tuple[Any, list[int]]]] = {}  # dtype -> (tensor, descriptor row)
         self._queued = (0, 0)
-        self._intern: dict[bytes, _Rows | None] = {}
-        self._intern_key: tuple[Any, Any] = (None, None)
         self._stream: Any = False  # not decided yet (see _side)
         self._held: collections.deque = collections.deque()
 
@@ -115,8 +135,7 @@ class OpRecorder:
         lens = np.asarray(lengths, np.int64)[order]
         before = np.concatenate([[0], np.cumsum(lens)[:-1]])
         self._window = (ids, np.clip(n - before, 0, lens))
-        self._cache.clear()
-        self._intern, self._intern_key = {}, (None, None)
+        self._bkey, self._brows = (None, None), {}
 
     def _in_window(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         if self._window is None:
@@ -126,29 +145,54 @@ class OpRecorder:
         return (ids[j] == seq) & (pos < lim[j])
 
     def _rows(self, op: str, seq: Any, pos: Any) -> _Rows | None:
-        c = self._cache.get(op)
-        if c is not None and c[0] is seq and c[1] is pos:
-            return c[2]
+        """The rows of ``op`` in the batch (seq, pos): computed once per batch and plan rule set (ops
+        of one batch with the same rules share one _Rows, and its device copy)."""
+        if seq is not self._bkey[0] or pos is not self._bkey[1]:
+            self._bkey, self._brows = (seq, pos), {}
+        key = self.plan.rule_key(op)
+        if key in self._brows:
+            return self._brows[key]
         s = np.asarray(seq, dtype=np.int64)
         p = np.asarray(pos, dtype=np.int64)
         modes = self.plan.modes_for(op, p, window=self._in_window(s, p))
-        k0, k1 = self._intern_key
-        if k0 is not seq or k1 is not pos:
-            self._intern, self._intern_key = {}, (seq, pos)
-        key = modes.tobytes()  # ops of one batch with the same modes share one _Rows (and its device copy)
-        if key in self._intern:
-            rows = self._intern[key]
-        else:
-            keep = np.nonzero((s >= 0) & (modes > 0))[0]
-            rows = None
-            if keep.size:
-                mk = modes[keep]
-                rows = _Rows(keep, s[keep], p[keep], mk, keep[mk == FULL])
-            self._intern[key] = rows
-        self._cache[op] = (seq, pos, rows)
+        keep = np.nonzero((s >= 0) & (modes > 0))[0]
+        rows = None
+        if keep.size:
+            mk = modes[keep]
+            rows = _Rows(keep, s[keep], p[keep], mk, keep[mk == FULL])
+        self._brows[key] = rows
         return rows
 
     # ---- recording -----------------------------------------------------------------------
+    def record_rows(self, op: str, tensor: Any, seq_ids: Any, pos: Any) -> None:
+        """:meth:`record` of ``tensor`` viewed as one row per token (``[len(seq_ids), -1]``, or one
+        value per token if 1-D): what the engines' hooks call with ``[batch, time, ...]`` outputs.
+
+        On the batched (CUDA) path, an op recorded before in the same batch, dtype, shape and
+        strides costs one queue append (its segment and descriptor row come from the first call:
+        no torch call but ``data_ptr``, no reshape); the slow host is what limits a small model's
+        forward, so the cost per op call is what capture costs there."""
+        f = self._fast.get(op)
+        if (f is not None and seq_ids is self._bkey[0] and pos is self._bkey[1] and tensor.dtype == f.dtype
+                and tensor.shape == f.shape and tensor.stride() == f.stride):
+            rows = self._brows.get(f.key, _NONE)
+            if rows is None:
+                return
+            off = self._used
+            if rows is not _NONE and not rows.full.size and off + f.n <= self.buffer_rows:
+                self._used = off + f.n
+                self._segs.append(_Seg(op, f.dtype_name, f.row_shape, f.width, f.itemsize, rows, off, True))
+                self._enqueue(tensor, [tensor.data_ptr(), f.n, f.width, f.row_stride, off, 0], f.nbytes)
+                return
+        n = len(seq_ids)
+        flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
+        self.record(op, flat, seq_ids, pos)
+        if (self._is_batched and flat.dim() == 2 and flat.shape[1] and flat.stride(1) == 1 and flat.numel()
+                and flat.data_ptr() == tensor.data_ptr() and not (op == "logits" and getattr(self.plan, "topk", 0))):
+            self._fast[op] = _Fast(tensor.dtype, tensor.shape, tensor.stride(), self.plan.rule_key(op), n,
+                                   _dtype_name(flat.dtype), list(flat.shape[1:]), int(flat.shape[1]), flat.element_size(),
+                                   int(flat.stride(0)), flat.numel() * flat.element_size())
+
     def record(self, op: str, tensor: Any, seq_ids: Any, pos: Any) -> None:
         """Record ``tensor[i]`` as op ``op`` of token (``seq_ids[i]``, ``pos[i]``); rows whose
         ``seq_id`` is negative (padding) are dropped."""
@@ -181,7 +225,8 @@ class OpRecorder:
         seg = _Seg(op, _dtype_name(t.dtype), shape, int(t.shape[1]), t.element_size(), rows, off, cuda)
         self._used += need
         if cuda:
-            self._enqueue(t, off)
+            if t.shape[1]:  # an empty row's digest and stats are never read
+                self._enqueue(t, [t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), off, 0], t.numel() * t.element_size())
         else:
             sel = t if k == t.shape[0] else t[torch.from_numpy(rows.keep)]
             dig, st = self._arena()
@@ -230,11 +275,16 @@ class OpRecorder:
                 self._arenas.append((np.empty(self.buffer_rows, np.uint64), np.empty((self.buffer_rows, 5))))
         return self._arenas[0]
 
-    def _enqueue(self, t: Any, off: int) -> None:
-        self._queue.setdefault(t.dtype, []).append((t, off))
+    def _enqueue(self, t: Any, desc: list[int], nbytes: int) -> None:
+        """Queue ``t`` (a reference) with its descriptor row (address, rows, columns, row stride,
+        arena row, column offset: see digest_triton.launch_desc) for the next launch."""
+        q = self._queue.get(t.dtype)
+        if q is None:
+            q = self._queue[t.dtype] = []
+        q.append((t, desc))
         n, b = self._queued
-        self._queued = (n + 1, b + t.numel() * t.element_size())
-        if self._queued[0] >= _QUEUE_OPS or self._queued[1] >= _QUEUE_BYTES:
+        self._queued = (n + 1, b + nbytes)
+        if n + 1 >= _QUEUE_OPS or b + nbytes >= _QUEUE_BYTES:
             self._launch()
 
     def _side(self) -> Any:
@@ -287,9 +337,10 @@ class OpRecorder:
         with self._after_engine():
             dig, st = self._arena()
             for items in self._queue.values():
-                items = [(t, off) for t, off in items if t.shape[1] > 0]
                 for i in range(0, len(items), 512):
-                    digest_triton.launch([(t, off, 0) for t, off in items[i : i + 512]], dig, st)
+                    part = items[i : i + 512]
+                    desc = [d for _, d in part]
+                    digest_triton.launch_desc(desc, part[0][0], max(d[1] for d in desc), dig, st)
                 refs.append(items)
         self._hold_until_done(refs)
         self._queue.clear()

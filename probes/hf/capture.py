@@ -35,6 +35,7 @@ class HfCapture:
         self._seq = np.zeros(0, np.int64)
         self._pos = np.zeros(0, np.int64)
         self._layer = -1
+        self._rope_ops: list[tuple[str, str]] = []
         self._rope_patch: tuple[Any, str, Any] | None = None
 
     def set_batch(self, seq_ids: list[int], lengths: list[int], width: int) -> None:
@@ -46,14 +47,35 @@ class HfCapture:
         self._pos = np.tile(np.arange(width), len(seq_ids))
 
     def _rec(self, op: str, t: Any) -> None:
-        n = self._seq.shape[0]
-        self.rec.record(op, t.reshape(n, -1) if t.dim() > 1 else t.reshape(n), self._seq, self._pos)
+        self.rec.record_rows(op, t, self._seq, self._pos)
 
-    def _on(self, module: Any, op: str, pick: Any = first) -> None:
-        self.hooks.fwd(module, lambda out: self._rec(op, pick(out)))
+    def _hook(self, module: Any, ins: list[str], outs: list[tuple[str, Any]]) -> None:
+        """One hook per module for all its sites: ``ins`` (ops = the module's first input) and
+        ``outs`` (op, pick: the op from the module's output). A module with both (o_proj,
+        post_attention_layernorm, down_proj) gets one forward hook that records its input after it
+        ran (the modules at these sites read their input, never write it), not a pre-hook and a hook."""
+        rec = self._rec
 
-    def _on_input(self, module: Any, op: str) -> None:
-        self.hooks.pre(module, lambda args, kw: self._rec(op, args[0] if args else next(iter(kw.values()))))
+        def inp(args: tuple, kw: dict) -> Any:
+            return args[0] if args else next(iter(kw.values()))
+
+        if not outs:
+            def before(args: tuple, kw: dict) -> None:
+                for op in ins:
+                    rec(op, inp(args, kw))
+
+            self.hooks.pre(module, before)
+        elif not ins and len(outs) == 1:
+            op, pick = outs[0]
+            self.hooks.fwd(module, lambda out: rec(op, pick(out)))
+        else:
+            def both(args: tuple, kw: dict, out: Any) -> None:
+                for op in ins:
+                    rec(op, inp(args, kw))
+                for op, pick in outs:
+                    rec(op, pick(out))
+
+            self.hooks.both(module, both)
 
     def _wrap_rope(self, attn: Any, fn_name: str) -> None:
         """Observe rotary: wrap the rope function (``fn_name``) of the attention's modeling module."""
@@ -65,42 +87,50 @@ class HfCapture:
         def observed(q: Any, k: Any, *args: Any, **kwargs: Any) -> Any:
             qe, ke = orig(q, k, *args, **kwargs)
             if self._layer >= 0:  # [batch, heads, time, dim] -> [batch, time, heads * dim]
-                self._rec(f"{self._layer}.attn.rope_q", qe.transpose(1, 2))
-                self._rec(f"{self._layer}.attn.rope_k", ke.transpose(1, 2))
+                nq, nk = self._rope_ops[self._layer]
+                self._rec(nq, qe.transpose(1, 2))
+                self._rec(nk, ke.transpose(1, 2))
             return qe, ke
 
         setattr(mod, fn_name, observed)
         self._rope_patch = (mod, fn_name, orig)
 
-    def _site(self, root: Any, site: str, op: str, heads_first: bool = False) -> None:
+    @staticmethod
+    def _site(sites: dict[int, tuple[Any, list, list]], root: Any, site: str, op: str, heads_first: bool = False) -> None:
+        """Add op ``op`` at ``site`` (under ``root``) to ``sites`` (id(module) -> module, ins, outs)."""
         path, what = parse_site(site)
         module = resolve_path(root, path)
         if module is None:
             return  # this checkpoint's variant lacks the module (a spec lists the family's superset)
+        _, ins, outs = sites.setdefault(id(module), (module, [], []))
         if what == "in":
-            self._on_input(module, op)
+            ins.append(op)
         elif heads_first:  # [batch, heads, time, dim] -> [batch, time, heads, dim]
-            self._on(module, op, lambda o: first(o).transpose(1, 2))
+            outs.append((op, lambda o: first(o).transpose(1, 2)))
         elif what == "out":
-            self._on(module, op)
+            outs.append((op, first))
         else:
             n = int(what[3:])
-            self._on(module, op, lambda o, n=n: o[n])
+            outs.append((op, lambda o, n=n: o[n]))
 
     def __enter__(self) -> HfCapture:
         spec = registry.get(self.model.config.model_type)
         m = self.model.model
-        self._site(self.model, spec.hf_model["embed"], "embed")
+        sites: dict[int, tuple[Any, list, list]] = {}
+        self._site(sites, self.model, spec.hf_model["embed"], "embed")
         if spec.hf_rope_fn:
             self._wrap_rope(m.layers[0].self_attn, spec.hf_rope_fn)
+        self._rope_ops = [(f"{i}.attn.rope_q", f"{i}.attn.rope_k") for i in range(len(m.layers))]
         for i, layer in enumerate(m.layers):
             self.hooks.pre(layer, lambda _a, _k, i=i: setattr(self, "_layer", i))
             for kind in spec.layer_ops:
                 site = spec.hf_layer.get(kind)
                 if site is not None:
-                    self._site(layer, site, f"{i}.{kind}", kind in spec.hf_heads_first)
-        self._site(self.model, spec.hf_model["final_norm"], "final_norm")
-        self._site(self.model, spec.hf_model["logits"], "logits")
+                    self._site(sites, layer, site, f"{i}.{kind}", kind in spec.hf_heads_first)
+        self._site(sites, self.model, spec.hf_model["final_norm"], "final_norm")
+        self._site(sites, self.model, spec.hf_model["logits"], "logits")
+        for module, ins, outs in sites.values():
+            self._hook(module, ins, outs)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,0 +1,72 @@
+"""The HF learner's capture through the batched (CUDA) recorder path, run on CPU tensors through
+Triton's interpreter: one hook per module (input and output sites merged), and record_rows' fast
+path (an op seen before in the same layout costs one queue append) write the same rows as the
+CPU path, and the fast path is taken for every op after the first micro-batch's."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from mismatch_probe.probes import recorder as recmod
+from mismatch_probe.probes.capture import build_plan
+
+
+def _learner(plan):
+    import transformers
+
+    from mismatch_probe.probes.hf.runner import HfLearner
+
+    cfg = transformers.Qwen3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, intermediate_size=48, vocab_size=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    r = HfLearner(Path("."), 64, micro_batch_size=2, device="cpu")
+    r.model = model
+    r._apply_recipe()
+    r._loaded = True
+    r.capture = plan
+    return r
+
+
+def test_hf_capture_batched_fast_path_equals_the_cpu_path(monkeypatch):
+    plan = build_plan("stats", ["*.mlp.*=digest"], full_rows=3, topk=2)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 64, n).tolist() for n in (5, 3, 5, 4, 5, 5)]  # 3 micro-batches, padded rows
+    r = _learner(plan)
+    hooks = []
+    r.capture = None
+    lp_cpu = r.score(seqs, list(range(6)))  # no capture
+    r.capture = plan
+    tables = {}
+
+    class Spy(recmod.OpRecorder):
+        slow = 0
+
+        def record(self, *a, **k):
+            Spy.slow += 1
+            return super().record(*a, **k)
+
+        def table(self):
+            t = super().table()
+            tables[self.force_batched] = t.to_pandas()
+            return t
+
+    for batched in (False, True):
+        Spy.slow = 0
+        monkeypatch.setattr(recmod, "OpRecorder", functools.partial(Spy, batched=batched))
+        monkeypatch.setattr(r, "_finish_capture", lambda rec: (rec.table(), hooks.append(Spy.slow)))
+        lp = r.score(seqs, list(range(6)))
+        assert all(np.array_equal(a, b) for a, b in zip(lp, lp_cpu, strict=True))
+    pd.testing.assert_frame_equal(tables[False], tables[True])
+    n_ops = tables[True].op.nunique()
+    assert n_ops == 2 * 17 + 3
+    # CPU: every op of every micro-batch takes the slow path; batched: the first micro-batch's ops,
+    # then per later batch one call per plan rule set (mlp.* digest, the rest) plus the rows of the
+    # full window (first micro-batch only here) and the logits (top-k): the rest are appends
+    assert hooks[0] == 3 * n_ops
+    assert hooks[1] <= n_ops + 2 * 3
