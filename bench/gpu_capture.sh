@@ -13,14 +13,14 @@ pkg="${PKG:-/tmp/mp_capture_pkg}"
 rm -rf "$pkg" && mkdir -p "$pkg"
 cp -r "$root/mismatch_probe" "$pkg/mismatch_probe"
 for sub in probes kernels reports; do cp -r "$root/$sub" "$pkg/mismatch_probe/$sub"; done
-export PYTHONPATH="$pkg:$root" PYTHONUNBUFFERED=1
+export PYTHONPATH="$pkg" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-cd "$root"
+cd /tmp  # not a folder with a partial mismatch_probe/ (the writer process imports the package)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python -c "import torch, triton, transformers, pyarrow, os; print(torch.__version__, triton.__version__, transformers.__version__, pyarrow.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/gpu.txt"
-python bench/bench_capture.py --device cuda --shapes qwen3-0.6b --repeats 3 --mbs 3 \
-  --modes off,digest,stats,full-window,digest@main,stats@main,digest@nolaunch,digest@hooks --variant-shapes qwen3-0.6b \
+python "$root/bench/bench_capture.py" --device cuda --shapes qwen3-0.6b --repeats 5 --mbs 3 \
+  --modes off,digest,stats,full-window,digest@nolaunch,digest@hooks --variant-shapes qwen3-0.6b \
   --out "$OUT/h200_capture_06b.json" 2>&1 | tee "$OUT/h200_capture_06b.log"
-python bench/bench_capture.py --device cuda --shapes qwen3-8b --repeats 3 --mbs 3 \
-  --modes off,digest,stats,full-window,stats@main --variant-shapes qwen3-8b \
+python "$root/bench/bench_capture.py" --device cuda --shapes qwen3-8b --repeats 5 --mbs 3 \
+  --modes off,digest,stats,full-window --variant-shapes qwen3-8b \
   --out "$OUT/h200_capture_8b.json" 2>&1 | tee "$OUT/h200_capture_8b.log"

@@ -26,13 +26,9 @@ class HookSet:
 
         self._handles.append(module.register_forward_hook(hook))
 
-    def both(self, module: Any, fn: Callable[[tuple, dict, Any], None]) -> None:
-        """Call ``fn(args, kwargs, output)`` after ``module`` runs (its inputs and its output)."""
-
-        def hook(_m: Any, args: tuple, kwargs: dict, out: Any) -> None:
-            fn(args, kwargs, out)
-
-        self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    def add(self, handle: Any) -> None:
+        """Remove ``handle`` (of a hook registered directly on a module) with the others."""
+        self._handles.append(handle)
 
     def pre(self, module: Any, fn: Callable[[tuple, dict], None]) -> None:
         """Call ``fn(args, kwargs)`` before ``module`` runs."""

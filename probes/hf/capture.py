@@ -54,28 +54,34 @@ class HfCapture:
         ``outs`` (op, pick: the op from the module's output). A module with both (o_proj,
         post_attention_layernorm, down_proj) gets one forward hook that records its input after it
         ran (the modules at these sites read their input, never write it), not a pre-hook and a hook."""
-        rec = self._rec
+        # the hooks call the recorder directly (one Python frame per op: the host is what limits a
+        # small model's forward, and every frame counts there)
+        rec, cap = self.rec.record_rows, self
 
         def inp(args: tuple, kw: dict) -> Any:
             return args[0] if args else next(iter(kw.values()))
 
         if not outs:
-            def before(args: tuple, kw: dict) -> None:
+            def before(_m: Any, args: tuple, kw: dict) -> None:
                 for op in ins:
-                    rec(op, inp(args, kw))
+                    rec(op, inp(args, kw), cap._seq, cap._pos)
 
-            self.hooks.pre(module, before)
-        elif not ins and len(outs) == 1:
-            op, pick = outs[0]
-            self.hooks.fwd(module, lambda out: rec(op, pick(out)))
+            self.hooks.add(module.register_forward_pre_hook(before, with_kwargs=True))
+        elif not ins and len(outs) == 1 and outs[0][1] is first:
+            op = outs[0][0]
+
+            def after(_m: Any, _a: tuple, out: Any) -> None:
+                rec(op, out[0] if isinstance(out, tuple | list) else out, cap._seq, cap._pos)
+
+            self.hooks.add(module.register_forward_hook(after))
         else:
-            def both(args: tuple, kw: dict, out: Any) -> None:
+            def both(_m: Any, args: tuple, kw: dict, out: Any) -> None:
                 for op in ins:
-                    rec(op, inp(args, kw))
+                    rec(op, inp(args, kw), cap._seq, cap._pos)
                 for op, pick in outs:
-                    rec(op, pick(out))
+                    rec(op, pick(out), cap._seq, cap._pos)
 
-            self.hooks.both(module, both)
+            self.hooks.add(module.register_forward_hook(both, with_kwargs=True))
 
     def _wrap_rope(self, attn: Any, fn_name: str) -> None:
         """Observe rotary: wrap the rope function (``fn_name``) of the attention's modeling module."""
@@ -122,7 +128,7 @@ class HfCapture:
             self._wrap_rope(m.layers[0].self_attn, spec.hf_rope_fn)
         self._rope_ops = [(f"{i}.attn.rope_q", f"{i}.attn.rope_k") for i in range(len(m.layers))]
         for i, layer in enumerate(m.layers):
-            self.hooks.pre(layer, lambda _a, _k, i=i: setattr(self, "_layer", i))
+            self.hooks.add(layer.register_forward_pre_hook(lambda _m, _a, i=i: setattr(self, "_layer", i)))
             for kind in spec.layer_ops:
                 site = spec.hf_layer.get(kind)
                 if site is not None:

@@ -42,7 +42,7 @@ def test_hf_capture_batched_fast_path_equals_the_cpu_path(monkeypatch):
     r.capture = None
     lp_cpu = r.score(seqs, list(range(6)))  # no capture
     r.capture = plan
-    tables = {}
+    tables = []
 
     class Spy(recmod.OpRecorder):
         slow = 0
@@ -53,20 +53,23 @@ def test_hf_capture_batched_fast_path_equals_the_cpu_path(monkeypatch):
 
         def table(self):
             t = super().table()
-            tables[self.force_batched] = t.to_pandas()
+            tables.append(t.to_pandas())
             return t
 
-    for batched in (False, True):
+    for batched in (False, True, True):
         Spy.slow = 0
         monkeypatch.setattr(recmod, "OpRecorder", functools.partial(Spy, batched=batched))
         monkeypatch.setattr(r, "_finish_capture", lambda rec: (rec.table(), hooks.append(Spy.slow)))
         lp = r.score(seqs, list(range(6)))
         assert all(np.array_equal(a, b) for a, b in zip(lp, lp_cpu, strict=True))
-    pd.testing.assert_frame_equal(tables[False], tables[True])
-    n_ops = tables[True].op.nunique()
+    pd.testing.assert_frame_equal(tables[0], tables[1])
+    pd.testing.assert_frame_equal(tables[0], tables[2])
+    n_ops = tables[1].op.nunique()
     assert n_ops == 2 * 17 + 3
     # CPU: every op of every micro-batch takes the slow path; batched: the first micro-batch's ops,
     # then per later batch one call per plan rule set (mlp.* digest, the rest) plus the rows of the
     # full window (first micro-batch only here) and the logits (top-k): the rest are appends
     assert hooks[0] == 3 * n_ops
     assert hooks[1] <= n_ops + 2 * 3
+    # a new recorder reuses the layouts of the first (process-wide): its first micro-batch is appends too
+    assert hooks[2] < hooks[1]
