@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -49,8 +50,12 @@ def _rmax(x):
 
 
 @_jit
-def _step(ptrs, m, key, acc, s, ss, am, nn, ni, KIND: tl.constexpr, MASKED: tl.constexpr):
-    """One block of a row: digest terms and stats of BLOCK elements (MASKED: the row's tail)."""
+def _step(ptrs, m, key, acc, s, ss, am, nn, ni, KIND: tl.constexpr, MASKED: tl.constexpr, STATS: tl.constexpr,
+          FINITE: tl.constexpr):
+    """One block of a row: digest terms and (STATS) stats of BLOCK elements (MASKED: the row's tail).
+    FINITE (floats): assume every element finite: ``am`` is the max of the bits with the sign
+    cleared over all elements (the caller checks it and redoes the row's stats if it is not finite),
+    NaN/Inf are neither tested nor counted; the same sums as the careful step on a finite row."""
     if MASKED:
         w = tl.load(ptrs, mask=m, other=0)
     else:
@@ -65,35 +70,34 @@ def _step(ptrs, m, key, acc, s, ss, am, nn, ni, KIND: tl.constexpr, MASKED: tl.c
         acc += tl.where(m, x, 0)  # masked lanes read 0: neutral for every stat, not for the digest
     else:
         acc += x
-    if KIND == 0:  # bf16: its bits are the high half of a float32
-        wi = w.to(tl.int32)
-        e = wi & 0x7FFF
-        fin = e < 0x7F80
-        f = tl.where(fin, (wi << 16).to(tl.float32, bitcast=True), 0.0).to(tl.float64)
-        nn += (e > 0x7F80).to(tl.int32)
-        ni += (e == 0x7F80).to(tl.int32)
-        am = tl.maximum(am, tl.where(fin, e, 0))
-    elif KIND == 1:  # fp16
-        e = w.to(tl.int32) & 0x7FFF
-        fin = e < 0x7C00
-        f = tl.where(fin, w.to(tl.float16, bitcast=True).to(tl.float32), 0.0).to(tl.float64)
-        nn += (e > 0x7C00).to(tl.int32)
-        ni += (e == 0x7C00).to(tl.int32)
-        am = tl.maximum(am, tl.where(fin, e, 0))
-    elif KIND == 2:  # fp32
-        e = w & 0x7FFFFFFF
-        fin = e < 0x7F800000
-        f = tl.where(fin, w.to(tl.float32, bitcast=True), 0.0).to(tl.float64)
-        nn += (e > 0x7F800000).to(tl.int32)
-        ni += (e == 0x7F800000).to(tl.int32)
-        am = tl.maximum(am, tl.where(fin, e, 0))
-    elif KIND == 3:  # fp64
-        e = w & 0x7FFFFFFFFFFFFFFF
-        fin = e < 0x7FF0000000000000
-        f = tl.where(fin, w.to(tl.float64, bitcast=True), 0.0)
-        nn += (e > 0x7FF0000000000000).to(tl.int32)
-        ni += (e == 0x7FF0000000000000).to(tl.int32)
-        am = tl.maximum(am, tl.where(fin, e, 0))
+    if not STATS:  # digest-only rows (mode digest): the stats are never read
+        return acc, s, ss, am, nn, ni
+    if KIND <= 3:  # floats: finiteness, NaN/Inf counts and abs_max from the bits with the sign cleared
+        if KIND == 0:  # bf16: its bits are the high half of a float32
+            e = w.to(tl.int32) & 0x7FFF
+            inf = 0x7F80
+            f = (w.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        elif KIND == 1:  # fp16
+            e = w.to(tl.int32) & 0x7FFF
+            inf = 0x7C00
+            f = w.to(tl.float16, bitcast=True).to(tl.float32)
+        elif KIND == 2:  # fp32
+            e = w & 0x7FFFFFFF
+            inf = 0x7F800000
+            f = w.to(tl.float32, bitcast=True)
+        else:  # fp64
+            e = w & 0x7FFFFFFFFFFFFFFF
+            inf = 0x7FF0000000000000
+            f = w.to(tl.float64, bitcast=True)
+        if FINITE:
+            f = f.to(tl.float64)
+            am = tl.maximum(am, e)
+        else:
+            fin = e < inf
+            f = tl.where(fin, f, 0.0).to(tl.float64)
+            nn += (e > inf).to(tl.int32)
+            ni += (e == inf).to(tl.int32)
+            am = tl.maximum(am, tl.where(fin, e, 0))
     elif KIND == 5:  # uint8, bool: unsigned values (the digest reads them sign-extended)
         f = (w.to(tl.int32) & 0xFF).to(tl.float64)
         am = tl.maximum(am, f)
@@ -106,7 +110,53 @@ def _step(ptrs, m, key, acc, s, ss, am, nn, ni, KIND: tl.constexpr, MASKED: tl.c
 
 
 @_jit
-def _rows_kernel(x_ptr, desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+def _row(base, n_cols, coff, lane, lane_key, KIND: tl.constexpr, BLOCK: tl.constexpr, STATS: tl.constexpr,
+         FINITE: tl.constexpr):
+    """Digest terms and stats accumulators of one row (per lane: the kernel reduces them)."""
+    acc = tl.full([BLOCK], 0, tl.uint64)
+    s = tl.full([BLOCK], 0.0, tl.float64)
+    ss = tl.full([BLOCK], 0.0, tl.float64)
+    if KIND == 3:
+        am = tl.full([BLOCK], 0, tl.int64)
+    elif KIND >= 4:
+        am = tl.full([BLOCK], 0.0, tl.float64)
+    else:
+        am = tl.full([BLOCK], 0, tl.int32)
+    nn = tl.full([BLOCK], 0, tl.int32)
+    ni = tl.full([BLOCK], 0, tl.int32)
+    n_full = n_cols - n_cols % BLOCK
+    for c0 in range(0, n_full, BLOCK):
+        cols = tl.max_contiguous(tl.multiple_of(c0 + lane, BLOCK), BLOCK)
+        key = (c0 + coff + 1).to(tl.uint64) * 0x9E3779B97F4A7C15 + lane_key
+        acc, s, ss, am, nn, ni = _step(base + cols, cols < n_cols, key, acc, s, ss, am, nn, ni, KIND=KIND,
+                                       MASKED=False, STATS=STATS, FINITE=FINITE)
+    if n_full < n_cols:
+        cols = tl.max_contiguous(tl.multiple_of(n_full + lane, BLOCK), BLOCK)
+        key = (n_full + coff + 1).to(tl.uint64) * 0x9E3779B97F4A7C15 + lane_key
+        acc, s, ss, am, nn, ni = _step(base + cols, cols < n_cols, key, acc, s, ss, am, nn, ni, KIND=KIND,
+                                       MASKED=True, STATS=STATS, FINITE=FINITE)
+    return acc, s, ss, am, nn, ni
+
+
+@_jit
+def _abs_max(a, KIND: tl.constexpr):
+    """The row's abs_max (float64) from the reduced ``am`` (floats: bits with the sign cleared)."""
+    if KIND == 0:
+        r = (a << 16).to(tl.float32, bitcast=True).to(tl.float64)
+    elif KIND == 1:
+        r = a.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.float64)
+    elif KIND == 2:
+        r = a.to(tl.float32, bitcast=True).to(tl.float64)
+    elif KIND == 3:
+        r = a.to(tl.float64, bitcast=True)
+    else:
+        r = a
+    return r
+
+
+@_jit
+def _rows_kernel(x_ptr, desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                 STATS: tl.constexpr):
     row = tl.program_id(0)
     d = desc_ptr + tl.program_id(1) * 6
     n_rows = tl.load(d + 1)
@@ -123,70 +173,51 @@ def _rows_kernel(x_ptr, desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, BLOCK: tl
         base = x_ptr + (start + row * stride)
         lane = tl.arange(0, BLOCK)
         lane_key = lane.to(tl.uint64) * 0x9E3779B97F4A7C15  # key of column c0 + j = (c0 + coff + 1) * G + j * G
-        acc = tl.full([BLOCK], 0, tl.uint64)
-        s = tl.full([BLOCK], 0.0, tl.float64)
-        ss = tl.full([BLOCK], 0.0, tl.float64)
-        if KIND == 3:
-            am = tl.full([BLOCK], 0, tl.int64)
-        elif KIND >= 4:
-            am = tl.full([BLOCK], 0.0, tl.float64)
-        else:
-            am = tl.full([BLOCK], 0, tl.int32)
-        nn = tl.full([BLOCK], 0, tl.int32)
-        ni = tl.full([BLOCK], 0, tl.int32)
-        n_full = n_cols - n_cols % BLOCK
-        for c0 in range(0, n_full, BLOCK):
-            cols = tl.max_contiguous(tl.multiple_of(c0 + lane, BLOCK), BLOCK)
-            key = (c0 + coff + 1).to(tl.uint64) * 0x9E3779B97F4A7C15 + lane_key
-            acc, s, ss, am, nn, ni = _step(base + cols, cols < n_cols, key, acc, s, ss, am, nn, ni, KIND=KIND,
-                                           MASKED=False)
-        if n_full < n_cols:
-            cols = tl.max_contiguous(tl.multiple_of(n_full + lane, BLOCK), BLOCK)
-            key = (n_full + coff + 1).to(tl.uint64) * 0x9E3779B97F4A7C15 + lane_key
-            acc, s, ss, am, nn, ni = _step(base + cols, cols < n_cols, key, acc, s, ss, am, nn, ni, KIND=KIND,
-                                           MASKED=True)
+        # floats: first the pass that assumes every element finite (fewer instructions per element)
+        acc, s, ss, am, nn, ni = _row(base, n_cols, coff, lane, lane_key, KIND=KIND, BLOCK=BLOCK, STATS=STATS,
+                                      FINITE=True)
         tl.store(dig_ptr + out, _rsum(acc).to(tl.int64, bitcast=True))
+        if not STATS:
+            return
+        amax = _abs_max(_rmax(am), KIND)
+        if KIND <= 3:
+            if not (amax < float("inf")):  # a NaN or an Inf in the row (rare): its stats again, counted
+                acc, s, ss, am, nn, ni = _row(base, n_cols, coff, lane, lane_key, KIND=KIND, BLOCK=BLOCK,
+                                              STATS=True, FINITE=False)
+                amax = _abs_max(_rmax(am), KIND)
         st = st_ptr + out * 5
         tl.store(st, _rsum(s))
         tl.store(st + 1, _rsum(ss))
-        a = _rmax(am)
-        if KIND == 0:
-            tl.store(st + 2, (a << 16).to(tl.float32, bitcast=True).to(tl.float64))
-        elif KIND == 1:
-            tl.store(st + 2, a.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.float64))
-        elif KIND == 2:
-            tl.store(st + 2, a.to(tl.float32, bitcast=True).to(tl.float64))
-        elif KIND == 3:
-            tl.store(st + 2, a.to(tl.float64, bitcast=True))
-        else:
-            tl.store(st + 2, a)
+        tl.store(st + 2, amax)
         tl.store(st + 3, _rsum(nn).to(tl.float64))
         tl.store(st + 4, _rsum(ni).to(tl.float64))
 
 
-def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any) -> None:
+def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any, stats: bool = True) -> None:
     """``items``: (2-D tensor with unit inner stride, output row, column offset), all of one dtype;
-    writes ``dig`` (int64 [cap], the uint64 bits) and ``st`` (float64 [cap, 5]) at the output rows."""
+    writes ``dig`` (int64 [cap], the uint64 bits) and, if ``stats``, ``st`` (float64 [cap, 5]) at
+    the output rows."""
     t0 = items[0][0]
     desc = [[t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), out, coff] for t, out, coff in items]
-    launch_desc(desc, t0, max(t.shape[0] for t, _, _ in items), dig, st)
+    launch_desc(desc, t0, max(t.shape[0] for t, _, _ in items), dig, st, stats)
 
 
-def launch_desc(desc: list[list[int]], x: Any, max_rows: int, dig: Any, st: Any) -> None:
+def launch_desc(desc: list[list[int]], x: Any, max_rows: int, dig: Any, st: Any, stats: bool = True) -> None:
     """The launch over a ready descriptor table (rows of [address, rows, cols, row stride, out, col
-    offset]) of tensors of ``x``'s dtype (any one of them)."""
+    offset]) of tensors of ``x``'s dtype (any one of them); ``stats`` False: digests only (the
+    stats rows are left as they are)."""
     size = 1 if x.dtype == torch.bool else x.dtype.itemsize
     base = x.data_ptr()
-    for row in desc:  # addresses -> element offsets from x (tensors of one dtype are itemsize-aligned)
-        row[0] = (row[0] - base) // size
+    d = np.array(desc, dtype=np.int64).reshape(-1, 6)
+    d[:, 0] -= base  # addresses -> element offsets from x (tensors of one dtype are itemsize-aligned)
+    d[:, 0] //= size
     vec = 16 // size
-    aligned = base % 16 == 0 and all(
-        (a * size) % 16 == 0 and (stride * size) % 16 == 0 and (cols * size) % 16 == 0 for a, _, cols, stride, _, _ in desc)
+    aligned = base % 16 == 0 and not ((d[:, [0, 2, 3]] * size) % 16).any()
     xi = x.view(torch.uint8).view(torch.int8) if x.dtype == torch.bool else x.view(_ITORCH[size])
     grid = (max_rows, len(desc))
-    args = dict(KIND=_KIND[x.dtype], BLOCK=BLOCK, VEC=vec if aligned else 1)
+    args = dict(KIND=_KIND[x.dtype], BLOCK=BLOCK, VEC=vec if aligned else 1, STATS=bool(stats))
     if INTERPRET:
-        _rows_kernel[grid](xi, torch.tensor(desc, dtype=torch.int64), dig, st, **args)
+        _rows_kernel[grid](xi, torch.from_numpy(d), dig, st, **args)
     else:
-        dt = torch.tensor(desc, dtype=torch.int64, pin_memory=True).to(x.device, non_blocking=True)
+        dt = torch.from_numpy(d).pin_memory().to(x.device, non_blocking=True)
         _rows_kernel[grid](xi, dt, dig, st, num_warps=WARPS, **args)

@@ -26,6 +26,7 @@ class _Rows:
     modes: np.ndarray  # of the kept rows
     full: np.ndarray  # row indices (into the tensor) kept in full mode, ascending
     full_dev: Any = None
+    stats: bool = True  # any row kept in stats or full mode (else the device kernel computes digests only)
 
     def __getstate__(self) -> dict[str, Any]:  # sent to the writer process without the device copy
         return {**self.__dict__, "full_dev": None}

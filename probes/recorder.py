@@ -118,7 +118,7 @@ class OpRecorder:
         self._arenas: list[Any] = []
         self._thread: Any = None
         self._error: BaseException | None = None
-        self._queue: dict[Any, list[tuple[Any, list[int]]]] = {}  # dtype -> (tensor, descriptor row)
+        self._queue: dict[Any, list[tuple[Any, list[int]]]] = {}  # (dtype, stats) -> (tensor, descriptor row)
         self._queued = (0, 0)
         self._stream: Any = False  # not decided yet (see _side)
         self._held: collections.deque = collections.deque()
@@ -161,7 +161,7 @@ class OpRecorder:
         rows = None
         if keep.size:
             mk = modes[keep]
-            rows = _Rows(keep, s[keep], p[keep], mk, keep[mk == FULL])
+            rows = _Rows(keep, s[keep], p[keep], mk, keep[mk == FULL], stats=bool((mk >= STATS).any()))
         self._brows[key] = rows
         return rows
 
@@ -190,7 +190,8 @@ class OpRecorder:
                         self.seen_ops.append(op)
                     self._used = off + n
                     self._segs.append(_Seg(op, lay.dtype_name, lay.row_shape, lay.width, lay.itemsize, rows, off, True))
-                    self._enqueue(tensor, [tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0], lay.nbytes)
+                    self._enqueue(tensor, [tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0], lay.nbytes,
+                                  rows.stats)
                     return
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
         self.record(op, flat, seq_ids, pos)
@@ -235,7 +236,8 @@ class OpRecorder:
         self._used += need
         if cuda:
             if t.shape[1]:  # an empty row's digest and stats are never read
-                self._enqueue(t, [t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), off, 0], t.numel() * t.element_size())
+                self._enqueue(t, [t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), off, 0], t.numel() * t.element_size(),
+                              rows.stats)
         else:
             sel = t if k == t.shape[0] else t[torch.from_numpy(rows.keep)]
             dig, st = self._arena()
@@ -284,12 +286,14 @@ class OpRecorder:
                 self._arenas.append((np.empty(self.buffer_rows, np.uint64), np.empty((self.buffer_rows, 5))))
         return self._arenas[0]
 
-    def _enqueue(self, t: Any, desc: list[int], nbytes: int) -> None:
+    def _enqueue(self, t: Any, desc: list[int], nbytes: int, stats: bool) -> None:
         """Queue ``t`` (a reference) with its descriptor row (address, rows, columns, row stride,
-        arena row, column offset: see digest_triton.launch_desc) for the next launch."""
-        q = self._queue.get(t.dtype)
+        arena row, column offset: see digest_triton.launch_desc) for the next launch (``stats``
+        False: digests only, for ops whose rows are all kept in digest mode)."""
+        key = (t.dtype, stats)
+        q = self._queue.get(key)
         if q is None:
-            q = self._queue[t.dtype] = []
+            q = self._queue[key] = []
         q.append((t, desc))
         n, b = self._queued
         self._queued = (n + 1, b + nbytes)
@@ -345,11 +349,11 @@ class OpRecorder:
         refs = []
         with self._after_engine():
             dig, st = self._arena()
-            for items in self._queue.values():
+            for (_, stats), items in self._queue.items():
                 for i in range(0, len(items), 512):
                     part = items[i : i + 512]
                     desc = [d for _, d in part]
-                    digest_triton.launch_desc(desc, part[0][0], max(d[1] for d in desc), dig, st)
+                    digest_triton.launch_desc(desc, part[0][0], max(d[1] for d in desc), dig, st, stats)
                 refs.append(items)
         self._hold_until_done(refs)
         self._queue.clear()
