@@ -288,7 +288,8 @@ def digest_triton_cfg() -> tuple[int, int]:
 
 def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
     """The digest+stats kernel alone on one forward's captured tensors of ``shape`` (bf16 rows of
-    the widths a forward captures, one tensor per op), per (BLOCK, WARPS): elements per second."""
+    the widths a forward captures, one tensor per op), per (BLOCK, WARPS), and the digest-only
+    kernel at the default (BLOCK, WARPS): elements per second."""
     import torch
 
     from mismatch_probe.probes import digest_triton
@@ -304,12 +305,13 @@ def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
     st = torch.empty(len(ts) * tokens, 5, dtype=torch.float64, device="cuda")
     out = []
     saved = digest_triton.BLOCK, digest_triton.WARPS
-    for block, warps in ((256, 1), (512, 1), (512, 2), (1024, 4)):
+    for block, warps, stats in ((256, 1, True), (256, 1, False), (512, 1, True), (512, 2, True), (1024, 4, True)):
         digest_triton.BLOCK, digest_triton.WARPS = block, warps
 
-        def run() -> None:
+        def run(stats: bool = stats) -> None:
             for a in range(0, len(ts), 64):
-                digest_triton.launch([(t, (a + j) * tokens, 0) for j, t in enumerate(ts[a : a + 64])], dig, st)
+                digest_triton.launch([(t, (a + j) * tokens, 0) for j, t in enumerate(ts[a : a + 64])], dig, st,
+                                     stats)
 
         run()
         torch.cuda.synchronize()
@@ -322,7 +324,7 @@ def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
             e1.synchronize()
             times.append(e0.elapsed_time(e1) / 1e3)
         t = statistics.median(times)
-        out.append({"shape": shape, "block": block, "warps": warps, "elements": n_el, "seconds": t,
+        out.append({"shape": shape, "block": block, "warps": warps, "stats": stats, "elements": n_el, "seconds": t,
                     "g_elements_per_s": n_el / t / 1e9, "gb_per_s": 2 * n_el / t / 1e9})
         print(json.dumps(out[-1]), flush=True)
     digest_triton.BLOCK, digest_triton.WARPS = saved
@@ -502,6 +504,8 @@ def main() -> None:
 
                     tot: dict[tuple[int, int], float] = {}
                     for k in res["kernel"]:
+                        if not k["stats"]:
+                            continue
                         tot[(k["block"], k["warps"])] = tot.get((k["block"], k["warps"]), 0.0) + k["seconds"]
                     digest_triton.BLOCK, digest_triton.WARPS = min(tot, key=tot.get)
             res["kernel_config"] = {"block": digest_triton_cfg()[0], "warps": digest_triton_cfg()[1]}
@@ -522,7 +526,8 @@ def main() -> None:
             if a.out:  # after each shape: a later failure keeps what ran
                 a.out.write_text(json.dumps(res, indent=1))
         for k in res.get("kernel", []):
-            print(f"kernel {k['shape']:12} block {k['block']:5d} warps {k['warps']} {k['g_elements_per_s']:7.1f} G el/s "
+            print(f"kernel {k['shape']:12} block {k['block']:5d} warps {k['warps']} {'stats' if k['stats'] else 'digest'} "
+                  f"{k['g_elements_per_s']:7.1f} G el/s "
                   f"{k['gb_per_s']:7.1f} GB/s")
         if "cuda_digest_equal_numpy" in res:
             print("digest==numpy, digest-only==numpy, stats close, counts equal:",
