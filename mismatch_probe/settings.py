@@ -43,8 +43,6 @@ _ALL = (
             "build folder of the CUDA C++ NVFP4 kernels (default `<cache>/native`)"),
     Setting("MISMATCH_PROBE_NATIVE_VERBOSE", "user", "bool", "0", "0 or 1", "1: show the nvcc/ninja build output",
             choices=("0", "1")),
-    Setting("MISMATCH_PROBE_NATIVE_WGMMA", "tuning", "bool", "1", "0 or 1",
-            "0: never run the wgmma decode variants (sm_90a) even when NATIVE_CFG asks for them", choices=("0", "1")),
     Setting("MISMATCH_PROBE_CAPTURE_WRITER", "tuning", "str", "process", "process or thread",
             "who writes captured rows to disk: a separate process or a thread of the engine's process",
             choices=("process", "thread")),

@@ -44,7 +44,6 @@ def test_defaults_are_unchanged(monkeypatch):
     assert settings.get("MISMATCH_PROBE_NATIVE_CACHE") == Path("/home/someone/.cache/mismatch-probe/native")
     assert settings.get("MISMATCH_PROBE_NATIVE") is True
     assert settings.get("MISMATCH_PROBE_NATIVE_VERBOSE") is False
-    assert settings.get("MISMATCH_PROBE_NATIVE_WGMMA") is True
     assert settings.get("MISMATCH_PROBE_CAPTURE_WRITER") == "process"
     assert settings.get("MISMATCH_PROBE_CAPTURE_STREAM") == "side"
     assert settings.get("MISMATCH_PROBE_DIGEST_BLOCK") == 256

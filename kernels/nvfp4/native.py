@@ -10,9 +10,11 @@ build fails, :func:`status` says why and the callers keep the Triton kernels.
 Kernels (same bits as the Triton paths; the GPU checks compare them with ``torch.equal``):
 
 * ``decode_gemm``: the decode-path GEMM of :mod:`gemm_tc` (M <= 64), weights in the layout of
-  :func:`native_layout` (made once per weight version); mma.sync by default, a wgmma variant
-  (sm_90a builds, ``NATIVE_CFG["variant"] = 4``/``5``) gives the same bits and was slower on the
-  H200 (BENCHMARKS.md);
+  :func:`native_layout` (made once per weight version); mma.sync m16n8k16 with one fp32 chain per
+  output along K. Variants (``NATIVE_CFG["variant"]``, all the same bits, see :data:`VARIANTS`):
+  the cp.async pipeline (0, 3) and the bulk-copy pipeline (6-9: weights by the copy engine, a
+  producer warp, no CTA-wide barrier; with E4M3 scale bytes or fp16 scales, byte-permute or
+  mask/shift fragment decode);
 * ``quantize_rows``: the per-token / given-amax quantizer of :mod:`quant_fast` for bf16 rows.
 """
 
@@ -27,17 +29,25 @@ import torch
 from mismatch_probe import settings
 
 from .common import quant_outputs
-from .ref import unpack_codes
+from .ref import e4m3_decode, unpack_codes
 
 SRC = Path(__file__).parent / "csrc" / "nvfp4_native.cu"
 MIN_CC = (8, 9)
-NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (M <= 16, see VARIANTS)
-# M <= 16 decode variants. mma.sync: (weight tiles of 8 rows per warp, pipeline stages, 128-wide K
-# chunks per stage); M 17-32: 2 token tiles, M > 32: 4 (both (2, 6 or 4, 2)); M <= 8 reads token
-# rows 0-7 only. wgmma (sm_90a builds): ("wgmma", stages, chunks), M <= 8: m64n8, else m64n16.
-# (Variants 1 (2, 4, 2) and 2 (1, 6, 2) were measured on 2026-12-01 at 19.8-21.2 us, no better.)
-VARIANTS: dict[int, tuple[Any, int, int]] = {0: (2, 6, 2), 3: (2, 8, 1), 4: ("wgmma", 6, 2), 5: ("wgmma", 8, 2)}
-DEFAULT_VARIANT = 0
+NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (see VARIANTS)
+# Decode variants: (pipeline, scales, fragment decode). "cp.async": every thread copies weights and
+# tokens into a ring of 6 stages x 2 chunks of 128 K (variant 3: 8 x 1; M <= 16; 2 or 4 token tiles
+# above), a CTA barrier per stage. "bulk": a producer warp, weights by cp.async.bulk (copy engine),
+# tokens by cp.async, mbarriers per stage (6 stages x 2 chunks, 4 for M > 32). "e4m3": scale bytes;
+# "fp16": scales as fp16 sf * 2^7 (native_layout's third tensor). "prmt" / "shift": the fp16 pairs
+# made by byte permutes or by masks and shifts. NT 2: 4 consumer warps, 1: 8. The bulk ones need an even chunk count per K segment
+# (else variant 0 runs). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no better than 0;
+# 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for the weights
+# (no shared memory): 0.9-1.0 TB/s, dropped (BENCHMARKS.md).
+VARIANTS: dict[int, tuple[str, str, str, int]] = {
+    0: ("cp.async", "e4m3", "prmt", 2), 3: ("cp.async", "e4m3", "prmt", 2), 6: ("bulk", "e4m3", "prmt", 2),
+    7: ("bulk", "fp16", "prmt", 2), 8: ("bulk", "fp16", "shift", 2), 9: ("bulk", "e4m3", "shift", 2),
+    10: ("bulk", "fp16", "prmt", 1), 11: ("bulk", "fp16", "shift", 1)}  # last: 8-row weight tiles per warp (NT)
+DEFAULT_VARIANT = 7
 _STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s": None}
 
 
@@ -76,7 +86,7 @@ def load() -> Any | None:
     from torch.utils.cpp_extension import load as cpp_load
 
     cc = torch.cuda.get_device_capability()
-    arch = f"{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")  # sm_90a: wgmma (the Hopper decode variant)
+    arch = f"{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")  # sm_90a: the Hopper target
     src = SRC.read_bytes()
     tag = hashlib.sha256(src + torch.__version__.encode() + arch.encode()).hexdigest()[:16]
     build = _cache_dir(tag)
@@ -114,15 +124,18 @@ def available() -> bool:
 # ---------------------------------------------------------------------------------------------
 # decode GEMM
 
-_KK = ((0, 1, 8, 9), (2, 3, 10, 11), (4, 5, 12, 13), (6, 7, 14, 15))  # fragment k per lane%4
+# fragment k per lane % 4 and byte: bytes 0, 2 hold the pair {2q, 2q+1}, bytes 1, 3 {2q+8, 2q+9}, so
+# (W << 8) & 0xFF00FF00 and W & 0xFF00FF00 (or one byte permute each) give the two fp16 pairs
+_KK = ((0, 8, 1, 9), (2, 10, 3, 11), (4, 12, 5, 13), (6, 14, 7, 15))
 
 
-def native_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 weight [N, K] (standard packing, linear scales) -> (codes, scales) in the layout of
-    ``decode_gemm``: per 64 rows (zero-padded) and 128-wide K chunk, 4096 code bytes ordered
-    [tile t (8 rows), lane = 4 g + q, word w, byte i] and 512 scale bytes [tile, row g, step]; byte
-    i of word w holds the value of row 8t+g at k = 16(2w) + KK[q][i] in bits {1,2,3,7} (as s|e1e0m:
-    sign bit 7) and the one at k = 16(2w+1) + KK[q][i] in bits {4,5,6,0} (sign bit 0)."""
+def native_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 weight [N, K] (standard packing, linear scales) -> (codes, scales, scales16) in the
+    layout of ``decode_gemm``: per 64 rows (zero-padded) and 128-wide K chunk, 4096 code bytes
+    ordered [tile t (8 rows), lane = 4 g + q, word w, byte i] and 512 scale bytes [tile, row g,
+    step]; byte i of word w holds the value of row 8t+g at k = 16(2w) + KK[q][i] in bits {1,2,3,7}
+    (as s|e1e0m: sign bit 7) and the one at k = 16(2w+1) + KK[q][i] in bits {4,5,6,0} (sign bit 0).
+    ``scales16``: the same scales as fp16 ``sf * 2^7`` (exact), 2 bytes each, same order."""
     n, k = codes.shape[0], codes.shape[1] * 2
     if k % 128:
         raise ValueError(f"native layout needs K % 128 == 0, got K = {k}")
@@ -139,7 +152,8 @@ def native_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     byte = ((lo & 7) << 1) | ((lo & 8) << 4) | ((hi & 7) << 4) | (hi >> 3)
     wq = byte.permute(0, 3, 1, 2, 5, 4, 6).contiguous().view(-1)  # nb c t g q w i
     ws = s.reshape(npad // 64, 8, 8, chunks, 8).permute(0, 3, 1, 2, 4).contiguous().view(-1)  # nb c t g step
-    return wq, ws
+    ws16 = (e4m3_decode(ws) * 128).to(torch.float16).view(torch.uint8)
+    return wq, ws, ws16
 
 
 def decode_ok(w: Any) -> bool:
@@ -155,34 +169,38 @@ def decode_ok(w: Any) -> bool:
 
 
 def decode_variant(m: int, w: Any) -> dict[str, Any]:
-    """The kernel instance for M rows (as nvfp4_native.cu's decode_gemm picks it): MT (16-row token
-    tiles), NT (8-row weight tiles per warp), STAGES, CPS (128-wide chunks per stage), HALF."""
+    """The kernel instance for M rows (as nvfp4_native.cu's decode_gemm picks it): the variant, its
+    pipeline / scales / fragment decode, MT (16-row token tiles), NT (8-row weight tiles per warp),
+    STAGES, CPS (128-wide chunks per stage), HALF (cp.async, M <= 8: token rows 0-7 only)."""
     two = (w.k // 128 // w.nseg) % 2 == 0
-    if m > 16:
-        return {"MT": 2 if m <= 32 else 4, "NT": 2, "STAGES": 6 if m <= 32 else 4, "CPS": 2 if two else 1, "HALF": 0,
-                "MMA": "mma.sync m16n8k16"}
     v = _variant()
-    if v >= 4:
-        st, cps = (VARIANTS[v][1], 2) if two else (8, 1)
-        return {"MMA": f"wgmma m64n{8 if m <= 8 else 16}k16", "STAGES": st, "CPS": cps, "variant": v}
-    nt, st, cps = VARIANTS[v] if two else VARIANTS[3]
-    return {"MT": 1, "NT": nt, "STAGES": st, "CPS": cps, "HALF": int(m <= 8),
-            "variant": v if two else 3, "MMA": "mma.sync m16n8k16"}
+    mt = 1 if m <= 16 else 2 if m <= 32 else 4
+    if v >= 6 and two:
+        pipe, sc, dec, nt = VARIANTS[v]
+        return {"variant": v, "pipeline": pipe, "scales": sc, "decode": dec, "MT": mt, "NT": nt,
+                "STAGES": 4 if mt == 4 else 6, "CPS": 2, "MMA": "mma.sync m16n8k16"}
+    if m > 16:
+        return {"variant": 0, "pipeline": "cp.async", "MT": mt, "NT": 2, "STAGES": 6 if m <= 32 else 4,
+                "CPS": 2 if two else 1, "HALF": 0, "MMA": "mma.sync m16n8k16"}
+    v = 0 if v != 3 and two else 3
+    return {"variant": v, "pipeline": "cp.async", "MT": 1, "NT": 2, "STAGES": 6 if v == 0 else 8, "CPS": 2 if v == 0 else 1,
+            "HALF": int(m <= 8), "MMA": "mma.sync m16n8k16"}
 
 
 def _variant() -> int:
-    """The M <= 16 variant to run: NATIVE_CFG's or the default; wgmma ones only in sm_90a builds."""
+    """The variant to run: NATIVE_CFG's or the default."""
     v = int(NATIVE_CFG.get("variant", DEFAULT_VARIANT))
-    wgmma_ok = _STATE.get("arch") == "sm_90a" and settings.get("MISMATCH_PROBE_NATIVE_WGMMA")
-    return v if v < 4 or wgmma_ok else 0
+    if v not in VARIANTS:
+        raise ValueError(f"native decode variant {v} unknown (one of {sorted(VARIANTS)})")
+    return v
 
 
 def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: int, out: torch.Tensor,
                 part: torch.Tensor) -> None:
     mod = load()
-    wq, ws = w.native_w
+    wq, ws, ws16 = w.native_w
     a = a_op if a_op.data_ptr() % 16 == 0 else a_op.clone()
-    mod.decode_gemm(wq, ws, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant())
+    mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant())
 
 
 # ---------------------------------------------------------------------------------------------

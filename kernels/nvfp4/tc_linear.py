@@ -75,7 +75,7 @@ class TCWeight:
     grouped: bool
     _op: torch.Tensor | None = field(default=None, repr=False)
     native: bool | None = field(default=None, repr=False)  # native decode usable (None: not decided yet)
-    native_w: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    native_w: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:

@@ -6,6 +6,7 @@ quantizer, and the fallback when it cannot be built. The kernels themselves run 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from mismatch_probe.kernels.nvfp4 import native
@@ -26,16 +27,26 @@ def _f16x2(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.astype("<u4"))[..., None].view(np.float16)
 
 
-def test_native_layout_register_decode_gives_the_exact_weight_operand():
+def _fragments(v: np.ndarray, dec: str) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's two fp16 pairs (bit patterns) of one k16 step from the masked word v:
+    {k = 2q, 2q+1} from bytes 0, 2 and {k = 2q+8, 2q+9} from bytes 1, 3."""
+    if dec == "prmt":
+        return _prmt(v, 0x2404), _prmt(v, 0x3414)
+    return (v << np.uint32(8)) & np.uint32(0xFF00FF00), v & np.uint32(0xFF00FF00)
+
+
+@pytest.mark.parametrize("scales,dec", [("e4m3", "prmt"), ("fp16", "prmt"), ("fp16", "shift"), ("e4m3", "shift")])
+def test_native_layout_register_decode_gives_the_exact_weight_operand(scales, dec):
     g = torch.Generator().manual_seed(3)
     n, k = 72, 256  # rows padded to 128; two 128-wide chunks; heavy tails give subnormal E4M3 scales
     w = (torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, k, generator=g) * 2)).to(torch.bfloat16)
     q = nvfp4_quantize_ref(w)
-    wq, ws = native.native_layout(q.codes, q.scales)
+    wq, ws, ws16 = native.native_layout(q.codes, q.scales)
     want = (e2m1_decode(unpack_codes(q.codes)) * e4m3_decode(q.scales).repeat_interleave(16, 1) / 128).numpy()
     want = want.astype(np.float16)
     words = wq.numpy().view("<u4").reshape(2, 2, 8, 32, 4)  # nb, chunk, tile, lane, word
     sc = ws.numpy().reshape(2, 2, 8, 8, 8)  # nb, chunk, tile, row g, step
+    sc16 = ws16.numpy().view("<u2").reshape(2, 2, 8, 8, 8)
     lane = np.arange(32)
     g_ = lane // 4
     for wi in range(4):
@@ -44,10 +55,14 @@ def test_native_layout_register_decode_gives_the_exact_weight_operand():
         vb = ((w32 >> np.uint32(3)) & np.uint32(0x0E0E0E0E)) | ((w32 << np.uint32(7)) & np.uint32(0x80808080))
         for h, v in ((0, va), (1, vb)):
             s = 2 * wi + h
-            sbyte = sc[..., s][:, :, :, g_].astype(np.uint32)  # nb, chunk, tile, lane
-            sbits = (sbyte | (sbyte << np.uint32(16))) << np.uint32(7)
-            scale = _f16x2(sbits) * np.float16(32768)
-            frag = np.concatenate([_f16x2(_prmt(v, 0x1404)) * scale, _f16x2(_prmt(v, 0x3424)) * scale], axis=-1)
+            if scales == "e4m3":
+                sbyte = sc[..., s][:, :, :, g_].astype(np.uint32)  # nb, chunk, tile, lane
+                scale = _f16x2((sbyte | (sbyte << np.uint32(16))) << np.uint32(7)) * np.float16(32768)
+            else:  # the half-swizzled HMUL2 operand {sf * 2^7, sf * 2^7}
+                h16 = sc16[..., s][:, :, :, g_].astype(np.uint32)
+                scale = _f16x2(h16 | (h16 << np.uint32(16)))
+            f0, f1 = _fragments(v, dec)
+            frag = np.concatenate([_f16x2(f0) * scale, _f16x2(f1) * scale], axis=-1)
             nb_, c_, t_, l_, i_ = np.meshgrid(np.arange(2), np.arange(2), np.arange(8), lane, np.arange(4), indexing="ij")
             row = nb_ * 64 + t_ * 8 + l_ // 4
             col = c_ * 128 + s * 16 + 2 * (l_ % 4) + (i_ % 2) + 8 * (i_ // 2)  # fragment k: 2q, 2q+1, 2q+8, 2q+9
@@ -55,6 +70,7 @@ def test_native_layout_register_decode_gives_the_exact_weight_operand():
             exp = np.zeros(row.shape, np.float16)
             exp[real] = want[row[real], col[real]]
             assert np.array_equal(frag.view(np.uint16), exp.view(np.uint16))  # padding rows decode to +0
+    assert np.array_equal(sc16.view(np.float16).astype(np.float32).ravel(), e4m3_decode(ws).numpy() * 128)
 
 
 def _ref_codes(y: np.ndarray) -> np.ndarray:
@@ -93,14 +109,22 @@ def test_without_cuda_the_native_backend_reports_why_and_is_not_used():
     assert not quant_fast.use_native_quant(torch.zeros(2, 16, dtype=torch.bfloat16))
 
 
-def test_variant_records_and_the_wgmma_variant_needs_an_sm90a_build():
+def test_variant_records():
     from types import SimpleNamespace
 
     w = SimpleNamespace(k=8192, nseg=1)
-    assert native.decode_variant(16, w)["MMA"] == "mma.sync m16n8k16" and native.decode_variant(64, w)["MT"] == 4
-    native.NATIVE_CFG["variant"] = 4
+    r = native.decode_variant(16, w)
+    assert r["variant"] == native.DEFAULT_VARIANT and r["MMA"] == "mma.sync m16n8k16"
+    assert native.decode_variant(64, w)["MT"] == 4 and native.decode_variant(20, w)["MT"] == 2
+    native.NATIVE_CFG["variant"] = 0
     try:
-        assert native.decode_variant(16, w)["variant"] == 0  # not built for sm_90a here: falls back
+        assert native.decode_variant(1, w)["pipeline"] == "cp.async" and native.decode_variant(1, w)["HALF"] == 1
+        native.NATIVE_CFG["variant"] = 8
+        assert (native.decode_variant(16, w)["scales"], native.decode_variant(16, w)["decode"]) == ("fp16", "shift")
+        # odd chunk count per K segment: the bulk pipeline does not apply, the cp.async kernel runs
+        assert native.decode_variant(1, SimpleNamespace(k=1152, nseg=1))["CPS"] == 1
+        native.NATIVE_CFG["variant"] = 4  # removed (wgmma)
+        with pytest.raises(ValueError, match="unknown"):
+            native.decode_variant(16, w)
     finally:
         native.NATIVE_CFG.clear()
-    assert native.decode_variant(1, SimpleNamespace(k=1152, nseg=1))["CPS"] == 1  # odd chunk count

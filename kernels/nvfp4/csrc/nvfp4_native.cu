@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
             // {b, 0, b, 0} << 7: fp16 bits of sf * 2^-8 in both halves; * 2^15 -> sf * 2^7 (exact)
             const uint32_t sbits = prmt(sw, 0u, 0x4040u | ((s & 3) * 0x0101u)) << 7;
             const uint32_t scale = hmul2(sbits, 0x78007800u);
-            const uint32_t b0 = hmul2(prmt(v, 0u, 0x1404u), scale);  // {k = 2q, 2q+1}
-            const uint32_t b1 = hmul2(prmt(v, 0u, 0x3424u), scale);  // {k = 2q+8, 2q+9}
+            const uint32_t b0 = hmul2(prmt(v, 0u, 0x2404u), scale);  // {k = 2q, 2q+1}: bytes 0, 2
+            const uint32_t b1 = hmul2(prmt(v, 0u, 0x3414u), scale);  // {k = 2q+8, 2q+9}: bytes 1, 3
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) mma16816(acc[mt][t], af[mt], b0, b1);
           }
@@ -237,188 +237,265 @@ __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
 }
 
 // ------------------------------------------------------------------------------------------
-// decode GEMM on wgmma (sm_90a): the same contract; one warpgroup per 64 weight rows, weights as the
-// register A operand (m64: warp w's two 8-row tiles 2w, 2w+1 are exactly its m16 A fragment in the
-// native layout), the NTOK tokens as the shared-memory B operand (K-major core matrices, no
-// swizzle), one m64nNTOKk16 wgmma per k16 block in K order into one accumulator (the tensor core
-// pipelines the dependent accumulation, where mma.sync waits for each result).
+// shared by the decode kernels below
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
-
-template <int NTOK>
-__device__ __forceinline__ void wgmma_k16(float (&d)[NTOK / 2], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (NTOK == 8) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+template <int MT, int NT>
+__device__ __forceinline__ void decode_epilogue(const float (&acc)[MT][NT][4], const float* __restrict__ w_amax,
+                                                int w_amax_row, const float* __restrict__ a_amax,
+                                                uint16_t* __restrict__ out, float* __restrict__ part, int M, int N,
+                                                int nseg, int nb, int m0, int seg, int warp, int lane) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int n = nb * 64 + (warp * NT + t) * 8 + 2 * q;
+    float ba0 = 0.0f, ba1 = 0.0f;
+    if (nseg == 1) {
+      ba0 = w_amax[w_amax_row ? (n < N ? n : N - 1) : 0];
+      ba1 = w_amax[w_amax_row ? (n + 1 < N ? n + 1 : N - 1) : 0];
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int m = m0 + mt * 16 + g + 8 * hh;
+        if (m >= M) continue;
+        const float t0 = acc[mt][t][2 * hh], t1 = acc[mt][t][2 * hh + 1];
+        if (nseg == 1) {
+          const float aa = a_amax[m];
+          const float r0 = __fmul_rn(__fmul_rn(t0, 128.0f), __fmul_rn(__fmul_rn(aa, ba0), RCP_ALPHA));
+          const float r1 = __fmul_rn(__fmul_rn(t1, 128.0f), __fmul_rn(__fmul_rn(aa, ba1), RCP_ALPHA));
+          if (n < N) out[(size_t)m * N + n] = bf16_bits_rne(r0);
+          if (n + 1 < N) out[(size_t)m * N + n + 1] = bf16_bits_rne(r1);
+        } else {
+          float* pp = part + ((size_t)seg * M + m) * N;
+          if (n < N) pp[n] = t0;
+          if (n + 1 < N) pp[n + 1] = t1;
+        }
+      }
+    }
   }
-#endif
 }
 
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {  // no swizzle
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+// ------------------------------------------------------------------------------------------
+// decode GEMM, bulk-copy pipeline (the same contract and bits as decode_gemm_kernel): a producer warp
+// fills a ring of S stages (CPS chunks each): the chunk's codes and scales, contiguous per 64-row
+// block, by two cp.async.bulk copies (the copy engine, completing on the stage's "full" mbarrier with
+// their byte count), the token rows by per-lane 16-byte cp.async (cp.async.mbarrier.arrive.noinc on
+// the same barrier: many small rows are slow on the copy engine); 8/NT consumer warps wait on
+// "full", decode and run the mma.sync chain, and release the slot on its "empty" mbarrier. No
+// CTA-wide barrier and no copy work in the consumers. Token rows >= M are zeroed once, never copied
+// (so M <= 8 needs no separate instance). SC16: scales as fp16 sf * 2^7 (made at weight-prepare
+// time, 2 bytes per block) applied by HMUL2 with a half-swizzled operand; DEC 1: the B fragments by
+// masks and shifts instead of byte permutes (same bits). MODE 1-4: bench only (1: loads, no
+// arithmetic; 2: no fragment decode; 3: no loads, the consumers compute on whatever stage 0 holds;
+// 4: 3 without decode).
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {  // when this thread's cp.asyncs land
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ uint32_t hmul2_lo(uint32_t a, uint32_t s) {  // a * {s.lo, s.lo}
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), __low2half2(*reinterpret_cast<const __half2*>(&s)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t hmul2_hi(uint32_t a, uint32_t s) {  // a * {s.hi, s.hi}
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), __high2half2(*reinterpret_cast<const __half2*>(&s)));
+  return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-template <int NTOK, int STAGES, int CPS>
-__global__ void __launch_bounds__(128, 1) decode_wgmma_kernel(
-    const uint4* __restrict__ wq, const uint4* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
+// one 128-wide K chunk: NT weight tiles (code words wv; scale words sc: 2 of E4M3 bytes, or 4 of
+// fp16 pairs with SC16) x MT token tiles (ldmatrix.x4 from a_base, row stride AROW)
+template <int MT, int NT, int AROW, bool SC16, int DEC, bool NODEC>
+__device__ __forceinline__ void bulk_chunk(float (&acc)[MT][NT][4], const uint32_t (&wv)[NT][4],
+                                           const uint32_t (&sc)[NT][4], uint32_t a_base) {
+#pragma unroll
+  for (int wi = 0; wi < 4; ++wi) {
+    uint32_t va[NT], vb[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const uint32_t W = wv[t][wi];
+      va[t] = W & 0x8E8E8E8Eu;
+      vb[t] = ((W >> 3) & 0x0E0E0E0Eu) | ((W << 7) & 0x80808080u);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int s = 2 * wi + h;
+      uint32_t af[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a_base + mt * 16 * AROW + s * 32);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const uint32_t v = h ? vb[t] : va[t];
+        // fp16 pairs E2M1 * 2^-14 {k = 2q, 2q+1} (bytes 0, 2) and {k = 2q+8, 2q+9} (bytes 1, 3)
+        const uint32_t f0 = DEC ? (v << 8) & 0xFF00FF00u : prmt(v, 0u, 0x2404u);
+        const uint32_t f1 = DEC ? v & 0xFF00FF00u : prmt(v, 0u, 0x3414u);
+        uint32_t b0, b1;
+        if (NODEC) {
+          b0 = f0;
+          b1 = sc[t][0];
+        } else if (SC16) {  // sc word s/2 = {sf(s even) * 2^7, sf(s odd) * 2^7}
+          b0 = (s & 1) ? hmul2_hi(f0, sc[t][s >> 1]) : hmul2_lo(f0, sc[t][s >> 1]);
+          b1 = (s & 1) ? hmul2_hi(f1, sc[t][s >> 1]) : hmul2_lo(f1, sc[t][s >> 1]);
+        } else {
+          // {b, 0, b, 0} << 7: fp16 bits of sf * 2^-8 in both halves; * 2^15 -> sf * 2^7 (exact)
+          const uint32_t sbits = prmt(sc[t][s >> 2], 0u, 0x4040u | ((s & 3) * 0x0101u)) << 7;
+          const uint32_t scale = hmul2(sbits, 0x78007800u);
+          b0 = hmul2(f0, scale);
+          b1 = hmul2(f1, scale);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma16816(acc[mt][t], af[mt], b0, b1);
+      }
+    }
+  }
+}
+
+template <int MT, int NT, int S, int CPS, bool SC16, int DEC, int MODE = 0>
+__global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
+    const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
     const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
     float* __restrict__ part, int M, int N, int K, int nseg) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // stage = CPS chunks: codes [CPS][4096 B], scales [CPS][512 B], tokens [NTOK/8][KS/8] core
-  // matrices of 8 tokens x 8 k (128 B): byte (n/8)*SBO + (k/8)*128 + (n%8)*16 + (k%8)*2
   extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int CW = 256 / NT / 32;  // consumer warps
   constexpr int KS = KC * CPS;
-  constexpr int SBO = (KS / 8) * 128;
-  constexpr int B_OFF = CPS * (W_BYTES + S_BYTES);
-  constexpr int STAGE = B_OFF + (NTOK / 8) * SBO;
-  constexpr int B_PIECES = NTOK * (KS / 8);
+  constexpr int AROW = (KS + 8) * 2;  // padded token row (16 mod 128 bytes: conflict-free ldmatrix)
+  constexpr int ROWS = MT * 16;
+  constexpr int SB = SC16 ? 2 * S_BYTES : S_BYTES;  // scale bytes per chunk
+  constexpr int A_OFF = CPS * (W_BYTES + SB);
+  constexpr int STAGE = A_OFF + ROWS * AROW;  // a multiple of 16
+  constexpr int PIECES = KS / 8;              // 16-byte pieces per token row and stage
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // full[S], empty[S]
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int nb = blockIdx.x;
-  const int m0 = blockIdx.y * NTOK;
-  const int seg = blockIdx.z;
+  const int nb = blockIdx.x, m0 = blockIdx.y * ROWS, seg = blockIdx.z;
   const int chunks = K / KC;
   const int steps = chunks / nseg / CPS;
   const int c0 = seg * (chunks / nseg);
-  const uint4* wq_blk = wq + (size_t)nb * chunks * (W_BYTES / 16);
-  const uint4* sc_blk = wsc + (size_t)nb * chunks * (S_BYTES / 16);
-
-  auto load_stage = [&](int slot, int c) {
-    uint8_t* st = smem + slot * STAGE;
-#pragma unroll
-    for (int j = 0; j < CPS; ++j) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int p = tid + i * 128;
-        cp_async16(smem_u32(st + j * W_BYTES + p * 16), wq_blk + (size_t)(c + j) * (W_BYTES / 16) + p, 16);
-      }
-      if (tid < S_BYTES / 16)
-        cp_async16(smem_u32(st + CPS * W_BYTES + j * S_BYTES + tid * 16), sc_blk + (size_t)(c + j) * (S_BYTES / 16) + tid, 16);
+  const int rows = min(ROWS, M - m0);  // token rows copied; the rest stay zero
+  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + S);
+  {
+    const int per = (ROWS - rows) * (AROW / 16);
+    for (int i = tid; i < S * per; i += blockDim.x) {
+      const int st = i / per, r = rows + (i % per) / (AROW / 16), col = i % (AROW / 16);
+      *reinterpret_cast<uint4*>(smem + st * STAGE + A_OFF + r * AROW + col * 16) = make_uint4(0, 0, 0, 0);
     }
-#pragma unroll
-    for (int i = 0; i < (B_PIECES + 127) / 128; ++i) {
-      const int p = tid + i * 128;
-      if (B_PIECES % 128 == 0 || p < B_PIECES) {
-        const int n = p / (KS / 8), kg = p % (KS / 8);
-        const int m = m0 + n;
-        const __half* src = a + (size_t)(m < M ? m : 0) * K + (size_t)c * KC + kg * 8;
-        cp_async16(smem_u32(st + B_OFF + (n >> 3) * SBO + kg * 128 + (n & 7) * 16), src, m < M ? 16u : 0u);
-      }
-    }
-  };
-
-  float d[NTOK / 2];
-#pragma unroll
-  for (int i = 0; i < NTOK / 2; ++i) d[i] = 0.0f;
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 2; ++s) {
-    if (s < steps) load_stage(s, c0 + s * CPS);
-    cp_commit();
   }
-  const int g = lane >> 2;
-  uint32_t abuf[CPS][8][4];  // A fragments of the stage's CPS chunks (8 k16 blocks each)
-  for (int i = 0; i < steps; ++i) {
-    cp_wait<STAGES - 3>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    {
-      const int nxt = i + STAGES - 2;  // slot of stage i-2: its wgmmas completed (waited below)
-      if (nxt < steps) load_stage(nxt % STAGES, c0 + nxt * CPS);
-      cp_commit();
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1 + 32);  // the producer's expect_tx arrive + its 32 lanes' cp.async arrives
+      mbar_init(empty0 + 8 * s, CW);
     }
-    const uint8_t* st = smem + (i % STAGES) * STAGE;
-    const uint32_t b_base = smem_u32(st + B_OFF);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == CW) {  // producer warp
+    if (MODE >= 3) return;
+    const uint32_t tx = CPS * (W_BYTES + SB);
+    for (int i = 0; i < steps; ++i) {
+      const int slot = i % S;
+      if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
+      const uint32_t full = full0 + 8 * slot;
+      const uint32_t st = smem_u32(smem + slot * STAGE);
+      const size_t c = (size_t)nb * chunks + c0 + i * CPS;
+      if (lane == 0) {
+        mbar_expect_tx(full, tx);
+        bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
+        bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
+      }
+      const __half* ak = a + (size_t)m0 * K + (size_t)(c0 + i * CPS) * KC;
+      for (int p = lane; p < rows * PIECES; p += 32) {
+        const int r = p / PIECES, col = p % PIECES;
+        cp_async16(st + A_OFF + r * AROW + col * 16, ak + (size_t)r * K + col * 8, 16);
+      }
+      mbar_arrive_cp_async(full);
+    }
+    return;
+  }
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[i][t][0] = acc[i][t][1] = acc[i][t][2] = acc[i][t][3] = 0.0f;
+  const int g = lane >> 2;
+  const uint32_t a_lane = (lane & 15) * AROW + (lane >> 4) * 16;
+  uint32_t sink = 0;
+  for (int i = 0; i < steps; ++i) {
+    const int slot = MODE >= 3 ? 0 : i % S;
+    if (MODE < 3) mbar_wait(full0 + 8 * slot, (i / S) & 1);
+    const uint8_t* st = smem + slot * STAGE;
 #pragma unroll
     for (int j = 0; j < CPS; ++j) {
-      uint32_t wv[2][4];
-      uint2 sc[2];
+      uint32_t wv[NT][4], sc[NT][4];
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const int tile = warp * 2 + t;
+      for (int t = 0; t < NT; ++t) {
+        const int tile = warp * NT + t;
         const uint4 w = *reinterpret_cast<const uint4*>(st + j * W_BYTES + (tile * 32 + lane) * 16);
         wv[t][0] = w.x; wv[t][1] = w.y; wv[t][2] = w.z; wv[t][3] = w.w;
-        sc[t] = *reinterpret_cast<const uint2*>(st + CPS * W_BYTES + j * S_BYTES + tile * 64 + g * 8);
-      }
-#pragma unroll
-      for (int wi = 0; wi < 4; ++wi) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          const uint32_t W = wv[t][wi];
-          const uint32_t va = W & 0x8E8E8E8Eu;
-          const uint32_t vb = ((W >> 3) & 0x0E0E0E0Eu) | ((W << 7) & 0x80808080u);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int s = 2 * wi + h;
-            const uint32_t v = h ? vb : va;
-            const uint32_t sw = s < 4 ? sc[t].x : sc[t].y;
-            const uint32_t scale = hmul2(prmt(sw, 0u, 0x4040u | ((s & 3) * 0x0101u)) << 7, 0x78007800u);
-            abuf[j][s][t] = hmul2(prmt(v, 0u, 0x1404u), scale);      // a0a1 (t=0) / a2a3 (t=1): k 2q, 2q+1
-            abuf[j][s][2 + t] = hmul2(prmt(v, 0u, 0x3424u), scale);  // a4a5 / a6a7: k 2q+8, 2q+9
-          }
-        }
-      }
-      wg_fence();
-#pragma unroll
-      for (int k = 0; k < NTOK / 2; ++k) pin(d[k]);
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        const uint32_t addr = b_base + (j * 16 + s * 2) * 128;
-        wgmma_k16<NTOK>(d, abuf[j][s], smem_desc(addr, 128, SBO));
-      }
-      wg_commit();
-#pragma unroll
-      for (int k = 0; k < NTOK / 2; ++k) pin(d[k]);
-      // all groups but this one done: the other A buffer and the stage before are free again (one
-      // chunk per stage: wait for this one too, its A buffer is rewritten next)
-      wg_wait<CPS == 1 ? 0 : 1>();
-    }
-  }
-  wg_wait<0>();
-#pragma unroll
-  for (int k = 0; k < NTOK / 2; ++k) pin(d[k]);
-  cp_wait<0>();
-
-  const int q = lane & 3;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int n = nb * 64 + warp * 16 + g + 8 * hh;  // weight row
-    if (n >= N) continue;
-    const float ba = nseg == 1 ? w_amax[w_amax_row ? n : 0] : 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < NTOK / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = m0 + nt * 8 + 2 * q + e;  // token
-        if (m >= M) continue;
-        const float acc = d[nt * 4 + 2 * hh + e];
-        if (nseg == 1) {
-          const float r = __fmul_rn(__fmul_rn(acc, 128.0f), __fmul_rn(__fmul_rn(a_amax[m], ba), RCP_ALPHA));
-          out[(size_t)m * N + n] = bf16_bits_rne(r);
+        const uint8_t* sp = st + CPS * W_BYTES + j * SB + (tile * 8 + g) * (SB / 64);
+        if (SC16) {
+          const uint4 v = *reinterpret_cast<const uint4*>(sp);
+          sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = v.z; sc[t][3] = v.w;
         } else {
-          part[((size_t)seg * M + m) * N + n] = acc;
+          const uint2 v = *reinterpret_cast<const uint2*>(sp);
+          sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = sc[t][3] = 0u;
         }
       }
+      if (MODE == 1) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) sink ^= wv[t][0] ^ wv[t][3] ^ sc[t][0];
+      } else {
+        bulk_chunk<MT, NT, AROW, SC16, DEC, MODE == 2 || MODE == 4>(acc, wv, sc,
+                                                                   smem_u32(st + A_OFF) + a_lane + j * (KC * 2));
+      }
     }
+    __syncwarp();
+    if (MODE < 3 && lane == 0) mbar_arrive(empty0 + 8 * slot);
   }
-#else
-  __trap();  // built without sm_90a: never launched (native.py checks the architecture)
-#endif
+  if (MODE == 1) {
+    if (sink == 0x9E3779B9u) out[0] = 1;
+    return;
+  }
+  decode_epilogue<MT, NT>(acc, w_amax, w_amax_row, a_amax, out, part, M, N, nseg, nb, m0, seg, warp, lane);
+}
+
+// bench only: CH independent chains of 512 dependent mma.sync m16n8k16 per warp (latency floor)
+template <int CH>
+__global__ void mma_chain_kernel(const uint32_t* __restrict__ in, float* __restrict__ out, long long* __restrict__ cyc) {
+  uint32_t a[4] = {in[0], in[1], in[2], in[3]};
+  const uint32_t b0 = in[4], b1 = in[5];
+  float acc[CH][4];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.0f;
+  const long long t0 = clock64();
+  for (int i = 0; i < 512; ++i) {
+#pragma unroll
+    for (int c = 0; c < CH; ++c) mma16816(acc[c], a, b0, b1);
+  }
+  float s = 0.0f;
+#pragma unroll
+  for (int c = 0; c < CH; ++c) s += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
+  const long long t1 = clock64();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+  if (blockIdx.x == 0 && threadIdx.x == 0) cyc[0] = t1 - t0;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -604,22 +681,22 @@ void launch_decode(const torch::Tensor& wq, const torch::Tensor& wsc, const torc
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int NTOK, int STAGES, int CPS>
-void launch_wgmma(const torch::Tensor& wq, const torch::Tensor& wsc, const torch::Tensor& w_amax, bool w_amax_row,
-                  const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
-                  int N, int K, int nseg) {
-  constexpr int STAGE = CPS * (W_BYTES + S_BYTES) + (NTOK / 8) * (KC * CPS / 8) * 128;
-  constexpr int SMEM = STAGES * STAGE;
-  auto kern = decode_wgmma_kernel<NTOK, STAGES, CPS>;
+template <int MT, int NT, bool SC16, int DEC>
+void launch_bulk(const torch::Tensor& wq, const torch::Tensor& wsc, const torch::Tensor& w_amax, bool w_amax_row,
+                 const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
+                 int N, int K, int nseg) {
+  constexpr int CPS = 2, S = MT == 4 ? 4 : 6;
+  constexpr int SMEM = S * (CPS * (W_BYTES + (SC16 ? 2 : 1) * S_BYTES) + MT * 16 * (KC * CPS + 8) * 2) + 16 * S;
+  auto kern = decode_bulk_kernel<MT, NT, S, CPS, SC16, DEC>;
   static bool attr = false;
   if (!attr) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     attr = true;
   }
-  dim3 grid((N + 63) / 64, (M + NTOK - 1) / NTOK, nseg);
+  dim3 grid((N + 63) / 64, (M + 16 * MT - 1) / (16 * MT), nseg);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  kern<<<grid, 128, SMEM, stream>>>(
-      reinterpret_cast<const uint4*>(wq.data_ptr()), reinterpret_cast<const uint4*>(wsc.data_ptr()),
+  kern<<<grid, 256 / NT + 32, SMEM, stream>>>(
+      reinterpret_cast<const uint8_t*>(wq.data_ptr()), reinterpret_cast<const uint8_t*>(wsc.data_ptr()),
       w_amax.data_ptr<float>(), w_amax_row ? 1 : 0, reinterpret_cast<const __half*>(a.data_ptr()),
       a_amax.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -643,35 +720,45 @@ void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& co
 
 }  // namespace
 
-void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor w_amax, bool w_amax_row, torch::Tensor a,
-                 torch::Tensor a_amax, torch::Tensor out, torch::Tensor part, int64_t M, int64_t N, int64_t K,
-                 int64_t nseg, int64_t variant) {
+void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch::Tensor w_amax, bool w_amax_row,
+                 torch::Tensor a, torch::Tensor a_amax, torch::Tensor out, torch::Tensor part, int64_t M, int64_t N,
+                 int64_t K, int64_t nseg, int64_t variant) {
   TORCH_CHECK(K % KC == 0 && (K / KC) % nseg == 0, "decode_gemm: K must be a multiple of 128 * nseg");
   TORCH_CHECK(a.scalar_type() == at::kHalf && a.is_contiguous(), "decode_gemm: fp16 contiguous activations");
-  TORCH_CHECK(M >= 1, "decode_gemm: M >= 1");
+  TORCH_CHECK(M >= 1 && M <= 64, "decode_gemm: 1 <= M <= 64");
   const c10::cuda::CUDAGuard guard(a.device());
   const int m = M, n = N, k = K, s = nseg;
-  // variants (M <= 16): 0: mma.sync, 2 weight tiles per warp, 6 stages x 2 chunks; 3: 8 stages x 1
-  // chunk; 4, 5: wgmma, 6 or 8 stages x 2 chunks. Two chunks per stage need an even chunk count per
-  // K segment (else one). M <= 8: token rows 0-7 only (ldmatrix.x2 / m64n8).
+  // variants 6-11: the bulk-copy pipeline (6: E4M3 scale bytes + byte-permute decode, 7: fp16 scales +
+  // permutes, 8: fp16 scales + mask/shift decode, 9: scale bytes + mask/shift; 10, 11: 7, 8 with 8
+  // consumer warps of one weight tile each instead of 4 of two); it needs an even chunk count per K
+  // segment, else (and for variants 0, 3) the cp.async kernel: 0: 6 stages x 2 chunks, 3: 8 stages x 1
+  // chunk (M <= 16; M 17-64: 2 or 4 token tiles). M <= 8: token rows 0-7 only there.
   const bool two = (K / KC / nseg) % 2 == 0;
+  if (variant >= 6 && variant <= 11 && two) {
+    TORCH_CHECK(variant == 6 || variant == 9 || wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
+#define MP_BULK(MT_)                                                                                            \
+  switch (variant) {                                                                                           \
+    case 6: launch_bulk<MT_, 2, false, 0>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); break;  \
+    case 7: launch_bulk<MT_, 2, true, 0>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); break; \
+    case 8: launch_bulk<MT_, 2, true, 1>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); break; \
+    case 9: launch_bulk<MT_, 2, false, 1>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); break;  \
+    case 10: launch_bulk<MT_, 1, true, 0>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); break; \
+    default: launch_bulk<MT_, 1, true, 1>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); break; \
+  }
+    if (M <= 16) {
+      MP_BULK(1)
+    } else if (M <= 32) {
+      MP_BULK(2)
+    } else {
+      MP_BULK(4)
+    }
+#undef MP_BULK
+    return;
+  }
   const bool half = M <= 8;
 #define MP_DEC(MT_, ST_, CPS_, NT_, H_) \
   launch_decode<MT_, ST_, CPS_, NT_, H_>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s)
-  if (M <= 16 && variant >= 4) {  // wgmma (sm_90a builds only; native.py checks): 4: 6 stages, 5: 8 stages
-    if (two) {
-      if (variant == 5) {
-        if (half) launch_wgmma<8, 8, 2>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
-        else launch_wgmma<16, 8, 2>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
-      } else {
-        if (half) launch_wgmma<8, 6, 2>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
-        else launch_wgmma<16, 6, 2>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
-      }
-    } else {
-      if (half) launch_wgmma<8, 8, 1>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
-      else launch_wgmma<16, 8, 1>(wq, wsc, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
-    }
-  } else if (M <= 16) {
+  if (M <= 16) {
     if (!two || variant == 3) {
       if (half) MP_DEC(1, 8, 1, 2, true); else MP_DEC(1, 8, 1, 2, false);
     } else {
@@ -707,7 +794,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
 // kernels-only build (compile check): take the instances' addresses so they are compiled
 void* nvfp4_instances[] = {(void*)decode_gemm_kernel<1, 6, 2, 2, false>, (void*)decode_gemm_kernel<1, 6, 2, 2, true>,
-                           (void*)decode_gemm_kernel<4, 4, 2, 2, false>,
-                           (void*)decode_wgmma_kernel<16, 6, 2>, (void*)decode_wgmma_kernel<8, 6, 2>, (void*)quant_rows_kernel<4, false>,
-                           (void*)quant_rows_kernel<4, true>};
+                           (void*)decode_gemm_kernel<4, 4, 2, 2, false>, (void*)decode_bulk_kernel<1, 2, 6, 2, true, 0>,
+                           (void*)decode_bulk_kernel<1, 2, 6, 2, true, 1>, (void*)decode_bulk_kernel<4, 2, 4, 2, false, 0>,
+                           (void*)quant_rows_kernel<4, false>, (void*)quant_rows_kernel<4, true>};
 #endif
