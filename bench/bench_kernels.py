@@ -72,6 +72,28 @@ def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
 
+def decode_inputs(n: int, k: int, rows: int, *, per_row: bool = False, quant=None, gen=None):  # noqa: ANN001, ANN201
+    """The GEMM benchmarks' shared set-up: a bf16 weight [n, k] (randn) quantized (per-row amax if
+    ``per_row``) and prepared for tc_linear, bf16 activations [rows, k] quantized per token and their
+    fp16 GEMM operand. ``quant``: the quantizer (default ``nvfp4_quantize``); ``gen``: a generator."""
+    from types import SimpleNamespace
+
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    q = quant or nvfp4_quantize
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    wq = q(w, per_token=per_row)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    aq = q(x, per_token=True)
+    return SimpleNamespace(w=w, wq=wq, tw=T.prepare(wq), x=x, aq=aq, aop=T.act_operand(aq))
+
+
+def take_rows(a, off: int, m: int):  # noqa: ANN001, ANN201
+    """Rows [off, off + m) of a per-token NVFP4Tensor."""
+    return type(a)(a.codes[off:off + m], a.scales[off:off + m], a.amax[off:off + m], True)
+
+
 def section(fn):  # noqa: ANN001, ANN201
     def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
         t0 = time.time()
@@ -99,13 +121,12 @@ def checks() -> None:
          f"{sum(r.status == 'pass' for r in ran if not r.exact)}/{len(ran) - len(ex)} tolerance); failures: {bad}")
     from mismatch_probe.kernels.nvfp4 import native
 
-    if native.available() and native.status().get("arch") == "sm_90a":  # the wgmma decode variant too
-        native.NATIVE_CFG["variant"] = 4
-        names = ["tc_gemm_decode_vs_reference", "tc_rows_identical_every_m_and_path"]
-        res = run_checks(names, device="cuda")
+    for v in native.VARIANTS if native.available() else ():  # every native decode variant (K/128/NSEG = 2 there)
+        native.NATIVE_CFG["variant"] = v
+        res = run_checks(["tc_gemm_decode_vs_reference", "tc_grouped_vs_reference"], device="cuda")
         native.NATIVE_CFG.clear()
-        note(f"named checks with native decode variant 4 (wgmma): "
-             f"{[(r.name, r.status, r.detail[:200]) for r in res]}")
+        note(f"named checks with native decode variant {v} {native.VARIANTS[v]}: "
+             f"{[(r.name, r.status, r.detail[:120]) for r in res]}")
 
 
 @section
@@ -140,22 +161,15 @@ def quantize() -> None:
 
 @section
 def linear() -> None:
-    from mismatch_probe.kernels import nvfp4_quantize
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
-    n = k = 8192
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    tw = T.prepare(nvfp4_quantize(w))
-    X = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
-    aq = nvfp4_quantize(X, per_token=True)
-    aop = T.act_operand(aq)
+    d = decode_inputs(8192, 8192, 8192)
+    w, tw, X, aq, aop = d.w, d.tw, d.x, d.aq, d.aop
     full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
     w8 = w.to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
     for m in (1, 16, 64, 8192):
-        x = X[:m]
-        a = type(aq)(aq.codes[:m], aq.scales[:m], aq.amax[:m], True)
-        op = aop[:m]
+        x, a, op = X[:m], take_rows(aq, 0, m), aop[:m]
         tag = f"N=K=8192 M={m}"
         cub = rec(f"{tag} cuBLAS bf16", lambda: x @ w.t(), m=m)
         x8 = x.to(torch.float8_e4m3fn)
@@ -184,17 +198,18 @@ def linear() -> None:
             T.DECODE_CFG.clear()
             from mismatch_probe.kernels.nvfp4 import native
 
-            for v in native.VARIANTS if (m <= 16 and native.available()) else ():
+            for v in native.VARIANTS if native.available() else ():
+                if v == 3 and m > 16:
+                    continue  # the same instance as variant 0 there
                 native.NATIVE_CFG["variant"] = v
-                rec_ = native.decode_variant(m, tw)
-                if rec_.get("variant") != v:
-                    continue  # wgmma variants need an sm_90a build
+                r_ = native.decode_variant(m, tw)
                 try:
                     ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
                 except Exception as e:
                     note(f"{tag} native variant {v} failed: {type(e).__name__}: {str(e)[:800]}")
                     continue
-                rec(f"{tag} NVFP4 decode native v{v} ({rec_['MMA']}, {rec_['STAGES']} stages x {rec_['CPS']} chunks)",
+                lab = ", ".join(str(r_[key]) for key in ("pipeline", "scales", "decode") if key in r_)
+                rec(f"{tag} NVFP4 decode native v{v} ({lab}, {r_['STAGES']} stages x {r_['CPS']} chunks)",
                     lambda: T.tc_matmul(a, tw, path="decode", a_op=op), m=m, cublas_ms=cub, rows_eq_prefill=ok)
             native.NATIVE_CFG.clear()
             rec(f"{tag} NVFP4 prefill path", lambda: T.tc_matmul(a, tw, path="prefill", a_op=op), m=m, cublas_ms=cub)
@@ -204,31 +219,28 @@ def linear() -> None:
         GRAPH["on"] = True
     note(f"N=K=8192 records: M=16 {T.kernel_record(16, tw)}; M=8192 {T.kernel_record(8192, tw)}")
     note(f"N=K=8192: nseg={tw.nseg}, decode chunk {tw.bkc}; Triton decode config M=16: {T.decode_config(16)}; "
-         f"prefill: {T.prefill_config(tw.nseg, k // tw.nseg)}")
+         f"prefill: {T.prefill_config(tw.nseg, 8192 // tw.nseg)}")
 
 
 @section
 def sweep() -> None:
     from mismatch_probe.kernels.nvfp4 import native
 
-    _sweep("default")
-    if native.available() and native.status().get("arch") == "sm_90a":
-        native.NATIVE_CFG["variant"] = 4
-        if native.decode_variant(16, type("W", (), {"k": 8192, "nseg": 1})()).get("variant") == 4:
-            _sweep("native decode v4 (wgmma)")
-        native.NATIVE_CFG.clear()
+    _sweep(f"default (native decode variant {native.DEFAULT_VARIANT})")
+    _sweep(f"default (native decode variant {native.DEFAULT_VARIANT}), padded rows and K segments", 1000, 2048)
+    for v in native.VARIANTS if native.available() else ():
+        if v not in (native.DEFAULT_VARIANT, 3):
+            native.NATIVE_CFG["variant"] = v
+            _sweep(f"native decode variant {v} {native.VARIANTS[v]}")
+            native.NATIVE_CFG.clear()
 
 
-def _sweep(label: str) -> None:
-    from mismatch_probe.kernels import nvfp4_quantize
+def _sweep(label: str, n: int = 8192, k: int = 8192) -> None:
     from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
-    n = k = 8192
-    wq = nvfp4_quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
-    tw = T.prepare(wq)
-    X = torch.randn(8192 + 64, k, device="cuda", dtype=torch.bfloat16)
-    aq = nvfp4_quantize(X, per_token=True)
+    d = decode_inputs(n, k, 8192 + 64)
+    wq, tw, X, aq = d.wq, d.tw, d.x, d.aq
     full = T.tc_matmul(aq, tw, path="prefill")
     bad = [] if eq(T.tc_matmul(aq, tw, path="prefill"), full) else ["repeat"]
     n_cmp = 0
@@ -236,7 +248,7 @@ def _sweep(label: str) -> None:
         for off in (0, 37):
             if off + m > aq.shape[0]:
                 continue
-            sub = type(aq)(aq.codes[off:off + m], aq.scales[off:off + m], aq.amax[off:off + m], True)
+            sub = take_rows(aq, off, m)
             for p in ("decode", "decode-triton", "prefill") if m <= 64 else ("prefill",):
                 n_cmp += 1
                 T.DECODE_CFG["NATIVE"] = p != "decode-triton"
@@ -247,9 +259,8 @@ def _sweep(label: str) -> None:
                 n_cmp += 1
                 if not eq(T.tc_linear(X[off:off + m], tw), full[off:off + m]):
                     bad.append((m, off, "tc_linear"))
-    sub = type(aq)(aq.codes[:64], aq.scales[:64], aq.amax[:64], True)
-    tol = tc_within_bound(full[:64], sub, wq)
-    note(f"sweep [{label}] N=K=8192, M in {TC_MS} at offsets 0 and 37: {n_cmp} comparisons, "
+    tol = tc_within_bound(full[:64], take_rows(aq, 0, 64), wq)
+    note(f"sweep [{label}] N={n} K={k} (nseg {tw.nseg}), M in {TC_MS} at offsets 0 and 37: {n_cmp} comparisons, "
          f"{'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad}'}; repeat identical; vs per-block reference: {tol}")
 
 
@@ -380,13 +391,24 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--only", default="checks,quantize,linear,sweep,moe,e2e")
+    ap.add_argument("--native-variant", type=int, default=None, help="the native decode variant to use by default")
     args = ap.parse_args()
+    if args.native_variant is not None:
+        from mismatch_probe.kernels.nvfp4 import native
+
+        native.DEFAULT_VARIANT = args.native_variant
     if not torch.cuda.is_available():
         print("error: the benchmarks need a CUDA GPU (none found)", file=sys.stderr)
         return 2
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(0),
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "command": " ".join(sys.argv)}
+    try:
+        from mismatch_probe.kernels.nvfp4 import native
+
+        info["native_default_variant"] = native.DEFAULT_VARIANT
+    except ImportError:
+        pass
     print(info, flush=True)
     parts = [p for p in args.only.split(",") if not (args.skip_checks and p == "checks")]
     fns = {"checks": checks, "quantize": quantize, "linear": linear, "sweep": sweep, "moe": moe, "e2e": e2e}

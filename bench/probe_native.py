@@ -23,7 +23,7 @@ import os
 import time
 
 import torch
-from bench_kernels import NOTES, ROWS, eq, note, rec, section, table  # noqa: E402
+from bench_kernels import NOTES, ROWS, decode_inputs, eq, note, rec, section, table, take_rows  # noqa: E402
 
 MS = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64)
 
@@ -86,16 +86,13 @@ def d_checks() -> None:
 
     def one(n: int, k: int, per_row: bool, label: str, ms=MS) -> None:  # noqa: ANN001
         g = torch.Generator(device="cuda").manual_seed(n + k)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        tw = T.prepare(nvfp4_quantize_ref(w, per_token=per_row))
-        x = torch.randn(160, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        aq = nvfp4_quantize_ref(x, per_token=True)
-        aop = T.act_operand(aq)
+        d = decode_inputs(n, k, 160, per_row=per_row, quant=nvfp4_quantize_ref, gen=g)
+        tw, aq, aop = d.tw, d.aq, d.aop
         full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
         bad, nat = [], 0
         for m in ms:
             for off in (0, 37):
-                sub = type(aq)(aq.codes[off:off + m], aq.scales[off:off + m], aq.amax[off:off + m], True)
+                sub = take_rows(aq, off, m)
                 nat += int(T.use_native(tw, aop, tw.nseg))
                 y = T.tc_matmul(sub, tw, path="decode")
                 T.DECODE_CFG["NATIVE"] = False
@@ -105,8 +102,8 @@ def d_checks() -> None:
                     bad.append((m, off, "native"))
                 if not eq(yt, full[off:off + m]):
                     bad.append((m, off, "triton"))
-        y2 = T.tc_matmul(type(aq)(aq.codes[:16], aq.scales[:16], aq.amax[:16], True), tw, path="decode")
-        rep = eq(y2, T.tc_matmul(type(aq)(aq.codes[:16], aq.scales[:16], aq.amax[:16], True), tw, path="decode"))
+        y2 = T.tc_matmul(take_rows(aq, 0, 16), tw, path="decode")
+        rep = eq(y2, T.tc_matmul(take_rows(aq, 0, 16), tw, path="decode"))
         note(f"native decode {label} N={n} K={k} nseg={tw.nseg}: {len(ms) * 2} (M, offset) pairs, native used {nat}; "
              f"{'ALL ROWS IDENTICAL to prefill (native and Triton decode)' if not bad else f'DIFFER {bad[:12]}'}; "
              f"repeat identical {rep}; record {T.kernel_record(16, tw)}")
@@ -141,22 +138,15 @@ def quant() -> None:
 
 @section
 def decode() -> None:
-    from mismatch_probe.kernels import nvfp4_quantize
     from mismatch_probe.kernels.nvfp4 import native
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
-    n = k = 8192
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    tw = T.prepare(nvfp4_quantize(w))
-    X = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-    aq = nvfp4_quantize(X, per_token=True)
-    aop = T.act_operand(aq)
+    d = decode_inputs(8192, 8192, 64)
+    w, tw, X, aq, aop = d.w, d.tw, d.x, d.aq, d.aop
     w8 = w.to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
     for m in (1, 8, 16, 32, 64):
-        x = X[:m]
-        a = type(aq)(aq.codes[:m], aq.scales[:m], aq.amax[:m], True)
-        op = aop[:m]
+        x, a, op = X[:m], take_rows(aq, 0, m), aop[:m]
         tag = f"N=K=8192 M={m}"
         ref = T.tc_matmul(a, tw, path="prefill", a_op=op)
         cub = rec(f"{tag} cuBLAS bf16", lambda: x @ w.t(), m=m)
@@ -167,10 +157,9 @@ def decode() -> None:
         rec(f"{tag} Triton decode", lambda: T.tc_matmul(a, tw, path="decode", a_op=op), m=m, cublas_ms=cub,
             rows_eq_prefill=eq(T.tc_matmul(a, tw, path="decode", a_op=op), ref))
         T.DECODE_CFG.pop("NATIVE")
-        for v in native.VARIANTS if m <= 16 else (0,):
+        for v in native.VARIANTS:
             native.NATIVE_CFG["variant"] = v
-            nt, st, cps = native.VARIANTS[v]
-            lab = f" v{v}: {nt} tiles/warp, {st} stages x {cps} chunks" if m <= 16 else ""
+            lab = f" v{v}: {native.VARIANTS[v]}"
             rec(f"{tag} native decode" + lab, lambda: T.tc_matmul(a, tw, path="decode", a_op=op),
                 m=m, cublas_ms=cub, rows_eq_prefill=eq(T.tc_matmul(a, tw, path="decode", a_op=op), ref))
         native.NATIVE_CFG.clear()

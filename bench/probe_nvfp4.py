@@ -19,7 +19,7 @@ import torch
 import triton
 
 # the timing, recording and section helpers are the one-call bench's (same folder on sys.path)
-from bench_kernels import GRAPH, NOTES, ROWS, eq, note, rec, section  # noqa: E402, F401
+from bench_kernels import GRAPH, NOTES, ROWS, decode_inputs, eq, note, rec, section, take_rows  # noqa: E402, F401
 
 
 @section
@@ -161,7 +161,7 @@ def gemm() -> None:
         for off in (0, 37):
             if off + m > 8192:
                 continue
-            sub = type(aq)(aq.codes[off:off + m], aq.scales[off:off + m], aq.amax[off:off + m], True)
+            sub = take_rows(aq, off, m)
             for p in (("decode", "prefill") if m <= 64 else ("prefill",)):
                 if not eq(T.tc_matmul(sub, pw, path=p), full[off:off + m]):
                     bad.append((m, off, p))
@@ -243,19 +243,15 @@ def decode() -> None:
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
     from mismatch_probe.kernels.nvfp4.grouped import gather_rows
 
-    n = k = 8192
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    tw = T.prepare(nvfp4_quantize(w))
-    X = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-    aq = nvfp4_quantize(X, per_token=True)
-    aop = T.act_operand(aq)
+    d = decode_inputs(8192, 8192, 64)
+    w, tw, X, aq, aop = d.w, d.tw, d.x, d.aq, d.aop
     full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
     variants = [("w4 cpi1 s4", {"CPI": 1}), ("w4 cpi2 s4 (default)", {}), ("w4 cpi1 s8", {"CPI": 1, "num_stages": 8}),
                 ("w4 cpi2 s6", {"num_stages": 6}), ("w4 cpi4 s4", {"CPI": 4}), ("w4 cpi4 s3", {"CPI": 4, "num_stages": 3}),
                 ("w8 cpi4 s4", {"CPI": 4, "num_warps": 8}), ("w8 cpi2 s6", {"num_warps": 8, "num_stages": 6})]
     for m in (1, 16):
         x = X[:m]
-        a = type(aq)(aq.codes[:m], aq.scales[:m], aq.amax[:m], True)
+        a = take_rows(aq, 0, m)
         op = aop[:m]
         cub = rec(f"M={m} cuBLAS bf16", lambda: x @ w.t())
         for name, cfg in variants:
@@ -334,7 +330,7 @@ def nseg() -> None:
         row["prefill_8192"] = rec(f"{tag} M={NSEG_ROWS} prefill", lambda: T.tc_matmul(aq, tw, path="prefill", a_op=aop),
                                   cublas_ms=cub[NSEG_ROWS], nseg=tw.nseg)
         for m in (1, 16, 64):
-            a = type(aq)(aq.codes[:m], aq.scales[:m], aq.amax[:m], True)
+            a = take_rows(aq, 0, m)
             op = aop[:m]
             ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
             row[f"native decode M={m}"] = rec(f"{tag} M={m} native decode", lambda: T.tc_matmul(a, tw, path="decode", a_op=op),
@@ -355,7 +351,7 @@ def nseg() -> None:
             for off in (0, 37):
                 if off + m > aq.shape[0]:
                     continue
-                sub = type(aq)(aq.codes[off:off + m], aq.scales[off:off + m], aq.amax[off:off + m], True)
+                sub = take_rows(aq, off, m)
                 for way in ("native", "triton", "prefill", "linear") if m <= 64 else ("prefill",):
                     n_cmp += 1
                     if way == "native":
@@ -370,7 +366,7 @@ def nseg() -> None:
                         got = T.tc_matmul(sub, tw, path="prefill")
                     if not eq(got, full[off:off + m]):
                         bad.append((m, off, way))
-        sub = type(aq)(aq.codes[:64], aq.scales[:64], aq.amax[:64], True)
+        sub = take_rows(aq, 0, 64)
         row["rows"] = f"{n_cmp} comparisons: {'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad}'}"
         try:
             row["tolerance"] = tc_within_bound(full[:64], sub, wq)
