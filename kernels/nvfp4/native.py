@@ -34,15 +34,17 @@ from .ref import e4m3_decode, unpack_codes
 SRC = Path(__file__).parent / "csrc" / "nvfp4_native.cu"
 MIN_CC = (8, 9)
 NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (see VARIANTS)
-# Decode variants: (pipeline, scales, fragment decode). "cp.async": every thread copies weights and
-# tokens into a ring of 6 stages x 2 chunks of 128 K (variant 3: 8 x 1; M <= 16; 2 or 4 token tiles
-# above), a CTA barrier per stage. "bulk": a producer warp, weights by cp.async.bulk (copy engine),
-# tokens by cp.async, mbarriers per stage (6 stages x 2 chunks, 4 for M > 32). "e4m3": scale bytes;
-# "fp16": scales as fp16 sf * 2^7 (native_layout's third tensor). "prmt" / "shift": the fp16 pairs
-# made by byte permutes or by masks and shifts. NT 2: 4 consumer warps, 1: 8. The bulk ones need an even chunk count per K segment
-# (else variant 0 runs). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no better than 0;
-# 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for the weights
-# (no shared memory): 0.9-1.0 TB/s, dropped (BENCHMARKS.md).
+# Decode variants: (pipeline, scales, fragment decode, NT). "cp.async": every thread copies weights
+# and tokens into a ring of 6 stages x 2 chunks of 128 K (variant 3: 8 x 1; M <= 16; 2 or 4 token
+# tiles above), a CTA barrier per stage. "bulk": a producer warp, weights by cp.async.bulk (copy
+# engine), tokens by cp.async, mbarriers per stage (6 stages x 2 chunks, 4 for M > 32). "e4m3": scale
+# bytes; "fp16": scales as fp16 sf * 2^7 (native_layout's third tensor). "prmt" / "shift": the fp16
+# pairs made by byte permutes or by masks and shifts. NT 2: 4 consumer warps of two 8-row weight
+# tiles, 1: 8 warps of one. The bulk ones need an even chunk count per K segment and M <= 64 (else
+# variant 0 runs). All give the same bits (H200 run of BENCHMARKS.md, 2026-12-01 15:46 UTC: 7 the
+# fastest over M = 1, 16, 64 together). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no
+# better than 0; 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for
+# the weights (no shared memory): 0.9-1.0 TB/s, dropped.
 VARIANTS: dict[int, tuple[str, str, str, int]] = {
     0: ("cp.async", "e4m3", "prmt", 2), 3: ("cp.async", "e4m3", "prmt", 2), 6: ("bulk", "e4m3", "prmt", 2),
     7: ("bulk", "fp16", "prmt", 2), 8: ("bulk", "fp16", "shift", 2), 9: ("bulk", "e4m3", "shift", 2),
@@ -175,7 +177,7 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
     two = (w.k // 128 // w.nseg) % 2 == 0
     v = _variant()
     mt = 1 if m <= 16 else 2 if m <= 32 else 4
-    if v >= 6 and two:
+    if v >= 6 and two and m <= 64:
         pipe, sc, dec, nt = VARIANTS[v]
         return {"variant": v, "pipeline": pipe, "scales": sc, "decode": dec, "MT": mt, "NT": nt,
                 "STAGES": 4 if mt == 4 else 6, "CPS": 2, "MMA": "mma.sync m16n8k16"}

@@ -121,8 +121,9 @@ def test_variant_records():
         assert native.decode_variant(1, w)["pipeline"] == "cp.async" and native.decode_variant(1, w)["HALF"] == 1
         native.NATIVE_CFG["variant"] = 8
         assert (native.decode_variant(16, w)["scales"], native.decode_variant(16, w)["decode"]) == ("fp16", "shift")
-        # odd chunk count per K segment: the bulk pipeline does not apply, the cp.async kernel runs
+        # odd chunk count per K segment, or M > 64 (a forced decode path): the cp.async kernel runs
         assert native.decode_variant(1, SimpleNamespace(k=1152, nseg=1))["CPS"] == 1
+        assert native.decode_variant(100, w)["pipeline"] == "cp.async"
         native.NATIVE_CFG["variant"] = 4  # removed (wgmma)
         with pytest.raises(ValueError, match="unknown"):
             native.decode_variant(16, w)

@@ -725,16 +725,17 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
                  int64_t K, int64_t nseg, int64_t variant) {
   TORCH_CHECK(K % KC == 0 && (K / KC) % nseg == 0, "decode_gemm: K must be a multiple of 128 * nseg");
   TORCH_CHECK(a.scalar_type() == at::kHalf && a.is_contiguous(), "decode_gemm: fp16 contiguous activations");
-  TORCH_CHECK(M >= 1 && M <= 64, "decode_gemm: 1 <= M <= 64");
+  TORCH_CHECK(M >= 1, "decode_gemm: M >= 1");
   const c10::cuda::CUDAGuard guard(a.device());
   const int m = M, n = N, k = K, s = nseg;
   // variants 6-11: the bulk-copy pipeline (6: E4M3 scale bytes + byte-permute decode, 7: fp16 scales +
   // permutes, 8: fp16 scales + mask/shift decode, 9: scale bytes + mask/shift; 10, 11: 7, 8 with 8
   // consumer warps of one weight tile each instead of 4 of two); it needs an even chunk count per K
-  // segment, else (and for variants 0, 3) the cp.async kernel: 0: 6 stages x 2 chunks, 3: 8 stages x 1
-  // chunk (M <= 16; M 17-64: 2 or 4 token tiles). M <= 8: token rows 0-7 only there.
+  // segment and M <= 64, else (and for variants 0, 3) the cp.async kernel: 0: 6 stages x 2 chunks, 3: 8
+  // stages x 1 chunk (M <= 16; M > 16: 2 or 4 token tiles, M > 64 (forced decode path) in 64-row
+  // blocks). M <= 8: token rows 0-7 only there.
   const bool two = (K / KC / nseg) % 2 == 0;
-  if (variant >= 6 && variant <= 11 && two) {
+  if (variant >= 6 && variant <= 11 && two && M <= 64) {
     TORCH_CHECK(variant == 6 || variant == 9 || wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
 #define MP_BULK(MT_)                                                                                            \
   switch (variant) {                                                                                           \
