@@ -183,7 +183,7 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(b.a_amax, haa.data(), 64 * 4, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&b.w_amax, N * 4));
   CK(cudaMemcpy(b.w_amax, hwa.data(), N * 4, cudaMemcpyHostToDevice));
-  CK(cudaMalloc(&b.part, (size_t)64 * N * 4));
+  CK(cudaMalloc(&b.part, (size_t)4 * 64 * N * 4));  // up to 4 K segments
   CK(cudaMalloc(&b.out, (size_t)64 * N * 2));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
