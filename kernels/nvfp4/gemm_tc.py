@@ -257,8 +257,14 @@ def prefill_kernel(
     tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
     M, N, K, w_estride,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NSEG: tl.constexpr, GROUP_M: tl.constexpr,
-    GROUPED: tl.constexpr, W_AMAX_ROW: tl.constexpr, F32: tl.constexpr,
+    GROUPED: tl.constexpr, W_AMAX_ROW: tl.constexpr, F32: tl.constexpr, FLAT: tl.constexpr = True,
 ):
+    """Prefill path. ``FLAT`` (default): one K loop over all segments, so the software pipeline
+    keeps its loads in flight across segment boundaries; at the end of each segment its
+    accumulator is added to the running total and restarts at 0. The total starts at -0.0, the
+    identity of IEEE addition (-0 + x == x for every x, +0 included), so the first segment's sum is
+    taken as is, like :func:`reduce_kernel` does: the same bits as ``FLAT=False`` (one loop per
+    segment, the pipeline drained and refilled at each segment)."""
     pid = tl.program_id(0)
     nn = (N + BN - 1) // BN
     if GROUPED:
@@ -283,20 +289,35 @@ def prefill_kernel(
         ap = a_ptr + rm[:, None] * K + kk[None, :]
         wp = w_ptr + eb * w_estride + rn[None, :] * K + kk[:, None]
         kseg = K // NSEG
-        total = tl.full([BM, BN], 0.0, tl.float32)
-        for s in tl.static_range(NSEG):
+        if FLAT and NSEG > 1:
+            kps = kseg // BK  # K steps per segment
+            total = tl.full([BM, BN], -0.0, tl.float32)
             acc = tl.full([BM, BN], 0.0, tl.float32)
-            for k0 in range(s * kseg, s * kseg + kseg, BK):
-                a = tl.load(ap + k0, mask=mmask[:, None], other=0.0)
-                w = tl.load(wp + k0, mask=nmask[None, :], other=0.0)
+            for i in range(0, K // BK):
+                a = tl.load(ap + i * BK, mask=mmask[:, None], other=0.0)
+                w = tl.load(wp + i * BK, mask=nmask[None, :], other=0.0)
                 if F32:
                     acc = tl.dot(a, w, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, w, acc)
-            if s == 0:
-                total = acc
-            else:
-                total = total + acc
+                if i % kps == kps - 1:
+                    total = total + acc
+                    acc = tl.full([BM, BN], 0.0, tl.float32)
+        else:
+            total = tl.full([BM, BN], 0.0, tl.float32)
+            for s in tl.static_range(NSEG):
+                acc = tl.full([BM, BN], 0.0, tl.float32)
+                for k0 in range(s * kseg, s * kseg + kseg, BK):
+                    a = tl.load(ap + k0, mask=mmask[:, None], other=0.0)
+                    w = tl.load(wp + k0, mask=nmask[None, :], other=0.0)
+                    if F32:
+                        acc = tl.dot(a, w, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a, w, acc)
+                if s == 0:
+                    total = acc
+                else:
+                    total = total + acc
         aa = tl.load(a_amax_ptr + rm, mask=mmask, other=0.0)
         if W_AMAX_ROW:
             ba = tl.load(w_amax_ptr + eb * N + rn, mask=nmask, other=0.0)

@@ -172,13 +172,16 @@ def decode_config(m: int, grouped: bool = False) -> dict[str, Any]:
 
 
 def prefill_config(nseg: int, kseg: int) -> dict[str, Any]:
+    """Prefill tile config; ``FLAT``: one K loop across the segments (see ``prefill_kernel``; same
+    bits either way, ``FLAT=False`` is the old loop per segment, kept for the side-by-side probe)."""
     bk = 64 if kseg % 64 == 0 else (32 if kseg % 32 == 0 else 16)
     if INTERPRET:
-        return {"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1}
+        return {"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1, "FLAT": True,
+                **{key: v for key, v in PREFILL_CFG.items() if key == "FLAT"}}
     if nseg == 1:
-        cfg = {"BM": 128, "BN": 256, "BK": bk, "num_warps": 8, "num_stages": 3, "GROUP_M": 16}
+        cfg = {"BM": 128, "BN": 256, "BK": bk, "num_warps": 8, "num_stages": 3, "GROUP_M": 16, "FLAT": True}
     else:
-        cfg = {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 4, "GROUP_M": 16}
+        cfg = {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 4, "GROUP_M": 16, "FLAT": True}
     return {**cfg, **PREFILL_CFG}
 
 
@@ -232,7 +235,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
     launch(prefill_kernel, (n_m * triton.cdiv(n, cfg["BN"]),),
            a_op, w.op(), a_amax, w.amax, out.view(torch.int16), te, tr0, tr1,
            m, n, k, wes,
-           cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET,
+           cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET, cfg["FLAT"],
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

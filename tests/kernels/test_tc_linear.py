@@ -106,3 +106,21 @@ def test_nvfp4_linear_runs_the_kernels_when_selected(monkeypatch, scheme, parts)
     same = (y.view(torch.int16) == y_ref.view(torch.int16)).float().mean().item()
     assert same >= 0.99 and (y.float() - y_ref.float()).abs().max().item() <= 2 ** -6 * y_ref.float().abs().max().item()
     assert lin.describe()["kernels"] == summary
+
+
+@pytest.mark.parametrize("n,k,m", [(48, 256, 20), (16, 1024, 17)])
+def test_prefill_flat_loop_equals_loop_per_segment(monkeypatch, n, k, m):
+    """The prefill kernel's one K loop across segments (the default) folds each segment's sum into
+    the total at the segment's end: the same dots in the same order as one loop per segment, so the
+    same bits (here in the interpreter; the GPU sweep of bench/probe_prefill.py checks the wgmma
+    build), and within the GEMM tolerance."""
+    w = R.nvfp4_quantize_ref(torch.randn(n, k, generator=_g(12)))
+    a = R.nvfp4_quantize_ref(torch.randn(m, k, generator=_g(13)).to(torch.bfloat16), per_token=True)
+    tw = T.prepare(w)
+    assert tw.nseg > 1 and (k // tw.nseg) // T.prefill_config(tw.nseg, k // tw.nseg)["BK"] > 1
+    flat = T.tc_matmul(a, tw, path="prefill")
+    assert T.kernel_record(m, tw, "prefill")["config"]["FLAT"] is True
+    monkeypatch.setattr(T, "PREFILL_CFG", {"FLAT": False})
+    per_seg = T.tc_matmul(a, tw, path="prefill")
+    assert torch.equal(flat.view(torch.int16), per_seg.view(torch.int16))
+    tc_within_bound(flat, a, w)
