@@ -1,0 +1,320 @@
+# ruff: noqa: B023
+"""One-call GPU probe of the prefill GEMM at small layer shapes (issue 13's side finding).
+
+    python bench/probe_prefill.py --out DIR [--only prefill,decode,sweep,e2e] [--dry]
+
+``--dry``: a smoke run of the script on the CPU (Triton interpreter, shapes / 16, a tiny model,
+one call per timing): checks the script, times nothing.
+
+* ``prefill``: the prefill path of ``tc_linear`` at the Qwen3-0.6B layer shapes (K segments of the
+  default rule) and at N = K = 8192, M in {1024, 4096, 8192}, cuBLAS bf16 beside it: the new
+  mainloop (one K loop across the segments, ``FLAT``), the old one (a loop per segment), the same
+  weights with one K segment (what another ``nseg_for`` rule would give; other bits), and tile
+  configs of the new loop at M = 4096.
+* ``decode``: decode GEMM M = 16 at those shapes with the rule's segments vs 1 and 2 (Triton, and
+  the native kernel when it built: started in a background thread at the start).
+* ``sweep``: rows identical for M in ``checks.TC_MS`` at offsets 0 and 37: prefill new == prefill
+  old == decode (native and Triton) == the whole linear (quantize + GEMM), at three layer shapes.
+* ``e2e``: HF forward of a Qwen3-0.6B-shaped model (random weights, 4 x 1024 tokens): bf16 vs
+  ``nvfp4-per-token`` linears with the new and the old prefill loop (logits compared bitwise) and
+  with one K segment everywhere; 1 x 16 tokens (decode path) with the rule's segments and with 1.
+
+Writes ``probe_prefill.json``; prints a table last. Timings: ``bench_kernels.bench`` medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import threading
+import time
+
+import torch
+import triton
+from bench_kernels import ROWS, eq, note, rec, section  # noqa: E402  (same folder on sys.path)
+
+SHAPES = {"q": (2048, 1024), "k/v": (1024, 1024), "o": (1024, 2048), "gate/up": (3072, 1024), "down": (1024, 3072)}
+PER_LAYER = {"q": 1, "k/v": 2, "o": 1, "gate/up": 2, "down": 1}  # linears of each shape per Qwen3 layer
+MS = (1024, 4096, 8192)
+TILES = {"s3": {"num_stages": 3}, "s5": {"num_stages": 5}, "BM64 w4": {"BM": 64, "num_warps": 4},
+         "BK128 s3": {"BK": 128, "num_stages": 3}}  # (BN 256 with two fp32 tiles: 255 regs + stack, not tried)
+BUILD: dict[str, object] = {}
+RUN = {"dev": "cuda", "ms": MS, "tc_ms": None, "dim": 1}
+
+
+def _build_native() -> None:
+    from mismatch_probe.kernels.nvfp4 import native
+
+    t0 = time.time()
+    BUILD["ok"] = native.available()
+    BUILD["s"] = round(time.time() - t0, 1)
+    BUILD["status"] = native.status()
+
+
+def _sync() -> None:
+    if RUN["dev"] == "cuda":
+        torch.cuda.synchronize()
+
+
+def _sub(q, off: int, m: int):  # noqa: ANN001, ANN202
+    return type(q)(q.codes[off:off + m], q.scales[off:off + m], q.amax[off:off + m], q.per_token)
+
+
+def _cfg(cfg: dict) -> None:
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    T.PREFILL_CFG.clear()
+    T.PREFILL_CFG.update(cfg)
+
+
+def _weights(n: int, k: int, per_row: bool):  # noqa: ANN202
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    w = torch.randn(n, k, device=RUN["dev"], dtype=torch.bfloat16)
+    wq = nvfp4_quantize(w, per_token=per_row)
+    return w, wq, T.prepare(wq)
+
+
+@section
+def prefill() -> None:
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    T.DECODE_CFG["NATIVE"] = False  # the build runs in the background; nothing here uses decode
+    for name, (n, k) in [*SHAPES.items(), ("8192^2", (8192, 8192))]:
+        n, k = n // RUN["dim"], k // RUN["dim"]
+        w, _, tw = _weights(n, k, name == "gate/up")
+        tw1 = dataclasses.replace(tw, nseg=1)
+        X = torch.randn(RUN["ms"][-1], k, device=RUN["dev"], dtype=torch.bfloat16)
+        aq = nvfp4_quantize(X, per_token=True)
+        aop = T.act_operand(aq)
+        _cfg({})
+        full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
+        for m in RUN["ms"]:
+            x, a, op = X[:m], _sub(aq, 0, m), aop[:m]
+            tag = f"{name} N={n} K={k} NSEG={tw.nseg} M={m}"
+            cub = rec(f"{tag} cuBLAS bf16", lambda: x @ w.t(), shape=name, m=m, kind="cublas")
+            variants = [("new (one K loop)", {}, tw)]
+            if tw.nseg > 1:
+                variants += [("old (loop per segment)", {"FLAT": False}, tw), ("NSEG=1 weights", {}, tw1)]
+                if m == RUN["ms"][1]:
+                    variants += [(f"new {lab}", cfg, tw) for lab, cfg in TILES.items()]
+            for lab, cfg, wt in variants:
+                _cfg(cfg)
+                try:
+                    got = T.tc_matmul(a, wt, path="prefill", a_op=op)
+                except Exception as e:  # a tile config that does not fit
+                    note(f"{tag} {lab} failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                same = eq(got, full[:m]) if wt is tw else None
+                rec(f"{tag} prefill {lab}", lambda: T.tc_matmul(a, wt, path="prefill", a_op=op), shape=name, m=m,
+                    kind=lab, cublas_ms=cub, rows_eq_new=same)
+        _cfg({})
+        note(f"{name}: nseg {tw.nseg}, prefill config {T.prefill_config(tw.nseg, k // tw.nseg)}")
+    T.DECODE_CFG.pop("NATIVE", None)
+
+
+@section
+def decode() -> None:
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    note(f"native build: {BUILD}")
+    for name, (n, k) in SHAPES.items():
+        n, k = n // RUN["dim"], k // RUN["dim"]
+        w, _, tw = _weights(n, k, False)
+        x = torch.randn(16, k, device=RUN["dev"], dtype=torch.bfloat16)
+        a = nvfp4_quantize(x, per_token=True)
+        op = T.act_operand(a)
+        cub = rec(f"{name} N={n} K={k} M=16 cuBLAS bf16", lambda: x @ w.t(), shape=name, m=16, kind="cublas")
+        for s in sorted({tw.nseg, 1, 2}):
+            wt = dataclasses.replace(tw, nseg=s)
+            ref = T.tc_matmul(a, wt, path="prefill", a_op=op)
+            for lab, native in (("Triton", False), ("native", True)):
+                if native and not BUILD.get("ok"):
+                    continue
+                T.DECODE_CFG["NATIVE"] = native
+                rec(f"{name} N={n} K={k} M=16 decode {lab} NSEG={s}{' (rule)' if s == tw.nseg else ''}",
+                    lambda: T.tc_matmul(a, wt, path="decode", a_op=op), shape=name, m=16, kind=f"decode {lab}",
+                    nseg=s, cublas_ms=cub, rows_eq_prefill=eq(T.tc_matmul(a, wt, path="decode", a_op=op), ref))
+            T.DECODE_CFG.pop("NATIVE", None)
+
+
+@section
+def sweep() -> None:
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    for name, per_row in (("k/v", False), ("gate/up", True), ("down", False)):
+        n, k = (d // RUN["dim"] for d in SHAPES[name])
+        _, wq, tw = _weights(n, k, per_row)
+        X = torch.randn(max(RUN["tc_ms"] or TC_MS) + 64, k, device=RUN["dev"], dtype=torch.bfloat16)
+        aq = nvfp4_quantize(X, per_token=True)
+        _cfg({})
+        full = T.tc_matmul(aq, tw, path="prefill")
+        bad = [] if eq(T.tc_matmul(aq, tw, path="prefill"), full) else ["repeat"]
+        _cfg({"FLAT": False})
+        if not eq(T.tc_matmul(aq, tw, path="prefill"), full):
+            bad.append("old loop, full M")
+        n_cmp = 2
+        for m in RUN["tc_ms"] or TC_MS:
+            for off in (0, 37):
+                sub = _sub(aq, off, m)
+                want = full[off:off + m]
+                paths = [("prefill", {}, None), ("prefill-old", {"FLAT": False}, None)]
+                if m <= 64:
+                    paths += [("decode-triton", {}, False)] + ([("decode-native", {}, True)] if BUILD.get("ok") else [])
+                for p, cfg, native in paths:
+                    _cfg(cfg)
+                    if native is not None:
+                        T.DECODE_CFG["NATIVE"] = native
+                    n_cmp += 1
+                    if not eq(T.tc_matmul(sub, tw, path=p.split("-")[0]), want):
+                        bad.append((m, off, p))
+                    T.DECODE_CFG.pop("NATIVE", None)
+                _cfg({})
+                n_cmp += 1
+                if not eq(T.tc_linear(X[off:off + m], tw), want):
+                    bad.append((m, off, "tc_linear"))
+        tol = tc_within_bound(full[:64], _sub(aq, 0, 64), wq)
+        note(f"sweep {name} N={n} K={k} NSEG={tw.nseg} ({'per-row' if per_row else 'per-tensor'} weight amax), "
+             f"M in TC_MS at offsets 0 and 37, paths prefill new/old, decode Triton"
+             f"{'/native' if BUILD.get('ok') else ' (native not built)'}, tc_linear: {n_cmp} comparisons, "
+             f"{'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad[:20]}'}; first 64 rows vs per-block reference: {tol}")
+
+
+@section
+def e2e() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.probes.hf.patch import patch
+
+    d = RUN["dim"]
+    cfg = Qwen3Config(hidden_size=1024 // d, intermediate_size=3072 // d, num_hidden_layers=28 if d == 1 else 2,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128 // d,
+                      vocab_size=151936 if d == 1 else 256, max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(RUN["dev"]):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (4, 1024 // d), device=RUN["dev"])
+
+    def timed(label: str, inp: torch.Tensor, base: float | None = None) -> tuple[float, torch.Tensor]:
+        with torch.no_grad():
+            for _ in range(2):
+                model(inp)
+            _sync()
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                out = model(inp).logits
+                _sync()
+                ts.append(time.perf_counter() - t0)
+        ms = sorted(ts)[2] * 1e3
+        b, t = inp.shape
+        ROWS.append({"name": f"HF forward Qwen3-0.6B-shaped {b} x {t}: {label}", "ms": ms, "graph": False, "e2e": True,
+                     "vs_bf16": None if base is None else base / ms})
+        print(f"[bench] e2e {b}x{t} {label}: {ms:.1f} ms", flush=True)
+        return ms, out
+
+    for inp in (ids, ids[:1, :16]):
+        base, lb = timed("bf16", inp)
+        outs = {}
+        runs = [("nvfp4-per-token linears, new prefill loop", {}, 8), ("nvfp4-per-token linears, old prefill loop",
+                {"FLAT": False}, 8), ("nvfp4-per-token linears, NSEG=1 everywhere", {}, 1)]
+        for label, pcfg, nmax in runs if inp.shape[1] > 64 else (runs[0], runs[2]):
+            _cfg(pcfg)
+            T.NSEG_MAX = nmax
+            with patch(model, "nvfp4-per-token", ops=["linear"]) as h:
+                _, outs[label] = timed(label, inp, base)
+                summ = h.describe().get("nvfp4_kernels") or {}
+                paths = sorted({p for s in summ.values() for p in s["paths_used"]})
+                note(f"e2e {tuple(inp.shape)} {label}: {len(summ)} NVFP4 linears, paths {paths}, logits vs bf16 "
+                     f"max |d| {float((outs[label].float() - lb.float()).abs().max()):.3g}")
+            T.NSEG_MAX = 8
+            _cfg({})
+        if len(outs) == 3:
+            a, b = outs[runs[0][0]], outs[runs[1][0]]
+            note(f"e2e {tuple(inp.shape)}: logits new loop == old loop bitwise: {bool(torch.equal(a, b))}")
+
+
+def table() -> None:
+    print("\n| workload | median | vs cuBLAS bf16 | bits |")
+    print("|---|---:|---:|---|")
+    for r in ROWS:
+        if r.get("ms") is None:
+            print(f"| {r['name']} | failed | | {r.get('error', '')[:80]} |")
+            continue
+        val = f"{r['ms']:.1f} ms" if r.get("e2e") else f"{r['ms'] * 1e3:.1f} us"
+        rel = f"{r['ms'] / r['cublas_ms']:.2f}x time" if r.get("cublas_ms") else ""
+        if r.get("vs_bf16"):
+            rel = f"{r['vs_bf16']:.2f}x speed of bf16"
+        bits = ", ".join(f"{key}={r[key]}" for key in ("rows_eq_new", "rows_eq_prefill") if r.get(key) is not None)
+        print(f"| {r['name']} | {val} | {rel} | {bits} |")
+    # the GEMM time of one 0.6B layer's linears at M = 4096 (7 linears), per loop vs cuBLAS
+    tot: dict[str, float] = {}
+    for r in ROWS:
+        if r.get("m") == 4096 and r.get("shape") in PER_LAYER and r.get("ms"):
+            tot[r["kind"]] = tot.get(r["kind"], 0.0) + PER_LAYER[r["shape"]] * r["ms"]
+    if "cublas" in tot:
+        print("\none 0.6B layer's 7 linears at M = 4096 (sum of GEMM medians): "
+              + ", ".join(f"{kind} {v * 1e3:.0f} us ({v / tot['cublas']:.2f}x)" for kind, v in tot.items()))
+    print("\nnotes:")
+    from bench_kernels import NOTES
+
+    for s in NOTES:
+        print(" -", s[:900])
+
+
+def _dry() -> None:
+    import bench_kernels
+
+    from mismatch_probe.kernels.nvfp4 import linear as NL
+
+    RUN.update(dev="cpu", ms=(32, 64, 96), tc_ms=(1, 2, 17, 65, 129), dim=16)  # 8192^2 -> 512^2
+    bench_kernels.bench = lambda fn, rep=100: (fn(), 1e-3)[1]
+    NL.use_kernels = lambda t: True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", default="prefill,decode,sweep,e2e")
+    ap.add_argument("--dry", action="store_true")
+    args = ap.parse_args()
+    if args.dry:
+        _dry()
+    elif not torch.cuda.is_available():
+        print("error: the probe needs a CUDA GPU (none found)", file=sys.stderr)
+        return 2
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "gpu": torch.cuda.get_device_name(0) if RUN["dev"] == "cuda" else "none (--dry)",
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "command": " ".join(sys.argv)}
+    print(info, flush=True)
+    parts = args.only.split(",")
+    builder = None
+    if "decode" in parts or "sweep" in parts:
+        builder = threading.Thread(target=_build_native, daemon=True)
+        builder.start()
+    fns = {"prefill": prefill, "decode": decode, "sweep": sweep, "e2e": e2e}
+    os.makedirs(args.out, exist_ok=True)
+    for part in parts:
+        if part in ("decode", "sweep") and builder is not None:
+            builder.join()
+        fns[part]()
+        with open(os.path.join(args.out, "probe_prefill.json"), "w") as f:
+            json.dump({"info": info, "build": BUILD, "rows": ROWS,
+                       "notes": __import__("bench_kernels").NOTES}, f, indent=1, default=str)
+    table()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
