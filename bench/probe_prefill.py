@@ -1,7 +1,7 @@
 # ruff: noqa: B023
 """One-call GPU probe of the prefill GEMM at small layer shapes (issue 13's side finding).
 
-    python bench/probe_prefill.py --out DIR [--only prefill,decode,sweep,e2e] [--dry]
+    python bench/probe_prefill.py --out DIR [--only prefill,sweep,e2e,decode] [--dry]
 
 ``--dry``: a smoke run of the script on the CPU (Triton interpreter, shapes / 16, a tiny model,
 one call per timing): checks the script, times nothing.
@@ -285,7 +285,7 @@ def _dry() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="prefill,decode,sweep,e2e")
+    ap.add_argument("--only", default="prefill,sweep,e2e,decode")
     ap.add_argument("--dry", action="store_true")
     args = ap.parse_args()
     if args.dry:
