@@ -177,15 +177,25 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
             import cProfile
             import pstats
 
+            # the forwards only: the profile stops where close() starts (writing every row, the
+            # writer's threads waiting on pipes), which would otherwise fill the tables
             setup(cprofile_mode)
             pr = cProfile.Profile()
-            pr.enable()
-            r.score(seqs, ids)
-            _sync(device)
-            pr.disable()
+
+            def profiled_close(self: Any) -> None:
+                pr.disable()
+                orig_close(self)
+
+            recmod.OpRecorder.close = profiled_close
+            try:
+                pr.enable()
+                r.score(seqs, ids)
+                pr.disable()
+            finally:
+                recmod.OpRecorder.close = timed_close
             with open(cprofile_out, "w") as f:
                 for key in ("tottime", "cumulative"):
-                    pstats.Stats(pr, stream=f).sort_stats(key).print_stats(45)
+                    pstats.Stats(pr, stream=f).sort_stats(key).print_stats(60)
         for mode in modes:
             plan = setup(mode)
             dest, lp, fwd, tot = r.ops_dest, lps[mode], fwds[mode], tots[mode]
@@ -478,7 +488,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="CUDA: torch.profiler of one forward per --profile-modes")
     ap.add_argument("--profile-modes", default="off,digest@hooks,digest", help="modes profiled side by side")
     ap.add_argument("--cprofile", default="", help="cProfile one score() of this mode (first shape) after the "
-                    "timed rounds; tables by tottime and cumulative time next to --out")
+                    "timed rounds, until close(); tables by tottime and cumulative time next to --out")
     ap.add_argument("--kernel-auto", action="store_true", help="CUDA: forwards use the fastest (BLOCK, WARPS) found")
     ap.add_argument("--variant-shapes", default="qwen3-0.6b", help="shapes that also run the MODE@VARIANT modes")
     ap.add_argument("--out", type=Path)
