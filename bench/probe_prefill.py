@@ -15,6 +15,10 @@ one call per timing): checks the script, times nothing.
   the native kernel when it built: started in a background thread at the start).
 * ``sweep``: rows identical for M in ``checks.TC_MS`` at offsets 0 and 37: prefill new == prefill
   old == decode (native and Triton) == the whole linear (quantize + GEMM), at three layer shapes.
+* ``wide`` (not in the default list): M = 4096 (8192 at N = K = 8192), a 16-warp 128 x 256 tile and
+  2 / 1 K segments.
+* ``e2e_gpu`` (not in the default list): the 4 x 1024 forward's eager time, GPU kernel time and
+  CUDA-graph replay time, bf16 vs nvfp4-per-token.
 * ``e2e``: HF forward of a Qwen3-0.6B-shaped model (random weights, 4 x 1024 tokens): bf16 vs
   ``nvfp4-per-token`` linears with the new and the old prefill loop (logits compared bitwise) and
   with one K segment everywhere; 1 x 16 tokens (decode path) with the rule's segments and with 1.
@@ -189,12 +193,9 @@ def sweep() -> None:
              f"{'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad[:20]}'}; first 64 rows vs per-block reference: {tol}")
 
 
-@section
-def e2e() -> None:
+def _model() -> tuple[torch.nn.Module, torch.Tensor]:
+    """Qwen3-0.6B-shaped model, random weights, bf16, and 4 x 1024 token ids."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from mismatch_probe.kernels.nvfp4 import tc_linear as T
-    from mismatch_probe.probes.hf.patch import patch
 
     d = RUN["dim"]
     cfg = Qwen3Config(hidden_size=1024 // d, intermediate_size=3072 // d, num_hidden_layers=28 if d == 1 else 2,
@@ -203,7 +204,15 @@ def e2e() -> None:
     torch.manual_seed(0)
     with torch.device(RUN["dev"]):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    ids = torch.randint(0, cfg.vocab_size, (4, 1024 // d), device=RUN["dev"])
+    return model, torch.randint(0, cfg.vocab_size, (4, 1024 // d), device=RUN["dev"])
+
+
+@section
+def e2e() -> None:
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.probes.hf.patch import patch
+
+    model, ids = _model()
 
     def timed(label: str, inp: torch.Tensor, base: float | None = None) -> tuple[float, torch.Tensor]:
         with torch.no_grad():
@@ -242,6 +251,114 @@ def e2e() -> None:
         if len(outs) == 3:
             a, b = outs[runs[0][0]], outs[runs[1][0]]
             note(f"e2e {tuple(inp.shape)}: logits new loop == old loop bitwise: {bool(torch.equal(a, b))}")
+
+
+@section
+def wide() -> None:
+    """M = 4096 at the layer shapes (M = 8192 at N = K = 8192): the default loop, 16 warps with a
+    128 x 256 tile (two fp32 tiles of 64 registers per thread), and the weights with 2 and 1 K
+    segments (other bits)."""
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    for name, (n, k) in [*SHAPES.items(), ("8192^2", (8192, 8192))]:
+        n, k = n // RUN["dim"], k // RUN["dim"]
+        m = RUN["ms"][2 if name == "8192^2" else 1]
+        w, _, tw = _weights(n, k, False)
+        x = torch.randn(m, k, device=RUN["dev"], dtype=torch.bfloat16)
+        a = nvfp4_quantize(x, per_token=True)
+        op = T.act_operand(a)
+        _cfg({})
+        ref = T.tc_matmul(a, tw, path="prefill", a_op=op)
+        tag = f"{name} N={n} K={k} NSEG={tw.nseg} M={m}"
+        cub = rec(f"{tag} cuBLAS bf16", lambda: x @ w.t(), shape=name, m=m, kind="cublas")
+        w16 = {"BN": 256, "num_warps": 16, "num_stages": 3}
+        tw2 = dataclasses.replace(tw, nseg=2)
+        variants = [("new (one K loop)", {}, tw), ("new BN256 w16", w16, tw), ("NSEG=2 weights", {}, tw2)]
+        tw1 = dataclasses.replace(tw, nseg=1)
+        variants += ([("NSEG=1 weights", {}, tw1), ("NSEG=1 weights BN128 s4", {"BN": 128, "num_stages": 4}, tw1)]
+                     if tw.nseg > 1 else [("NSEG=2 BN256 w16", w16, tw2)])
+        for lab, cfg, wt in variants:
+            _cfg(cfg)
+            try:
+                same = eq(T.tc_matmul(a, wt, path="prefill", a_op=op), ref) if wt is tw else None
+            except Exception as e:
+                note(f"{tag} {lab} failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            rec(f"{tag} prefill {lab}", lambda: T.tc_matmul(a, wt, path="prefill", a_op=op), shape=name, m=m,
+                kind=lab, cublas_ms=cub, rows_eq_new=same)
+        _cfg({})
+
+
+@section
+def e2e_gpu() -> None:
+    """4 x 1024 forward, bf16 vs nvfp4-per-token linears (rule's segments; 1 segment): eager wall
+    time, the sum of GPU kernel times of one forward (torch.profiler), and CUDA-graph replays."""
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.probes.hf.patch import patch
+
+    model, ids = _model()
+
+    def measure(label: str) -> None:
+        with torch.no_grad():
+            for _ in range(2):
+                model(ids)
+            _sync()
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                model(ids)
+                _sync()
+                ts.append(time.perf_counter() - t0)
+            row = {"name": f"forward 4 x 1024 {label}", "ms": sorted(ts)[2] * 1e3, "e2e": True, "graph": False}
+            try:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    model(ids)
+                    _sync()
+                ev = [e for e in prof.key_averages() if e.device_time_total > 0]
+                row["kernel_ms"] = sum(e.self_device_time_total for e in ev) / 1e3
+                top = sorted(ev, key=lambda e: -e.self_device_time_total)[:6]
+                note(f"{label}: GPU kernel time {row['kernel_ms']:.1f} ms; top: "
+                     + "; ".join(f"{e.key[:40]} {e.self_device_time_total / 1e3:.2f} ms x{e.count}" for e in top))
+            except Exception as e:
+                note(f"{label}: profiler failed: {type(e).__name__}: {str(e)[:200]}")
+            try:
+                g = torch.cuda.CUDAGraph()
+                st = torch.cuda.Stream()
+                st.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(st):
+                    model(ids)
+                torch.cuda.current_stream().wait_stream(st)
+                with torch.cuda.graph(g):
+                    model(ids)
+                g.replay()
+                _sync()
+                gs = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    g.replay()
+                    _sync()
+                    gs.append(time.perf_counter() - t0)
+                row["graph_ms"] = sorted(gs)[2] * 1e3
+                del g
+            except Exception as e:
+                note(f"{label}: CUDA graph failed: {type(e).__name__}: {str(e)[:200]}")
+        ROWS.append(row)
+        print(f"[bench] e2e_gpu {row}", flush=True)
+
+    measure("bf16")
+    for label, nmax in (("nvfp4-per-token linears", 8), ("nvfp4-per-token linears, NSEG=1 everywhere", 1)):
+        T.NSEG_MAX = nmax
+        with patch(model, "nvfp4-per-token", ops=["linear"]):
+            measure(label)
+        T.NSEG_MAX = 8
+    base = ROWS[-3]
+    for r in ROWS[-3:]:
+        note(f"e2e_gpu {r['name']}: eager {r['ms']:.1f} ms ({base['ms'] / r['ms']:.2f}x bf16 speed); kernels "
+             f"{r.get('kernel_ms', float('nan')):.1f} ms; graph replay {r.get('graph_ms', float('nan')):.1f} ms "
+             f"({base.get('graph_ms', float('nan')) / r.get('graph_ms', float('nan')):.2f}x)")
 
 
 def table() -> None:
@@ -303,7 +420,7 @@ def main() -> int:
     if "decode" in parts or "sweep" in parts:
         builder = threading.Thread(target=_build_native, daemon=True)
         builder.start()
-    fns = {"prefill": prefill, "decode": decode, "sweep": sweep, "e2e": e2e}
+    fns = {"prefill": prefill, "decode": decode, "sweep": sweep, "e2e": e2e, "wide": wide, "e2e_gpu": e2e_gpu}
     os.makedirs(args.out, exist_ok=True)
     for part in parts:
         if part in ("decode", "sweep") and builder is not None:
