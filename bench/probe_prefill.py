@@ -3,6 +3,7 @@
 
     python bench/probe_prefill.py --out DIR [--only prefill,sweep,e2e,decode] [--dry]
 
+``--nseg-min-k 1024``: everything under a candidate K-segment rule (see ``_min_k_rule``).
 ``--dry``: a smoke run of the script on the CPU (Triton interpreter, shapes / 16, a tiny model,
 one call per timing): checks the script, times nothing.
 
@@ -399,12 +400,35 @@ def _dry() -> None:
     NL.use_kernels = lambda t: True
 
 
+def _min_k_rule(min_k: int) -> None:
+    """Replace ``tc_linear.nseg_for`` (the single source of every path's segments) by the default
+    rule capped at K / NSEG >= min_k: a candidate rule, measured without editing the library."""
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    rule = T.nseg_for
+
+    def capped(n: int, k: int, grouped: bool = False) -> int:
+        s = rule(n, k, grouped)
+        while s > 1 and k // s < min_k:
+            s //= 2
+        return s
+
+    T.nseg_for = capped
+    note(f"candidate rule: NSEG capped at K / NSEG >= {min_k}: "
+         + ", ".join(f"{name} {capped(*nk)}" for name, nk in SHAPES.items()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="prefill,sweep,e2e,decode")
     ap.add_argument("--dry", action="store_true")
+    ap.add_argument("--nseg-min-k", type=int, default=0,
+                    help="run everything under a candidate K-segment rule: the default rule's NSEG halved "
+                         "until each segment has at least this many K (every path, as nseg_for would)")
     args = ap.parse_args()
+    if args.nseg_min_k:
+        _min_k_rule(args.nseg_min_k)
     if args.dry:
         _dry()
     elif not torch.cuda.is_available():
