@@ -202,10 +202,10 @@ def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any, stats: bool = T
     launch_desc(desc, t0, max(t.shape[0] for t, _, _ in items), dig, st, stats)
 
 
-def launch_desc(desc: list[list[int]], x: Any, max_rows: int, dig: Any, st: Any, stats: bool = True) -> None:
+def launch_desc(desc: Any, x: Any, max_rows: int, dig: Any, st: Any, stats: bool = True) -> None:
     """The launch over a ready descriptor table (rows of [address, rows, cols, row stride, out, col
-    offset]) of tensors of ``x``'s dtype (any one of them); ``stats`` False: digests only (the
-    stats rows are left as they are)."""
+    offset]: a list of rows or an int64 array [n, 6]) of tensors of ``x``'s dtype (any one of them);
+    ``stats`` False: digests only (the stats rows are left as they are)."""
     size = 1 if x.dtype == torch.bool else x.dtype.itemsize
     base = x.data_ptr()
     d = np.array(desc, dtype=np.int64).reshape(-1, 6)

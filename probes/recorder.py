@@ -44,6 +44,7 @@ _QUEUE_BYTES = 1 << 30
 _CPU_VALUE_BYTES = 64 << 20
 _HELD_MAX = 4  # side-stream batches in flight before the recording thread waits for the oldest
 _META = {DIGEST_KEY: b"mp64"}
+_NOROWS = object()
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class OpRecorder:
         # row sets of the current batch (the seq_ids/pos arrays of _bkey), one per plan rule set
         self._bkey: tuple[Any, Any] = (None, None)
         self._brows: dict[tuple[int, ...], _Rows | None] = {}
+        self._oprows: dict[str, _Rows | None] = {}  # the same, by op
         self._topk_op = "logits" if getattr(self.plan, "topk", 0) else None  # its top-k: never the fast path
         self._window: tuple[np.ndarray, np.ndarray] | None = None  # sorted seq ids, full-row limit each
         self._writer: Any = None
@@ -118,7 +120,8 @@ class OpRecorder:
         self._arenas: list[Any] = []
         self._thread: Any = None
         self._error: BaseException | None = None
-        self._queue: dict[Any, list[tuple[Any, list[int]]]] = {}  # (dtype, stats) -> (tensor, descriptor row)
+        # (dtype, stats) -> (tensors, their descriptor rows flattened: 6 ints per tensor)
+        self._queue: dict[Any, tuple[list[Any], list[int]]] = {}
         self._queued = (0, 0)
         self._stream: Any = False  # not decided yet (see _side)
         self._held: collections.deque = collections.deque()
@@ -137,7 +140,7 @@ class OpRecorder:
         lens = np.asarray(lengths, np.int64)[order]
         before = np.concatenate([[0], np.cumsum(lens)[:-1]])
         self._window = (ids, np.clip(n - before, 0, lens))
-        self._bkey, self._brows = (None, None), {}
+        self._bkey, self._brows, self._oprows = (None, None), {}, {}
 
     def _in_window(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         if self._window is None:
@@ -150,7 +153,7 @@ class OpRecorder:
         """The rows of ``op`` in the batch (seq, pos): computed once per batch and plan rule set (ops
         of one batch with the same rules share one _Rows, and its device copy)."""
         if seq is not self._bkey[0] or pos is not self._bkey[1]:
-            self._bkey, self._brows = (seq, pos), {}
+            self._bkey, self._brows, self._oprows = (seq, pos), {}, {}
         key = self.plan.rule_key(op)
         if key in self._brows:
             return self._brows[key]
@@ -177,10 +180,14 @@ class OpRecorder:
         capture costs there. Rows kept ``full`` and the logits' top-k take the general path."""
         n = len(seq_ids)
         if self._is_batched:
-            key = (op, tensor.dtype, tensor.shape, tensor.stride())
-            lay = _LAYOUTS.get(key)
+            lay = _LAYOUTS.get((op, tensor.dtype, tensor.shape, tensor.stride()))
             if lay is not None and lay.n == n and op != self._topk_op:
-                rows = self._rows(op, seq_ids, pos)
+                # the op's rows in this batch: one dict lookup (reset when the batch changes)
+                if seq_ids is not self._bkey[0] or pos is not self._bkey[1]:
+                    self._bkey, self._brows, self._oprows = (seq_ids, pos), {}, {}
+                rows = self._oprows.get(op, _NOROWS)
+                if rows is _NOROWS:
+                    rows = self._oprows[op] = self._rows(op, seq_ids, pos)
                 if rows is None:
                     return
                 off = self._used
@@ -189,9 +196,18 @@ class OpRecorder:
                         self._seen.add(op)
                         self.seen_ops.append(op)
                     self._used = off + n
-                    self._segs.append(_Seg(op, lay.dtype_name, lay.row_shape, lay.width, lay.itemsize, rows, off, True))
-                    self._enqueue(tensor, [tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0], lay.nbytes,
-                                  rows.stats)
+                    # appends to flat lists only: no object per op that the garbage collector tracks (each
+                    # one kept until the chunk ends makes the interpreter's full collections more frequent)
+                    self._fast.extend((op, lay, rows, off))
+                    q = self._queue.get(key := (tensor.dtype, rows.stats))
+                    if q is None:
+                        q = self._queue[key] = ([], [])
+                    q[0].append(tensor)
+                    q[1].extend((tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0))
+                    c, b = self._queued
+                    self._queued = (c + 1, b + lay.nbytes)
+                    if c + 1 >= _QUEUE_OPS or b + lay.nbytes >= _QUEUE_BYTES:
+                        self._launch()
                     return
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
         self.record(op, flat, seq_ids, pos)
@@ -261,13 +277,14 @@ class OpRecorder:
             seg.topk_rows = self._topk_n + (rows.keep if cuda else np.arange(k))
             self._topk_n += src.shape[0]
             self._topk.append((tv.float(), ti.int()))
-        self._segs.append(seg)
+        self._seg(seg)
         if self._vbytes > (self.buffer_bytes if cuda else min(self.buffer_bytes, _CPU_VALUE_BYTES)):
             self.flush()
 
     # ---- device arena (CUDA) ---------------------------------------------------------------
     def _reset_chunk(self) -> None:
         self._segs: list[_Seg] = []
+        self._fast: list[Any] = []  # fast-path segments not yet in _segs: (op, layout, rows, arena row) flattened
         self._values: list[Any] = []
         self._topk: list[tuple[Any, Any]] = []
         self._topk_n = 0
@@ -286,6 +303,18 @@ class OpRecorder:
                 self._arenas.append((np.empty(self.buffer_rows, np.uint64), np.empty((self.buffer_rows, 5))))
         return self._arenas[0]
 
+    def _seg(self, seg: _Seg | None = None) -> None:
+        """Move the fast path's pending segments to ``_segs`` (in recording order), then ``seg``."""
+        f = self._fast
+        if f:
+            segs = self._segs
+            for i in range(0, len(f), 4):
+                lay = f[i + 1]
+                segs.append(_Seg(f[i], lay.dtype_name, lay.row_shape, lay.width, lay.itemsize, f[i + 2], f[i + 3], True))
+            f.clear()
+        if seg is not None:
+            self._segs.append(seg)
+
     def _enqueue(self, t: Any, desc: list[int], nbytes: int, stats: bool) -> None:
         """Queue ``t`` (a reference) with its descriptor row (address, rows, columns, row stride,
         arena row, column offset: see digest_triton.launch_desc) for the next launch (``stats``
@@ -293,8 +322,9 @@ class OpRecorder:
         key = (t.dtype, stats)
         q = self._queue.get(key)
         if q is None:
-            q = self._queue[key] = []
-        q.append((t, desc))
+            q = self._queue[key] = ([], [])
+        q[0].append(t)
+        q[1].extend(desc)
         n, b = self._queued
         self._queued = (n + 1, b + nbytes)
         if n + 1 >= _QUEUE_OPS or b + nbytes >= _QUEUE_BYTES:
@@ -349,12 +379,12 @@ class OpRecorder:
         refs = []
         with self._after_engine():
             dig, st = self._arena()
-            for (_, stats), items in self._queue.items():
-                for i in range(0, len(items), 512):
-                    part = items[i : i + 512]
-                    desc = [d for _, d in part]
-                    digest_triton.launch_desc(desc, part[0][0], max(d[1] for d in desc), dig, st, stats)
-                refs.append(items)
+            for (_, stats), (ts, flat) in self._queue.items():
+                desc = np.array(flat, np.int64).reshape(-1, 6)
+                for i in range(0, len(ts), 512):
+                    part = desc[i : i + 512]
+                    digest_triton.launch_desc(part, ts[i], int(part[:, 1].max()), dig, st, stats)
+                refs.append(ts)
         self._hold_until_done(refs)
         self._queue.clear()
         self._queued = (0, 0)
@@ -365,6 +395,7 @@ class OpRecorder:
         which waits for the copy, builds the Arrow rows and writes a row group."""
         import torch
 
+        self._seg()
         if not self._segs:
             return
         u = self._used

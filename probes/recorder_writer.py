@@ -24,7 +24,9 @@ Host memory stays bounded: the feeder keeps at most ``queue_chunks`` chunks in f
 from __future__ import annotations
 
 import atexit
+import functools
 import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,7 @@ import numpy as np
 PARTS = ("dig", "st", "vals", "tv", "ti")
 
 
+@functools.cache
 def _shm_dir() -> str:
     d = "/dev/shm"
     try:
@@ -63,11 +66,42 @@ class _Child:
         os.close(w_child)
         self.tx = Connection(w_parent, readable=False)
         self.rx = Connection(r_parent, writable=False)
+        # the feeder thread lives as long as the process: a recorder's set-up starts no thread
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread: threading.Thread | None = None
+
+    def feed(self, writer: WriterProcess, job: tuple | None) -> None:
+        """Queue ``job`` of ``writer`` for the feeder thread (None: set ``writer.fed`` when every
+        job queued before it is handed over)."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._feed, name="op-recorder-feeder", daemon=True)
+            self.thread.start()
+        self.jobs.put((writer, job))
+
+    def _feed(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            writer, job = item
+            if job is None:
+                writer.fed.set()
+            elif writer.error is None:
+                try:
+                    writer._send(*job)
+                except BaseException as e:  # reported by the recording thread
+                    writer.error = e
+                finally:
+                    writer.slots.release()
+            else:
+                writer.slots.release()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def stop(self) -> None:
+        if self.thread is not None:
+            self.jobs.put(None)
         for c in (self.tx, self.rx):
             c.close()
         try:
@@ -108,19 +142,18 @@ atexit.register(_stop_idle)
 
 
 class WriterProcess:
-    """Parent side of one ``ops.parquet``: a feeder thread that turns queued chunk jobs into files
-    + messages for a writer process. ``submit`` blocks while ``queue_chunks`` jobs wait (bounded
+    """Parent side of one ``ops.parquet``: the writer process's feeder thread turns queued chunk
+    jobs into files + messages for it. ``submit`` blocks while ``queue_chunks`` jobs wait (bounded
     memory)."""
 
     def __init__(self, sink: Path, tmp: str, meta: dict[bytes, bytes], queue_chunks: int) -> None:
-        import queue
-
         self.child = _take_child()
         self.proc, self.tx, self.rx = self.child.proc, self.child.tx, self.child.rx
         self.tx.send(("open", str(sink), tmp, meta))
         self.dir = _shm_dir()
         self.queue_chunks = queue_chunks
-        self.jobs: queue.Queue = queue.Queue(maxsize=queue_chunks)
+        self.slots = threading.Semaphore(queue_chunks)  # jobs queued and not yet handed over
+        self.fed = threading.Event()
         self.error: BaseException | None = None
         self.rows = 0
         self.value_bytes = 0
@@ -128,22 +161,8 @@ class WriterProcess:
         self._inflight = 0
         self._n = 0
         self._files: set[str] = set()
-        self.thread = threading.Thread(target=self._feed, name="op-recorder-feeder", daemon=True)
-        self.thread.start()
 
     # ---- feeder thread -----------------------------------------------------------------------
-    def _feed(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if self.error is not None:
-                continue
-            try:
-                self._send(*job)
-            except BaseException as e:  # reported by the recording thread
-                self.error = e
-
     def _send(self, ev: Any, segs: list, parts: dict[str, Any]) -> None:
         if ev is not None:
             ev.synchronize()  # the chunk's device-to-host copy (GIL released while waiting)
@@ -189,13 +208,19 @@ class WriterProcess:
 
     # ---- recording thread ----------------------------------------------------------------------
     def submit(self, job: tuple) -> None:
-        self.jobs.put(job)
+        self.slots.acquire()  # blocks while queue_chunks jobs wait: host memory stays bounded
+        self.child.feed(self, job)
         if self.error is not None:
             raise self.error
 
+    def _drain(self) -> None:
+        """Wait until the feeder has handed over (or dropped) every job of this file."""
+        self.fed.clear()
+        self.child.feed(self, None)
+        self.fed.wait()
+
     def close(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
+        self._drain()
         if self.error is not None:
             raise self.error
         while self._inflight:
@@ -208,16 +233,8 @@ class WriterProcess:
         self._finish(reuse=True)
 
     def abort(self) -> None:
-        import queue
-
-        self.error = self.error or RuntimeError("aborted")
-        while True:  # drop the chunks not yet handed over; the feeder then sees the end
-            try:
-                self.jobs.get_nowait()
-            except queue.Empty:
-                break
-        self.jobs.put(None)
-        self.thread.join()
+        self.error = self.error or RuntimeError("aborted")  # the feeder drops the jobs not yet handed over
+        self._drain()
         ok = False
         try:
             self.tx.send(("abort",))

@@ -9,13 +9,15 @@ right-padding is dropped and every row lands on its (seq_id, pos).
 from __future__ import annotations
 
 import sys
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from mismatch_probe.families import registry
 from mismatch_probe.families.base import parse_site, resolve_path
-from mismatch_probe.probes.hooks import HookSet, first
+from mismatch_probe.probes.hooks import first
 from mismatch_probe.probes.recorder import OpRecorder
 
 # Every canonical op is observable in HF: rotary is a function call inside attention, observed by
@@ -23,20 +25,109 @@ from mismatch_probe.probes.recorder import OpRecorder
 UNOBSERVABLE: tuple[str, ...] = ()
 
 
+_MISSING = object()
+
+
+@dataclass
+class _Site:
+    """A module with captured ops: ``ins`` (ops = the module's first input), ``outs`` (op, pick:
+    the op from the module's output), ``layer`` (a decoder layer's index: its forward sets the
+    current layer for the rotary wrapper)."""
+
+    module: Any
+    ins: list[str] = field(default_factory=list)
+    outs: list[tuple[str, Any]] = field(default_factory=list)
+    layer: int = -1
+
+
+@dataclass
+class _Sites:
+    """A model's capture sites, resolved once per model (a capture's set-up costs one wrapper per
+    site, not the spec's site paths resolved again for every ``score()``)."""
+
+    sites: list[_Site]
+    layers: list[Any]
+    rope_ops: list[tuple[str, str]]
+    rope: tuple[Any, str] | None  # (modeling module, rotary function name)
+
+
+_SITES: weakref.WeakKeyDictionary[Any, _Sites] = weakref.WeakKeyDictionary()
+
+
+def _pick_heads_first(o: Any) -> Any:  # [batch, heads, time, dim] -> [batch, time, heads, dim]
+    return first(o).transpose(1, 2)
+
+
+def _add(sites: dict[int, _Site], root: Any, site: str, op: str, heads_first: bool = False) -> None:
+    """Add op ``op`` at ``site`` (under ``root``) to ``sites`` (by id of the module)."""
+    path, what = parse_site(site)
+    module = resolve_path(root, path)
+    if module is None:
+        return  # this checkpoint's variant lacks the module (a spec lists the family's superset)
+    s = sites.get(id(module))
+    if s is None:
+        s = sites[id(module)] = _Site(module)
+    if what == "in":
+        s.ins.append(op)
+    elif heads_first:
+        s.outs.append((op, _pick_heads_first))
+    elif what == "out":
+        s.outs.append((op, first))
+    else:
+        n = int(what[3:])
+        s.outs.append((op, lambda o, n=n: o[n]))
+
+
+def _resolve(model: Any) -> _Sites:
+    spec = registry.get(model.config.model_type)
+    m = model.model
+    sites: dict[int, _Site] = {}
+    _add(sites, model, spec.hf_model["embed"], "embed")
+    for i, layer in enumerate(m.layers):
+        s = sites.get(id(layer))
+        if s is None:
+            s = sites[id(layer)] = _Site(layer)
+        s.layer = i
+        for kind in spec.layer_ops:
+            site = spec.hf_layer.get(kind)
+            if site is not None:
+                _add(sites, layer, site, f"{i}.{kind}", kind in spec.hf_heads_first)
+    _add(sites, model, spec.hf_model["final_norm"], "final_norm")
+    _add(sites, model, spec.hf_model["logits"], "logits")
+    rope = (sys.modules[type(m.layers[0].self_attn).__module__], spec.hf_rope_fn) if spec.hf_rope_fn else None
+    return _Sites(list(sites.values()), list(m.layers),
+                  [(f"{i}.attn.rope_q", f"{i}.attn.rope_k") for i in range(len(m.layers))], rope)
+
+
+def model_sites(model: Any) -> _Sites:
+    """The capture sites of ``model`` (cached per model; resolved again if its layers changed)."""
+    got = _SITES.get(model)
+    layers = model.model.layers
+    if got is None or len(got.layers) != len(layers) or any(a is not b for a, b in zip(got.layers, layers, strict=True)):
+        got = _SITES[model] = _resolve(model)
+    return got
+
+
 class HfCapture:
-    """Context manager: installs the hooks on enter, removes them on exit."""
+    """Context manager: wraps the sites' ``forward`` on enter, restores them on exit.
+
+    Each module with captured ops gets its ``forward`` wrapped (an instance attribute, as the
+    recipes' patches do), not a forward hook: a module with hooks takes ``Module.__call__``'s hook
+    path on every call, a wrapped forward keeps the plain path plus one Python frame (the host is
+    what limits a small model's forward, and every frame counts there). The wrappers call the
+    recorder directly (one frame per op)."""
 
     unobservable = UNOBSERVABLE
 
     def __init__(self, model: Any, recorder: OpRecorder) -> None:
         self.model = model
         self.rec = recorder
-        self.hooks = HookSet()
         self._seq = np.zeros(0, np.int64)
         self._pos = np.zeros(0, np.int64)
         self._layer = -1
         self._rope_ops: list[tuple[str, str]] = []
         self._rope_patch: tuple[Any, str, Any] | None = None
+        self._saved: list[tuple[Any, Any]] = []  # (module, its own forward attribute or _MISSING)
 
     def set_batch(self, seq_ids: list[int], lengths: list[int], width: int) -> None:
         """The next forward holds ``len(seq_ids)`` rows padded to ``width`` tokens."""
@@ -49,43 +140,52 @@ class HfCapture:
     def _rec(self, op: str, t: Any) -> None:
         self.rec.record_rows(op, t, self._seq, self._pos)
 
-    def _hook(self, module: Any, ins: list[str], outs: list[tuple[str, Any]]) -> None:
-        """One hook per module for all its sites: ``ins`` (ops = the module's first input) and
-        ``outs`` (op, pick: the op from the module's output). A module with both (o_proj,
-        post_attention_layernorm, down_proj) gets one forward hook that records its input after it
-        ran (the modules at these sites read their input, never write it), not a pre-hook and a hook."""
-        # the hooks call the recorder directly (one Python frame per op: the host is what limits a
-        # small model's forward, and every frame counts there)
+    def _wrap(self, site: _Site) -> None:
+        """Wrap ``site.module``'s forward: ``ins`` recorded before it runs where the module has no
+        captured output, else after it ran with the outputs (the modules at these sites read their
+        input, never write it); a decoder layer sets the current layer first."""
+        module, layer = site.module, site.layer
+        ins, outs = tuple(site.ins), tuple(site.outs)
+        orig = module.forward
         rec, cap = self.rec.record_rows, self
 
-        def inp(args: tuple, kw: dict) -> Any:
-            return args[0] if args else next(iter(kw.values()))
-
         if not outs:
-            def before(_m: Any, args: tuple, kw: dict) -> None:
-                for op in ins:
-                    rec(op, inp(args, kw), cap._seq, cap._pos)
-
-            self.hooks.add(module.register_forward_pre_hook(before, with_kwargs=True))
+            def fwd(*args: Any, **kw: Any) -> Any:
+                if layer >= 0:
+                    cap._layer = layer
+                if ins:
+                    x = args[0] if args else next(iter(kw.values()))
+                    for op in ins:
+                        rec(op, x, cap._seq, cap._pos)
+                return orig(*args, **kw)
         elif not ins and len(outs) == 1 and outs[0][1] is first:
             op = outs[0][0]
 
-            def after(_m: Any, _a: tuple, out: Any) -> None:
+            def fwd(*args: Any, **kw: Any) -> Any:
+                if layer >= 0:
+                    cap._layer = layer
+                out = orig(*args, **kw)
                 rec(op, out[0] if isinstance(out, tuple | list) else out, cap._seq, cap._pos)
-
-            self.hooks.add(module.register_forward_hook(after))
+                return out
         else:
-            def both(_m: Any, args: tuple, kw: dict, out: Any) -> None:
-                for op in ins:
-                    rec(op, inp(args, kw), cap._seq, cap._pos)
+            def fwd(*args: Any, **kw: Any) -> Any:
+                if layer >= 0:
+                    cap._layer = layer
+                out = orig(*args, **kw)
+                if ins:
+                    x = args[0] if args else next(iter(kw.values()))
+                    for op in ins:
+                        rec(op, x, cap._seq, cap._pos)
                 for op, pick in outs:
                     rec(op, pick(out), cap._seq, cap._pos)
+                return out
 
-            self.hooks.add(module.register_forward_hook(both, with_kwargs=True))
+        d = module.__dict__
+        self._saved.append((module, d.get("forward", _MISSING)))
+        d["forward"] = fwd  # what Module.__setattr__ does for a plain function, without its checks
 
-    def _wrap_rope(self, attn: Any, fn_name: str) -> None:
+    def _wrap_rope(self, mod: Any, fn_name: str) -> None:
         """Observe rotary: wrap the rope function (``fn_name``) of the attention's modeling module."""
-        mod = sys.modules[type(attn).__module__]
         orig = getattr(mod, fn_name, None)
         if orig is None:
             return
@@ -101,46 +201,26 @@ class HfCapture:
         setattr(mod, fn_name, observed)
         self._rope_patch = (mod, fn_name, orig)
 
-    @staticmethod
-    def _site(sites: dict[int, tuple[Any, list, list]], root: Any, site: str, op: str, heads_first: bool = False) -> None:
-        """Add op ``op`` at ``site`` (under ``root``) to ``sites`` (id(module) -> module, ins, outs)."""
-        path, what = parse_site(site)
-        module = resolve_path(root, path)
-        if module is None:
-            return  # this checkpoint's variant lacks the module (a spec lists the family's superset)
-        _, ins, outs = sites.setdefault(id(module), (module, [], []))
-        if what == "in":
-            ins.append(op)
-        elif heads_first:  # [batch, heads, time, dim] -> [batch, time, heads, dim]
-            outs.append((op, lambda o: first(o).transpose(1, 2)))
-        elif what == "out":
-            outs.append((op, first))
-        else:
-            n = int(what[3:])
-            outs.append((op, lambda o, n=n: o[n]))
-
     def __enter__(self) -> HfCapture:
-        spec = registry.get(self.model.config.model_type)
-        m = self.model.model
-        sites: dict[int, tuple[Any, list, list]] = {}
-        self._site(sites, self.model, spec.hf_model["embed"], "embed")
-        if spec.hf_rope_fn:
-            self._wrap_rope(m.layers[0].self_attn, spec.hf_rope_fn)
-        self._rope_ops = [(f"{i}.attn.rope_q", f"{i}.attn.rope_k") for i in range(len(m.layers))]
-        for i, layer in enumerate(m.layers):
-            self.hooks.add(layer.register_forward_pre_hook(lambda _m, _a, i=i: setattr(self, "_layer", i)))
-            for kind in spec.layer_ops:
-                site = spec.hf_layer.get(kind)
-                if site is not None:
-                    self._site(sites, layer, site, f"{i}.{kind}", kind in spec.hf_heads_first)
-        self._site(sites, self.model, spec.hf_model["final_norm"], "final_norm")
-        self._site(sites, self.model, spec.hf_model["logits"], "logits")
-        for module, ins, outs in sites.values():
-            self._hook(module, ins, outs)
+        sites = model_sites(self.model)
+        self._rope_ops = sites.rope_ops
+        try:
+            if sites.rope is not None:
+                self._wrap_rope(*sites.rope)
+            for site in sites.sites:
+                self._wrap(site)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.hooks.remove()
+        for module, saved in reversed(self._saved):
+            if saved is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = saved
+        self._saved.clear()
         if self._rope_patch is not None:
             mod, fn_name, orig = self._rope_patch
             setattr(mod, fn_name, orig)

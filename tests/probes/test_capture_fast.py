@@ -1,5 +1,5 @@
 """The HF learner's capture through the batched (CUDA) recorder path, run on CPU tensors through
-Triton's interpreter: one hook per module (input and output sites merged), and record_rows' fast
+Triton's interpreter: one wrapped forward per module (input and output sites merged), and record_rows' fast
 path (an op seen before in the same layout costs one queue append) write the same rows as the
 CPU path, and the fast path is taken for every op after the first micro-batch's."""
 
@@ -73,3 +73,32 @@ def test_hf_capture_batched_fast_path_equals_the_cpu_path(monkeypatch):
     assert hooks[1] <= n_ops + 2 * 3
     # a new recorder reuses the layouts of the first (process-wide): its first micro-batch is appends too
     assert hooks[2] < hooks[1]
+
+
+def test_hf_capture_wraps_forwards_without_hooks_and_restores_them():
+    """Sites get a wrapped ``forward`` (no module hooks: those put every call of the module on
+    Module.__call__'s slow path); exit restores every module, one patched before the capture too
+    (as the recipes' patches do), also when the forward raised; the sites are resolved once per model."""
+    import pytest
+
+    from mismatch_probe.probes.capture import CapturePlan
+    from mismatch_probe.probes.hf.capture import HfCapture, model_sites
+
+    model = _learner(None).model
+    down = model.model.layers[0].mlp.down_proj
+    down.forward = down.forward  # an instance forward set before the capture
+    before = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    rec = recmod.OpRecorder(CapturePlan("digest"))
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    with torch.inference_mode(), HfCapture(model, rec) as cap:
+        wrapped = {n for n, m in model.named_modules() if m.__dict__.get("forward") is not before[n]}
+        assert {"model.layers.0", "model.layers.0.mlp.down_proj", "model.norm", "lm_head"} <= wrapped
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+        cap.set_batch([0], [3], 3)
+        model(input_ids=ids)
+    assert {n: m.__dict__.get("forward") for n, m in model.named_modules()} == before
+    assert rec.table().column("op").to_pylist().count("0.mlp.down") == 3
+    with pytest.raises(RuntimeError, match="boom"), HfCapture(model, recmod.OpRecorder(CapturePlan("digest"))):
+        raise RuntimeError("boom")
+    assert all(m.__dict__.get("forward") is before[n] for n, m in model.named_modules())
+    assert model_sites(model) is model_sites(model)
