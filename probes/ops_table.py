@@ -62,8 +62,10 @@ def _ops_schema() -> pa.Schema:
     return pa.schema(list(OPS_V1) + [pa.field(k, v) for k, v in OPS_OPTIONAL.items()])
 
 
-def _build_table(segs: list[_Seg], dig: np.ndarray, st: np.ndarray, vals: np.ndarray | None, tv: Any, ti: Any) -> pa.Table:
-    """One chunk's rows as an Arrow table, built column-wise (no Python per row)."""
+def _build_table(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals: np.ndarray | None, tv: Any, ti: Any) -> pa.Table:
+    """One chunk's rows as an Arrow table, built column-wise (no Python per row). ``segs``: _Seg
+    objects or tuples of their fields (the recorder's fast path: cheaper to make and to pickle)."""
+    segs = [s if isinstance(s, _Seg) else _Seg(*s) for s in segs]
     ops = {s.op: None for s in segs}
     op_code = {o: i for i, o in enumerate(ops)}
     dtypes = {s.dtype: None for s in segs}
@@ -76,7 +78,8 @@ def _build_table(segs: list[_Seg], dig: np.ndarray, st: np.ndarray, vals: np.nda
     width = np.repeat([s.width for s in segs], ks)
     stats_on = modes >= STATS
     hexc = dig[arena] if dig.ndim == 2 else hex_chars(dig[arena])
-    s5 = st[arena]
+    # st None: a chunk of digest-only rows (their stats columns are null, the counts 0)
+    s5 = st[arena] if st is not None else np.zeros((arena.size, 5))
     nan = np.where(stats_on[:, None], s5, np.nan)
     n_total = int(ks.sum())
     # values: full rows, concatenated in row order (= the order they were gathered)

@@ -283,7 +283,7 @@ class OpRecorder:
 
     # ---- device arena (CUDA) ---------------------------------------------------------------
     def _reset_chunk(self) -> None:
-        self._segs: list[_Seg] = []
+        self._segs: list[Any] = []  # _Seg objects, or tuples of their fields (fast path)
         self._fast: list[Any] = []  # fast-path segments not yet in _segs: (op, layout, rows, arena row) flattened
         self._values: list[Any] = []
         self._topk: list[tuple[Any, Any]] = []
@@ -306,11 +306,11 @@ class OpRecorder:
     def _seg(self, seg: _Seg | None = None) -> None:
         """Move the fast path's pending segments to ``_segs`` (in recording order), then ``seg``."""
         f = self._fast
-        if f:
+        if f:  # as tuples of _Seg's fields (the writer makes the _Seg objects; tuples pickle fast)
             segs = self._segs
             for i in range(0, len(f), 4):
                 lay = f[i + 1]
-                segs.append(_Seg(f[i], lay.dtype_name, lay.row_shape, lay.width, lay.itemsize, f[i + 2], f[i + 3], True))
+                segs.append((f[i], lay.dtype_name, lay.row_shape, lay.width, lay.itemsize, f[i + 2], f[i + 3], True))
             f.clear()
         if seg is not None:
             self._segs.append(seg)
@@ -406,8 +406,11 @@ class OpRecorder:
                 vals = self._to_host([v.reshape(-1).view(torch.uint8) for v in self._values])
                 tv = self._to_host([a for a, _ in self._topk])
                 ti = self._to_host([b for _, b in self._topk])
-                # hex digits made on the device: the host thread only slices bytes (short GIL holds)
-                hd, hs = self._to_host([hex_chars(dig[:u])]), self._to_host([st[:u]])  # stream-ordered
+                # the writer process makes the hex digits on its own CPU; for the writer thread they are
+                # made on the device (the host thread then only slices bytes: short GIL holds)
+                hd = self._to_host([dig[:u] if self.writer_mode == "process" else hex_chars(dig[:u])])
+                # no stats copy for a chunk of digest-only ops (their stats columns are null)
+                hs = self._to_host([st[:u]]) if self._chunk_has_stats() else None  # stream-ordered
                 ev = None
                 if self._device.type == "cuda":
                     ev = torch.cuda.Event()
@@ -424,6 +427,9 @@ class OpRecorder:
             job = (None, self._segs, dig[:u], st[:u], vals, tv, ti)
         self._reset_chunk()
         self._submit(job)
+
+    def _chunk_has_stats(self) -> bool:
+        return any((g.rows if isinstance(g, _Seg) else g[5]).stats for g in self._segs)
 
     def _submit(self, job: tuple) -> None:
         import queue
@@ -479,7 +485,7 @@ class OpRecorder:
         if isinstance(vals, list):
             vals = np.concatenate(vals)
         if not isinstance(dig, np.ndarray):
-            dig, st = dig.numpy(), st.numpy()  # dig: hex digits uint8 [rows, 16]
+            dig, st = dig.numpy(), None if st is None else st.numpy()  # dig: hex digits uint8 [rows, 16]
             vals = None if vals is None else vals.numpy()
             tv = None if tv is None else tv.numpy()
             ti = None if ti is None else ti.numpy()

@@ -304,7 +304,7 @@ def main(rfd: int, wfd: int) -> None:
                 _, path, layout, segs = msg
                 p = _read_parts(path, layout)
                 os.unlink(path)
-                table = _build_table(segs, p["dig"], p["st"], p.get("vals"), p.get("tv"), p.get("ti"))
+                table = _build_table(segs, p["dig"], p.get("st"), p.get("vals"), p.get("tv"), p.get("ti"))
                 assert writer is not None
                 writer.write(table)
                 vals = p.get("vals")

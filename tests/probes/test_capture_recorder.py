@@ -254,3 +254,24 @@ def test_writer_falls_back_to_a_thread_when_no_process_can_start(tmp_path, monke
     r.record("0.out", _rand(torch.bfloat16, 4, 8, 0), np.zeros(4, np.int64), np.arange(4))
     r.close()
     assert read_table(tmp_path / "ops.parquet", "ops").num_rows == 4 and r.summary()["writer"] == "thread"
+
+
+def test_batched_digest_only_chunks_equal_the_cpu_path(tmp_path):
+    """Chunks of digest-only rows go to the writer process without the stats arena and with raw
+    digests (the process makes the hex digits): the same table as the CPU path; record_rows' fast
+    path (flat lists, segments as tuples) included."""
+    plan = CapturePlan("digest")
+    recs = [OpRecorder(plan, buffer_rows=24),
+            OpRecorder(plan, sink=tmp_path / "ops.parquet", buffer_rows=24, batched=True)]
+    seq = np.array([5, 5, 5, 6, 6, -1])
+    pos = np.array([0, 1, 2, 0, 1, 2])
+    for r in recs:
+        for step in range(3):
+            for layer in range(2):
+                r.record_rows(f"{layer}.mlp.down", _rand(torch.bfloat16, 6, 33, layer + step), seq, pos)
+                r.record_rows(f"{layer}.attn.q", _rand(torch.float32, 6, 12, layer).reshape(2, 3, 12), seq, pos)
+    a = recs[0].table().to_pandas()
+    recs[1].close()
+    b = read_table(tmp_path / "ops.parquet", "ops").to_pandas()
+    pd.testing.assert_frame_equal(a, b)
+    assert len(a) == 3 * 4 * 5 and a["sum"].isna().all() and a.digest.str.len().eq(16).all()
