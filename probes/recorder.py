@@ -59,6 +59,7 @@ class _Layout:
     itemsize: int
     row_stride: int
     nbytes: int
+    qkeys: tuple[Any, Any] = ()  # queue keys (dtype, stats) for stats False / True
 
 
 # (op, dtype, shape, strides) -> _Layout, shared by all recorders of the process: a recorder's
@@ -86,7 +87,7 @@ class OpRecorder:
         # row sets of the current batch (the seq_ids/pos arrays of _bkey), one per plan rule set
         self._bkey: tuple[Any, Any] = (None, None)
         self._brows: dict[tuple[int, ...], _Rows | None] = {}
-        self._oprows: dict[str, _Rows | None] = {}  # the same, by op
+        self._opkey: dict[str, tuple[int, ...]] = {}  # op -> its plan rule set (the key of _brows)
         self._topk_op = "logits" if getattr(self.plan, "topk", 0) else None  # its top-k: never the fast path
         self._window: tuple[np.ndarray, np.ndarray] | None = None  # sorted seq ids, full-row limit each
         self._writer: Any = None
@@ -122,7 +123,7 @@ class OpRecorder:
         self._error: BaseException | None = None
         # (dtype, stats) -> (tensors, their descriptor rows flattened: 6 ints per tensor)
         self._queue: dict[Any, tuple[list[Any], list[int]]] = {}
-        self._queued = (0, 0)
+        self._qn = self._qb = 0  # tensors and bytes queued
         self._stream: Any = False  # not decided yet (see _side)
         self._held: collections.deque = collections.deque()
 
@@ -140,7 +141,7 @@ class OpRecorder:
         lens = np.asarray(lengths, np.int64)[order]
         before = np.concatenate([[0], np.cumsum(lens)[:-1]])
         self._window = (ids, np.clip(n - before, 0, lens))
-        self._bkey, self._brows, self._oprows = (None, None), {}, {}
+        self._bkey, self._brows = (None, None), {}
 
     def _in_window(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         if self._window is None:
@@ -153,7 +154,7 @@ class OpRecorder:
         """The rows of ``op`` in the batch (seq, pos): computed once per batch and plan rule set (ops
         of one batch with the same rules share one _Rows, and its device copy)."""
         if seq is not self._bkey[0] or pos is not self._bkey[1]:
-            self._bkey, self._brows, self._oprows = (seq, pos), {}, {}
+            self._bkey, self._brows = (seq, pos), {}
         key = self.plan.rule_key(op)
         if key in self._brows:
             return self._brows[key]
@@ -182,12 +183,15 @@ class OpRecorder:
         if self._is_batched:
             lay = _LAYOUTS.get((op, tensor.dtype, tensor.shape, tensor.stride()))
             if lay is not None and lay.n == n and op != self._topk_op:
-                # the op's rows in this batch: one dict lookup (reset when the batch changes)
+                # the op's rows in this batch: two dict lookups (its rule set, that set's rows)
+                key = self._opkey.get(op)
+                if key is None:
+                    key = self._opkey[op] = self.plan.rule_key(op)
                 if seq_ids is not self._bkey[0] or pos is not self._bkey[1]:
-                    self._bkey, self._brows, self._oprows = (seq_ids, pos), {}, {}
-                rows = self._oprows.get(op, _NOROWS)
+                    self._bkey, self._brows = (seq_ids, pos), {}
+                rows = self._brows.get(key, _NOROWS)
                 if rows is _NOROWS:
-                    rows = self._oprows[op] = self._rows(op, seq_ids, pos)
+                    rows = self._rows(op, seq_ids, pos)
                 if rows is None:
                     return
                 off = self._used
@@ -199,14 +203,14 @@ class OpRecorder:
                     # appends to flat lists only: no object per op that the garbage collector tracks (each
                     # one kept until the chunk ends makes the interpreter's full collections more frequent)
                     self._fast.extend((op, lay, rows, off))
-                    q = self._queue.get(key := (tensor.dtype, rows.stats))
+                    q = self._queue.get(qk := lay.qkeys[rows.stats])
                     if q is None:
-                        q = self._queue[key] = ([], [])
+                        q = self._queue[qk] = ([], [])
                     q[0].append(tensor)
                     q[1].extend((tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0))
-                    c, b = self._queued
-                    self._queued = (c + 1, b + lay.nbytes)
-                    if c + 1 >= _QUEUE_OPS or b + lay.nbytes >= _QUEUE_BYTES:
+                    self._qn += 1
+                    self._qb += lay.nbytes
+                    if self._qn >= _QUEUE_OPS or self._qb >= _QUEUE_BYTES:
                         self._launch()
                     return
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
@@ -217,7 +221,7 @@ class OpRecorder:
                 _LAYOUTS.clear()
             _LAYOUTS[(op, tensor.dtype, tensor.shape, tensor.stride())] = _Layout(
                 n, _dtype_name(flat.dtype), list(flat.shape[1:]), int(flat.shape[1]), flat.element_size(),
-                int(flat.stride(0)), flat.numel() * flat.element_size())
+                int(flat.stride(0)), flat.numel() * flat.element_size(), ((flat.dtype, False), (flat.dtype, True)))
 
     def record(self, op: str, tensor: Any, seq_ids: Any, pos: Any) -> None:
         """Record ``tensor[i]`` as op ``op`` of token (``seq_ids[i]``, ``pos[i]``); rows whose
@@ -325,9 +329,9 @@ class OpRecorder:
             q = self._queue[key] = ([], [])
         q[0].append(t)
         q[1].extend(desc)
-        n, b = self._queued
-        self._queued = (n + 1, b + nbytes)
-        if n + 1 >= _QUEUE_OPS or b + nbytes >= _QUEUE_BYTES:
+        self._qn += 1
+        self._qb += nbytes
+        if self._qn >= _QUEUE_OPS or self._qb >= _QUEUE_BYTES:
             self._launch()
 
     def _side(self) -> Any:
@@ -387,7 +391,7 @@ class OpRecorder:
                 refs.append(ts)
         self._hold_until_done(refs)
         self._queue.clear()
-        self._queued = (0, 0)
+        self._qn = self._qb = 0  # tensors and bytes queued
 
     # ---- chunks: device -> host -> Arrow -> sink ---------------------------------------------
     def flush(self) -> None:
