@@ -131,6 +131,7 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
     from mismatch_probe.probes import digest_triton
 
     orig_launch, orig_record, orig_rows = digest_triton.launch_desc, recmod.OpRecorder.record, recmod.OpRecorder.record_rows
+    orig_qbytes = recmod._QUEUE_BYTES
 
     def setup(mode: str, lr: Any = r) -> Any:
         # variants of a mode (MODE@VARIANT), to attribute the cost:
@@ -138,7 +139,9 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
         #   main     the digest kernels on the engine's stream instead of a side stream
         #   nolaunch no digest kernel launched (host work, copies and writing only; rows hold garbage)
         #   hooks    the hooks run but record nothing (hook dispatch only)
+        #   qNg      the queue launches at N GiB instead of 1 GiB (fewer launches, more memory held)
         base_mode, _, variant = mode.partition("@")
+        recmod._QUEUE_BYTES = int(variant[1:-1]) << 30 if variant[:1] == "q" and variant[1:-1].isdigit() else orig_qbytes
         os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
         os.environ["MISMATCH_PROBE_CAPTURE_STREAM"] = "main" if variant == "main" else "side"
         digest_triton.launch_desc = (lambda *a, **k: None) if variant == "nolaunch" else orig_launch
@@ -218,6 +221,7 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
     finally:
         recmod.OpRecorder.close = orig_close
         digest_triton.launch_desc, recmod.OpRecorder.record, recmod.OpRecorder.record_rows = orig_launch, orig_record, orig_rows
+        recmod._QUEUE_BYTES = orig_qbytes
         os.environ.pop("MISMATCH_PROBE_CAPTURE_WRITER", None)
         os.environ.pop("MISMATCH_PROBE_CAPTURE_STREAM", None)
     del model, r
