@@ -78,6 +78,47 @@ __device__ __forceinline__ uint16_t bf16_bits_rne(float x) {  // as gemm_tc.bf16
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// ------------------------------------------------------------------------------------------
+// the decode epilogue, shared by both decode kernels: nseg == 1 scales and rounds to bf16; else the
+// segment's fp32 partials go to ``part`` (reduced in segment order by reduce_kernel)
+
+template <int MT, int NT>
+__device__ __forceinline__ void decode_epilogue(const float (&acc)[MT][NT][4], const float* __restrict__ w_amax,
+                                                int w_amax_row, const float* __restrict__ a_amax,
+                                                uint16_t* __restrict__ out, float* __restrict__ part, int M, int N,
+                                                int nseg, int nb, int m0, int seg, int warp, int lane) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int n = nb * 64 + (warp * NT + t) * 8 + 2 * q;
+    float ba0 = 0.0f, ba1 = 0.0f;
+    if (nseg == 1) {
+      ba0 = w_amax[w_amax_row ? (n < N ? n : N - 1) : 0];
+      ba1 = w_amax[w_amax_row ? (n + 1 < N ? n + 1 : N - 1) : 0];
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int m = m0 + mt * 16 + g + 8 * hh;
+        if (m >= M) continue;
+        const float t0 = acc[mt][t][2 * hh], t1 = acc[mt][t][2 * hh + 1];
+        if (nseg == 1) {
+          const float aa = a_amax[m];
+          const float r0 = __fmul_rn(__fmul_rn(t0, 128.0f), __fmul_rn(__fmul_rn(aa, ba0), RCP_ALPHA));
+          const float r1 = __fmul_rn(__fmul_rn(t1, 128.0f), __fmul_rn(__fmul_rn(aa, ba1), RCP_ALPHA));
+          if (n < N) out[(size_t)m * N + n] = bf16_bits_rne(r0);
+          if (n + 1 < N) out[(size_t)m * N + n + 1] = bf16_bits_rne(r1);
+        } else {
+          float* pp = part + ((size_t)seg * M + m) * N;
+          if (n < N) pp[n] = t0;
+          if (n + 1 < N) pp[n + 1] = t1;
+        }
+      }
+    }
+  }
+}
+
 template <int MT, int STAGES, int CPS, int NT, bool HALF>
 __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
     const uint4* __restrict__ wq, const uint4* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
@@ -204,76 +245,7 @@ __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
   }
   cp_wait<0>();
 
-  const int q = lane & 3;
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    const int n = nb * 64 + (warp * NT + t) * 8 + 2 * q;
-    float ba0 = 0.0f, ba1 = 0.0f;
-    if (nseg == 1) {
-      ba0 = w_amax[w_amax_row ? (n < N ? n : N - 1) : 0];
-      ba1 = w_amax[w_amax_row ? (n + 1 < N ? n + 1 : N - 1) : 0];
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int m = m0 + mt * 16 + g + 8 * hh;
-        if (m >= M) continue;
-        const float t0 = acc[mt][t][2 * hh], t1 = acc[mt][t][2 * hh + 1];
-        if (nseg == 1) {
-          const float aa = a_amax[m];
-          const float r0 = __fmul_rn(__fmul_rn(t0, 128.0f), __fmul_rn(__fmul_rn(aa, ba0), RCP_ALPHA));
-          const float r1 = __fmul_rn(__fmul_rn(t1, 128.0f), __fmul_rn(__fmul_rn(aa, ba1), RCP_ALPHA));
-          if (n < N) out[(size_t)m * N + n] = bf16_bits_rne(r0);
-          if (n + 1 < N) out[(size_t)m * N + n + 1] = bf16_bits_rne(r1);
-        } else {
-          float* pp = part + ((size_t)seg * M + m) * N;
-          if (n < N) pp[n] = t0;
-          if (n + 1 < N) pp[n + 1] = t1;
-        }
-      }
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------
-// shared by the decode kernels below
-
-template <int MT, int NT>
-__device__ __forceinline__ void decode_epilogue(const float (&acc)[MT][NT][4], const float* __restrict__ w_amax,
-                                                int w_amax_row, const float* __restrict__ a_amax,
-                                                uint16_t* __restrict__ out, float* __restrict__ part, int M, int N,
-                                                int nseg, int nb, int m0, int seg, int warp, int lane) {
-  const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    const int n = nb * 64 + (warp * NT + t) * 8 + 2 * q;
-    float ba0 = 0.0f, ba1 = 0.0f;
-    if (nseg == 1) {
-      ba0 = w_amax[w_amax_row ? (n < N ? n : N - 1) : 0];
-      ba1 = w_amax[w_amax_row ? (n + 1 < N ? n + 1 : N - 1) : 0];
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int m = m0 + mt * 16 + g + 8 * hh;
-        if (m >= M) continue;
-        const float t0 = acc[mt][t][2 * hh], t1 = acc[mt][t][2 * hh + 1];
-        if (nseg == 1) {
-          const float aa = a_amax[m];
-          const float r0 = __fmul_rn(__fmul_rn(t0, 128.0f), __fmul_rn(__fmul_rn(aa, ba0), RCP_ALPHA));
-          const float r1 = __fmul_rn(__fmul_rn(t1, 128.0f), __fmul_rn(__fmul_rn(aa, ba1), RCP_ALPHA));
-          if (n < N) out[(size_t)m * N + n] = bf16_bits_rne(r0);
-          if (n + 1 < N) out[(size_t)m * N + n + 1] = bf16_bits_rne(r1);
-        } else {
-          float* pp = part + ((size_t)seg * M + m) * N;
-          if (n < N) pp[n] = t0;
-          if (n + 1 < N) pp[n + 1] = t1;
-        }
-      }
-    }
-  }
+  decode_epilogue<MT, NT>(acc, w_amax, w_amax_row, a_amax, out, part, M, N, nseg, nb, m0, seg, warp, lane);
 }
 
 // ------------------------------------------------------------------------------------------
