@@ -53,6 +53,13 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 }
+// a word of 8 E2M1 codes (the prepared layout) -> its two words of code bytes for steps 2*wi (lo) and
+// 2*wi + 1 (hi), each code at bits 7 (sign) and 1-3 of its byte, where the byte-permute or shift decode
+// turns them into fp16 E2M1 * 2^-14 (emulated bit for bit in tests/kernels/test_native.py)
+__device__ __forceinline__ void code_halves(uint32_t W, uint32_t& lo, uint32_t& hi) {
+  lo = W & 0x8E8E8E8Eu;
+  hi = ((W >> 3) & 0x0E0E0E0Eu) | ((W << 7) & 0x80808080u);
+}
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -208,11 +215,7 @@ __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
       for (int wi = 0; wi < 4; ++wi) {
         uint32_t va[NT], vb[NT];
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const uint32_t W = wv[t][wi];
-          va[t] = W & 0x8E8E8E8Eu;
-          vb[t] = ((W >> 3) & 0x0E0E0E0Eu) | ((W << 7) & 0x80808080u);
-        }
+        for (int t = 0; t < NT; ++t) code_halves(wv[t][wi], va[t], vb[t]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int s = 2 * wi + h;
@@ -302,11 +305,7 @@ __device__ __forceinline__ void bulk_chunk(float (&acc)[MT][NT][4], const uint32
   for (int wi = 0; wi < 4; ++wi) {
     uint32_t va[NT], vb[NT];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const uint32_t W = wv[t][wi];
-      va[t] = W & 0x8E8E8E8Eu;
-      vb[t] = ((W >> 3) & 0x0E0E0E0Eu) | ((W << 7) & 0x80808080u);
-    }
+    for (int t = 0; t < NT; ++t) code_halves(wv[t][wi], va[t], vb[t]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int s = 2 * wi + h;
