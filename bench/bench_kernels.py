@@ -91,7 +91,35 @@ def decode_inputs(n: int, k: int, rows: int, *, per_row: bool = False, quant=Non
 
 def take_rows(a, off: int, m: int):  # noqa: ANN001, ANN201
     """Rows [off, off + m) of a per-token NVFP4Tensor."""
-    return type(a)(a.codes[off:off + m], a.scales[off:off + m], a.amax[off:off + m], True)
+    return type(a)(a.codes[off:off + m], a.scales[off:off + m], a.amax[off:off + m], a.per_token)
+
+
+def sweep_cases(aq, ms):  # noqa: ANN001, ANN201
+    """(m, off, rows [off, off + m) of ``aq``) for every M in ``ms`` at row offsets 0 and 37, where they fit."""
+    for m in ms:
+        for off in (0, 37):
+            if off + m <= aq.shape[0]:
+                yield m, off, take_rows(aq, off, m)
+
+
+def sweep_paths(aq, x: torch.Tensor, tw, full: torch.Tensor, ms) -> tuple[int, list]:  # noqa: ANN001
+    """Rows of every path the dispatcher can take vs the same rows of ``full`` (prefill over all of
+    ``aq``): prefill for every case of :func:`sweep_cases`, and for M <= 64 also the native decode,
+    the Triton decode and the whole linear (``tc_linear`` on the bf16 rows of ``x``). Returns the
+    number of comparisons and the (m, off, path) that differ."""
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    n_cmp, bad = 0, []
+    for m, off, sub in sweep_cases(aq, ms):
+        want = full[off:off + m]
+        for p in ("decode", "decode-triton", "prefill", "tc_linear") if m <= 64 else ("prefill",):
+            n_cmp += 1
+            T.DECODE_CFG["NATIVE"] = p != "decode-triton"
+            got = T.tc_linear(x[off:off + m], tw) if p == "tc_linear" else T.tc_matmul(sub, tw, path=p.split("-")[0])
+            T.DECODE_CFG.pop("NATIVE")
+            if not eq(got, want):
+                bad.append((m, off, p))
+    return n_cmp, bad
 
 
 def section(fn):  # noqa: ANN001, ANN201
@@ -243,22 +271,8 @@ def _sweep(label: str, n: int = 8192, k: int = 8192) -> None:
     wq, tw, X, aq = d.wq, d.tw, d.x, d.aq
     full = T.tc_matmul(aq, tw, path="prefill")
     bad = [] if eq(T.tc_matmul(aq, tw, path="prefill"), full) else ["repeat"]
-    n_cmp = 0
-    for m in TC_MS:
-        for off in (0, 37):
-            if off + m > aq.shape[0]:
-                continue
-            sub = take_rows(aq, off, m)
-            for p in ("decode", "decode-triton", "prefill") if m <= 64 else ("prefill",):
-                n_cmp += 1
-                T.DECODE_CFG["NATIVE"] = p != "decode-triton"
-                if not eq(T.tc_matmul(sub, tw, path=p.split("-")[0]), full[off:off + m]):
-                    bad.append((m, off, p))
-                T.DECODE_CFG.pop("NATIVE")
-            if m <= 64:
-                n_cmp += 1
-                if not eq(T.tc_linear(X[off:off + m], tw), full[off:off + m]):
-                    bad.append((m, off, "tc_linear"))
+    n_cmp, differ = sweep_paths(aq, X, tw, full, TC_MS)
+    bad += differ
     tol = tc_within_bound(full[:64], take_rows(aq, 0, 64), wq)
     note(f"sweep [{label}] N={n} K={k} (nseg {tw.nseg}), M in {TC_MS} at offsets 0 and 37: {n_cmp} comparisons, "
          f"{'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad}'}; repeat identical; vs per-block reference: {tol}")

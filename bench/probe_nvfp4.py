@@ -19,7 +19,7 @@ import torch
 import triton
 
 # the timing, recording and section helpers are the one-call bench's (same folder on sys.path)
-from bench_kernels import GRAPH, NOTES, ROWS, decode_inputs, eq, note, rec, section, take_rows  # noqa: E402, F401
+from bench_kernels import GRAPH, NOTES, ROWS, decode_inputs, eq, note, rec, section, sweep_paths, take_rows  # noqa: E402, F401
 
 
 @section
@@ -346,26 +346,8 @@ def nseg() -> None:
                 x16 = X[:16]
                 row["linear M=16"] = rec(f"{tag} M=16 linear incl. quantize", lambda: T.tc_linear(x16, tw),
                                          cublas_ms=cub[m], nseg=tw.nseg)
-        n_cmp = 0
-        for m in TC_MS:
-            for off in (0, 37):
-                if off + m > aq.shape[0]:
-                    continue
-                sub = take_rows(aq, off, m)
-                for way in ("native", "triton", "prefill", "linear") if m <= 64 else ("prefill",):
-                    n_cmp += 1
-                    if way == "native":
-                        got = T.tc_matmul(sub, tw, path="decode")
-                    elif way == "triton":
-                        T.DECODE_CFG["NATIVE"] = False
-                        got = T.tc_matmul(sub, tw, path="decode")
-                        T.DECODE_CFG.clear()
-                    elif way == "linear":
-                        got = T.tc_linear(X[off:off + m], tw)
-                    else:
-                        got = T.tc_matmul(sub, tw, path="prefill")
-                    if not eq(got, full[off:off + m]):
-                        bad.append((m, off, way))
+        n_cmp, differ = sweep_paths(aq, X, tw, full, TC_MS)
+        bad += differ
         sub = take_rows(aq, 0, 64)
         row["rows"] = f"{n_cmp} comparisons: {'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad}'}"
         try:

@@ -37,10 +37,11 @@ import platform
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 import triton
-from bench_kernels import ROWS, eq, note, rec, section  # noqa: E402  (same folder on sys.path)
+from bench_kernels import ROWS, eq, note, rec, section, sweep_cases, take_rows  # noqa: E402  (same folder on sys.path)
 
 SHAPES = {"q": (2048, 1024), "k/v": (1024, 1024), "o": (1024, 2048), "gate/up": (3072, 1024), "down": (1024, 3072)}
 PER_LAYER = {"q": 1, "k/v": 2, "o": 1, "gate/up": 2, "down": 1}  # linears of each shape per Qwen3 layer
@@ -63,10 +64,6 @@ def _build_native() -> None:
 def _sync() -> None:
     if RUN["dev"] == "cuda":
         torch.cuda.synchronize()
-
-
-def _sub(q, off: int, m: int):  # noqa: ANN001, ANN202
-    return type(q)(q.codes[off:off + m], q.scales[off:off + m], q.amax[off:off + m], q.per_token)
 
 
 def _cfg(cfg: dict) -> None:
@@ -101,7 +98,7 @@ def prefill() -> None:
         _cfg({})
         full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
         for m in RUN["ms"]:
-            x, a, op = X[:m], _sub(aq, 0, m), aop[:m]
+            x, a, op = X[:m], take_rows(aq, 0, m), aop[:m]
             tag = f"{name} N={n} K={k} NSEG={tw.nseg} M={m}"
             cub = rec(f"{tag} cuBLAS bf16", lambda: x @ w.t(), shape=name, m=m, kind="cublas")
             variants = [("new (one K loop)", {}, tw)]
@@ -168,30 +165,42 @@ def sweep() -> None:
         if not eq(T.tc_matmul(aq, tw, path="prefill"), full):
             bad.append("old loop, full M")
         n_cmp = 2
-        for m in RUN["tc_ms"] or TC_MS:
-            for off in (0, 37):
-                sub = _sub(aq, off, m)
-                want = full[off:off + m]
-                paths = [("prefill", {}, None), ("prefill-old", {"FLAT": False}, None)]
-                if m <= 64:
-                    paths += [("decode-triton", {}, False)] + ([("decode-native", {}, True)] if BUILD.get("ok") else [])
-                for p, cfg, native in paths:
-                    _cfg(cfg)
-                    if native is not None:
-                        T.DECODE_CFG["NATIVE"] = native
-                    n_cmp += 1
-                    if not eq(T.tc_matmul(sub, tw, path=p.split("-")[0]), want):
-                        bad.append((m, off, p))
-                    T.DECODE_CFG.pop("NATIVE", None)
-                _cfg({})
+        for m, off, sub in sweep_cases(aq, RUN["tc_ms"] or TC_MS):
+            want = full[off:off + m]
+            paths = [("prefill", {}, None), ("prefill-old", {"FLAT": False}, None)]
+            if m <= 64:
+                paths += [("decode-triton", {}, False)] + ([("decode-native", {}, True)] if BUILD.get("ok") else [])
+            for p, cfg, native in paths:
+                _cfg(cfg)
+                if native is not None:
+                    T.DECODE_CFG["NATIVE"] = native
                 n_cmp += 1
-                if not eq(T.tc_linear(X[off:off + m], tw), want):
-                    bad.append((m, off, "tc_linear"))
-        tol = tc_within_bound(full[:64], _sub(aq, 0, 64), wq)
+                if not eq(T.tc_matmul(sub, tw, path=p.split("-")[0]), want):
+                    bad.append((m, off, p))
+                T.DECODE_CFG.pop("NATIVE", None)
+            _cfg({})
+            n_cmp += 1
+            if not eq(T.tc_linear(X[off:off + m], tw), want):
+                bad.append((m, off, "tc_linear"))
+        tol = tc_within_bound(full[:64], take_rows(aq, 0, 64), wq)
         note(f"sweep {name} N={n} K={k} NSEG={tw.nseg} ({'per-row' if per_row else 'per-tensor'} weight amax), "
              f"M in TC_MS at offsets 0 and 37, paths prefill new/old, decode Triton"
              f"{'/native' if BUILD.get('ok') else ' (native not built)'}, tc_linear: {n_cmp} comparisons, "
              f"{'ALL ROWS IDENTICAL' if not bad else f'DIFFER: {bad[:20]}'}; first 64 rows vs per-block reference: {tol}")
+
+
+def _median_ms(fn, warm: int = 2, n: int = 5) -> tuple[float, Any]:  # noqa: ANN001
+    """Median wall time (ms) of ``n`` synchronized calls of ``fn`` after ``warm`` calls, and the last result."""
+    for _ in range(warm):
+        fn()
+    _sync()
+    ts, out = [], None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn()
+        _sync()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[n // 2] * 1e3, out
 
 
 def _model() -> tuple[torch.nn.Module, torch.Tensor]:
@@ -217,16 +226,7 @@ def e2e() -> None:
 
     def timed(label: str, inp: torch.Tensor, base: float | None = None) -> tuple[float, torch.Tensor]:
         with torch.no_grad():
-            for _ in range(2):
-                model(inp)
-            _sync()
-            ts = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                out = model(inp).logits
-                _sync()
-                ts.append(time.perf_counter() - t0)
-        ms = sorted(ts)[2] * 1e3
+            ms, out = _median_ms(lambda: model(inp).logits)
         b, t = inp.shape
         ROWS.append({"name": f"HF forward Qwen3-0.6B-shaped {b} x {t}: {label}", "ms": ms, "graph": False, "e2e": True,
                      "vs_bf16": None if base is None else base / ms})
@@ -302,16 +302,8 @@ def e2e_gpu() -> None:
 
     def measure(label: str) -> None:
         with torch.no_grad():
-            for _ in range(2):
-                model(ids)
-            _sync()
-            ts = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                model(ids)
-                _sync()
-                ts.append(time.perf_counter() - t0)
-            row = {"name": f"forward 4 x 1024 {label}", "ms": sorted(ts)[2] * 1e3, "e2e": True, "graph": False}
+            row = {"name": f"forward 4 x 1024 {label}", "ms": _median_ms(lambda: model(ids))[0], "e2e": True,
+                   "graph": False}
             try:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -334,15 +326,7 @@ def e2e_gpu() -> None:
                 torch.cuda.current_stream().wait_stream(st)
                 with torch.cuda.graph(g):
                     model(ids)
-                g.replay()
-                _sync()
-                gs = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    g.replay()
-                    _sync()
-                    gs.append(time.perf_counter() - t0)
-                row["graph_ms"] = sorted(gs)[2] * 1e3
+                row["graph_ms"] = _median_ms(g.replay, warm=1)[0]
                 del g
             except Exception as e:
                 note(f"{label}: CUDA graph failed: {type(e).__name__}: {str(e)[:200]}")
