@@ -94,6 +94,18 @@ def take_rows(a, off: int, m: int):  # noqa: ANN001, ANN201
     return type(a)(a.codes[off:off + m], a.scales[off:off + m], a.amax[off:off + m], a.per_token)
 
 
+def quant_setup(m: int = 8192, k: int = 8192) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
+    """The quantizer benches' input x (bf16 randn [m, k]) and a buffer y like it, after timing the
+    device copy y <- x (the bandwidth baseline); the bytes a per-token quantize of x moves; and the
+    rec() keywords that relate a quantizer row to that copy."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    cb = 2 * x.numel() * 2
+    copy = rec(f"copy bf16 {m}x{k} (read + write)", lambda: y.copy_(x), bytes=cb)
+    qb = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + m * 4
+    return x, y, qb, {"copy_ms": copy, "copy_bytes": cb}
+
+
 def sweep_cases(aq, ms):  # noqa: ANN001, ANN201
     """(m, off, rows [off, off + m) of ``aq``) for every M in ``ms`` at row offsets 0 and 37, where they fit."""
     for m in ms:
@@ -163,13 +175,8 @@ def quantize() -> None:
     from mismatch_probe.kernels.nvfp4 import quant_fast as qf
     from mismatch_probe.kernels.nvfp4 import triton_quant as tq
 
-    m = k = 8192
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    cb = 2 * x.numel() * 2
-    copy = rec("copy bf16 8192x8192 (read + write)", lambda: y.copy_(x), bytes=cb)
-    qb = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + m * 4
-    kw = {"copy_ms": copy, "copy_bytes": cb}
+    x, _, qb, kw = quant_setup()
+    k = x.shape[1]
     rec("quantize per-token 1x16 (default kernel)", lambda: nvfp4_quantize(x, per_token=True), bytes=qb, **kw)
     qf.QF_CFG["NATIVE"] = 0
     rec("quantize per-token 1x16, Triton kernel", lambda: nvfp4_quantize(x, per_token=True), bytes=qb, **kw)

@@ -23,7 +23,7 @@ import os
 import time
 
 import torch
-from bench_kernels import NOTES, ROWS, decode_inputs, eq, note, rec, section, table, take_rows  # noqa: E402
+from bench_kernels import NOTES, ROWS, decode_inputs, eq, note, quant_setup, rec, section, table, take_rows  # noqa: E402
 
 MS = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64)
 
@@ -118,13 +118,7 @@ def quant() -> None:
     from mismatch_probe.kernels import nvfp4_quantize
     from mismatch_probe.kernels.nvfp4 import quant_fast as qf
 
-    m = k = 8192
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    cb = 2 * x.numel() * 2
-    copy = rec("copy bf16 8192x8192 (read + write)", lambda: y.copy_(x), bytes=cb)
-    qb = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + m * 4
-    kw = {"copy_ms": copy, "copy_bytes": cb}
+    x, y, qb, kw = quant_setup()
     rec("quantize per-token 1x16, native", lambda: nvfp4_quantize(x, per_token=True), bytes=qb, **kw)
     a1 = torch.tensor([float(x.float().abs().max())], device="cuda")
     rec("quantize per-tensor 1x16, amax given, native", lambda: nvfp4_quantize(x, amax=a1), bytes=qb, **kw)
@@ -133,7 +127,7 @@ def quant() -> None:
     qf.QF_CFG["NATIVE"] = 0
     rec("quantize per-token 1x16, Triton", lambda: nvfp4_quantize(x, per_token=True), bytes=qb, **kw)
     qf.QF_CFG.pop("NATIVE")
-    rec("copy bf16 8192x8192 again", lambda: y.copy_(x), bytes=cb)
+    rec("copy bf16 8192x8192 again", lambda: y.copy_(x), bytes=kw["copy_bytes"])
 
 
 @section
