@@ -85,6 +85,67 @@ __device__ __forceinline__ uint16_t bf16_bits_rne(float x) {  // as gemm_tc.bf16
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+__device__ __forceinline__ uint32_t hmul2_lo(uint32_t a, uint32_t s) {  // a * {s.lo, s.lo}
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), __low2half2(*reinterpret_cast<const __half2*>(&s)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t hmul2_hi(uint32_t a, uint32_t s) {  // a * {s.hi, s.hi}
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), __high2half2(*reinterpret_cast<const __half2*>(&s)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// one 128-wide K chunk, shared by both decode kernels: NT weight tiles (code words wv; scale words sc:
+// 2 of E4M3 bytes, or 4 of fp16 pairs with SC16) x MT token tiles (ldmatrix.x4 from a_base, row stride
+// AROW; HALF: M <= 8, ldmatrix.x2, rows 8-15 of the MMA's A operand are zero registers)
+template <int MT, int NT, int AROW, bool SC16, int DEC, bool NODEC, bool HALF = false>
+__device__ __forceinline__ void bulk_chunk(float (&acc)[MT][NT][4], const uint32_t (&wv)[NT][4],
+                                           const uint32_t (&sc)[NT][4], uint32_t a_base) {
+#pragma unroll
+  for (int wi = 0; wi < 4; ++wi) {
+    uint32_t va[NT], vb[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) code_halves(wv[t][wi], va[t], vb[t]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int s = 2 * wi + h;
+      uint32_t af[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (HALF) {
+          ldmatrix_x2(af[mt][0], af[mt][2], a_base + s * 32);
+          af[mt][1] = 0u;
+          af[mt][3] = 0u;
+        } else {
+          ldmatrix_x4(af[mt], a_base + mt * 16 * AROW + s * 32);
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const uint32_t v = h ? vb[t] : va[t];
+        // fp16 pairs E2M1 * 2^-14 {k = 2q, 2q+1} (bytes 0, 2) and {k = 2q+8, 2q+9} (bytes 1, 3)
+        const uint32_t f0 = DEC ? (v << 8) & 0xFF00FF00u : prmt(v, 0u, 0x2404u);
+        const uint32_t f1 = DEC ? v & 0xFF00FF00u : prmt(v, 0u, 0x3414u);
+        uint32_t b0, b1;
+        if (NODEC) {
+          b0 = f0;
+          b1 = sc[t][0];
+        } else if (SC16) {  // sc word s/2 = {sf(s even) * 2^7, sf(s odd) * 2^7}
+          b0 = (s & 1) ? hmul2_hi(f0, sc[t][s >> 1]) : hmul2_lo(f0, sc[t][s >> 1]);
+          b1 = (s & 1) ? hmul2_hi(f1, sc[t][s >> 1]) : hmul2_lo(f1, sc[t][s >> 1]);
+        } else {
+          // {b, 0, b, 0} << 7: fp16 bits of sf * 2^-8 in both halves; * 2^15 -> sf * 2^7 (exact)
+          const uint32_t sbits = prmt(sc[t][s >> 2], 0u, 0x4040u | ((s & 3) * 0x0101u)) << 7;
+          const uint32_t scale = hmul2(sbits, 0x78007800u);
+          b0 = hmul2(f0, scale);
+          b1 = hmul2(f1, scale);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma16816(acc[mt][t], af[mt], b0, b1);
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // the decode epilogue, shared by both decode kernels: nseg == 1 scales and rounds to bf16; else the
 // segment's fp32 partials go to ``part`` (reduced in segment order by reduce_kernel)
@@ -201,49 +262,16 @@ __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
     const uint8_t* st = smem + (i % STAGES) * STAGE;
 #pragma unroll
     for (int j = 0; j < CPS; ++j) {
-      uint32_t wv[NT][4];
-      uint2 sc[NT];
+      uint32_t wv[NT][4], sc[NT][4];
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         const int tile = warp * NT + t;
         const uint4 w = *reinterpret_cast<const uint4*>(st + j * W_BYTES + (tile * 32 + lane) * 16);
         wv[t][0] = w.x; wv[t][1] = w.y; wv[t][2] = w.z; wv[t][3] = w.w;
-        sc[t] = *reinterpret_cast<const uint2*>(st + CPS * W_BYTES + j * S_BYTES + tile * 64 + g * 8);
+        const uint2 v = *reinterpret_cast<const uint2*>(st + CPS * W_BYTES + j * S_BYTES + tile * 64 + g * 8);
+        sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = sc[t][3] = 0u;
       }
-      const uint32_t a_base = smem_u32(st + A_OFF) + a_lane + j * (KC * 2);
-#pragma unroll
-      for (int wi = 0; wi < 4; ++wi) {
-        uint32_t va[NT], vb[NT];
-#pragma unroll
-        for (int t = 0; t < NT; ++t) code_halves(wv[t][wi], va[t], vb[t]);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int s = 2 * wi + h;
-          uint32_t af[MT][4];
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            if (HALF) {
-              ldmatrix_x2(af[mt][0], af[mt][2], a_base + s * 32);
-              af[mt][1] = 0u;
-              af[mt][3] = 0u;
-            } else {
-              ldmatrix_x4(af[mt], a_base + mt * 16 * AROW + s * 32);
-            }
-          }
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            const uint32_t v = h ? vb[t] : va[t];
-            const uint32_t sw = s < 4 ? sc[t].x : sc[t].y;
-            // {b, 0, b, 0} << 7: fp16 bits of sf * 2^-8 in both halves; * 2^15 -> sf * 2^7 (exact)
-            const uint32_t sbits = prmt(sw, 0u, 0x4040u | ((s & 3) * 0x0101u)) << 7;
-            const uint32_t scale = hmul2(sbits, 0x78007800u);
-            const uint32_t b0 = hmul2(prmt(v, 0u, 0x2404u), scale);  // {k = 2q, 2q+1}: bytes 0, 2
-            const uint32_t b1 = hmul2(prmt(v, 0u, 0x3414u), scale);  // {k = 2q+8, 2q+9}: bytes 1, 3
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) mma16816(acc[mt][t], af[mt], b0, b1);
-          }
-        }
-      }
+      bulk_chunk<MT, NT, AROW, false, 0, false, HALF>(acc, wv, sc, smem_u32(st + A_OFF) + a_lane + j * (KC * 2));
     }
   }
   cp_wait<0>();
@@ -287,58 +315,6 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-__device__ __forceinline__ uint32_t hmul2_lo(uint32_t a, uint32_t s) {  // a * {s.lo, s.lo}
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), __low2half2(*reinterpret_cast<const __half2*>(&s)));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t hmul2_hi(uint32_t a, uint32_t s) {  // a * {s.hi, s.hi}
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), __high2half2(*reinterpret_cast<const __half2*>(&s)));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-// one 128-wide K chunk: NT weight tiles (code words wv; scale words sc: 2 of E4M3 bytes, or 4 of
-// fp16 pairs with SC16) x MT token tiles (ldmatrix.x4 from a_base, row stride AROW)
-template <int MT, int NT, int AROW, bool SC16, int DEC, bool NODEC>
-__device__ __forceinline__ void bulk_chunk(float (&acc)[MT][NT][4], const uint32_t (&wv)[NT][4],
-                                           const uint32_t (&sc)[NT][4], uint32_t a_base) {
-#pragma unroll
-  for (int wi = 0; wi < 4; ++wi) {
-    uint32_t va[NT], vb[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) code_halves(wv[t][wi], va[t], vb[t]);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int s = 2 * wi + h;
-      uint32_t af[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a_base + mt * 16 * AROW + s * 32);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const uint32_t v = h ? vb[t] : va[t];
-        // fp16 pairs E2M1 * 2^-14 {k = 2q, 2q+1} (bytes 0, 2) and {k = 2q+8, 2q+9} (bytes 1, 3)
-        const uint32_t f0 = DEC ? (v << 8) & 0xFF00FF00u : prmt(v, 0u, 0x2404u);
-        const uint32_t f1 = DEC ? v & 0xFF00FF00u : prmt(v, 0u, 0x3414u);
-        uint32_t b0, b1;
-        if (NODEC) {
-          b0 = f0;
-          b1 = sc[t][0];
-        } else if (SC16) {  // sc word s/2 = {sf(s even) * 2^7, sf(s odd) * 2^7}
-          b0 = (s & 1) ? hmul2_hi(f0, sc[t][s >> 1]) : hmul2_lo(f0, sc[t][s >> 1]);
-          b1 = (s & 1) ? hmul2_hi(f1, sc[t][s >> 1]) : hmul2_lo(f1, sc[t][s >> 1]);
-        } else {
-          // {b, 0, b, 0} << 7: fp16 bits of sf * 2^-8 in both halves; * 2^15 -> sf * 2^7 (exact)
-          const uint32_t sbits = prmt(sc[t][s >> 2], 0u, 0x4040u | ((s & 3) * 0x0101u)) << 7;
-          const uint32_t scale = hmul2(sbits, 0x78007800u);
-          b0 = hmul2(f0, scale);
-          b1 = hmul2(f1, scale);
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) mma16816(acc[mt][t], af[mt], b0, b1);
-      }
-    }
-  }
-}
-
 template <int MT, int NT, int S, int CPS, bool SC16, int DEC, int MODE = 0>
 __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
     const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
