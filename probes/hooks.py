@@ -26,10 +26,6 @@ class HookSet:
 
         self._handles.append(module.register_forward_hook(hook))
 
-    def add(self, handle: Any) -> None:
-        """Remove ``handle`` (of a hook registered directly on a module) with the others."""
-        self._handles.append(handle)
-
     def pre(self, module: Any, fn: Callable[[tuple, dict], None]) -> None:
         """Call ``fn(args, kwargs)`` before ``module`` runs."""
 

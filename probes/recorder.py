@@ -203,15 +203,8 @@ class OpRecorder:
                     # appends to flat lists only: no object per op that the garbage collector tracks (each
                     # one kept until the chunk ends makes the interpreter's full collections more frequent)
                     self._fast.extend((op, lay, rows, off))
-                    q = self._queue.get(qk := lay.qkeys[rows.stats])
-                    if q is None:
-                        q = self._queue[qk] = ([], [])
-                    q[0].append(tensor)
-                    q[1].extend((tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0))
-                    self._qn += 1
-                    self._qb += lay.nbytes
-                    if self._qn >= _QUEUE_OPS or self._qb >= _QUEUE_BYTES:
-                        self._launch()
+                    self._enqueue(tensor, lay.qkeys[rows.stats], (tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0),
+                                  lay.nbytes)
                     return
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
         self.record(op, flat, seq_ids, pos)
@@ -256,8 +249,8 @@ class OpRecorder:
         self._used += need
         if cuda:
             if t.shape[1]:  # an empty row's digest and stats are never read
-                self._enqueue(t, [t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), off, 0], t.numel() * t.element_size(),
-                              rows.stats)
+                self._enqueue(t, (t.dtype, rows.stats), (t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), off, 0),
+                              t.numel() * t.element_size())
         else:
             sel = t if k == t.shape[0] else t[torch.from_numpy(rows.keep)]
             dig, st = self._arena()
@@ -319,11 +312,10 @@ class OpRecorder:
         if seg is not None:
             self._segs.append(seg)
 
-    def _enqueue(self, t: Any, desc: list[int], nbytes: int, stats: bool) -> None:
+    def _enqueue(self, t: Any, key: tuple[Any, bool], desc: tuple[int, ...], nbytes: int) -> None:
         """Queue ``t`` (a reference) with its descriptor row (address, rows, columns, row stride,
-        arena row, column offset: see digest_triton.launch_desc) for the next launch (``stats``
-        False: digests only, for ops whose rows are all kept in digest mode)."""
-        key = (t.dtype, stats)
+        arena row, column offset: see digest_triton.launch_desc) for the next launch of its ``key``
+        (dtype, stats; stats False: digests only, for ops whose rows are all kept in digest mode)."""
         q = self._queue.get(key)
         if q is None:
             q = self._queue[key] = ([], [])
