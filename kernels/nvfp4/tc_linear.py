@@ -175,14 +175,14 @@ def prefill_config(nseg: int, kseg: int) -> dict[str, Any]:
     """Prefill tile config; ``FLAT``: one K loop across the segments (see ``prefill_kernel``; same
     bits either way, ``FLAT=False`` is the old loop per segment, kept for the side-by-side probe)."""
     bk = 64 if kseg % 64 == 0 else (32 if kseg % 32 == 0 else 16)
+    flat = {"FLAT": PREFILL_CFG.get("FLAT", True)}
     if INTERPRET:
-        return {"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1, "FLAT": True,
-                **{key: v for key, v in PREFILL_CFG.items() if key == "FLAT"}}
+        return {"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1, **flat}
     if nseg == 1:
-        cfg = {"BM": 128, "BN": 256, "BK": bk, "num_warps": 8, "num_stages": 3, "GROUP_M": 16, "FLAT": True}
+        cfg = {"BM": 128, "BN": 256, "BK": bk, "num_warps": 8, "num_stages": 3, "GROUP_M": 16}
     else:
-        cfg = {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 4, "GROUP_M": 16, "FLAT": True}
-    return {**cfg, **PREFILL_CFG}
+        cfg = {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 4, "GROUP_M": 16}
+    return {**cfg, **flat, **PREFILL_CFG}
 
 
 def act_operand(a: NVFP4Tensor) -> torch.Tensor:
