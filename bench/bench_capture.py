@@ -122,6 +122,12 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
     orig_close = recmod.OpRecorder.close
 
     def timed_close(self: Any) -> None:
+        # the kernels of the tensors still queued are part of the forward (launched and waited for here;
+        # before 2026-12-01 18:00 the last launch ran inside close(), outside `forward`)
+        if not self._closed:
+            self._launch()
+            if self._stream:
+                self._stream.synchronize()
         t = time.perf_counter()
         orig_close(self)
         closes.append(time.perf_counter() - t)
@@ -131,7 +137,7 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
     from mismatch_probe.probes import digest_triton
 
     orig_launch, orig_record, orig_rows = digest_triton.launch_desc, recmod.OpRecorder.record, recmod.OpRecorder.record_rows
-    orig_qbytes = recmod._QUEUE_BYTES
+    orig_qbytes, orig_programs, orig_batch_launch = recmod._QUEUE_BYTES, digest_triton.PROGRAMS, recmod.OpRecorder.launch
 
     def setup(mode: str, lr: Any = r) -> Any:
         # variants of a mode (MODE@VARIANT), to attribute the cost:
@@ -139,9 +145,13 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
         #   main     the digest kernels on the engine's stream instead of a side stream
         #   nolaunch no digest kernel launched (host work, copies and writing only; rows hold garbage)
         #   hooks    the hooks run but record nothing (hook dispatch only)
-        #   qNg      the queue launches at N GiB instead of 1 GiB (fewer launches, more memory held)
+        #   qNg      the queue launches at N GiB instead of the default (4 GiB; 1 GiB before 18:00 2026-12-01)
+        #   keep     no launch at each new micro-batch (only when the queue is full, and at close)
+        #   pN       the kernel with about N programs per launch, each looping over rows (digest_triton.PROGRAMS)
         base_mode, _, variant = mode.partition("@")
         recmod._QUEUE_BYTES = int(variant[1:-1]) << 30 if variant[:1] == "q" and variant[1:-1].isdigit() else orig_qbytes
+        digest_triton.PROGRAMS = int(variant[1:]) if variant[:1] == "p" and variant[1:].isdigit() else orig_programs
+        recmod.OpRecorder.launch = (lambda self: None) if variant == "keep" else orig_batch_launch
         os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
         os.environ["MISMATCH_PROBE_CAPTURE_STREAM"] = "main" if variant == "main" else "side"
         digest_triton.launch_desc = (lambda *a, **k: None) if variant == "nolaunch" else orig_launch
@@ -221,7 +231,7 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
     finally:
         recmod.OpRecorder.close = orig_close
         digest_triton.launch_desc, recmod.OpRecorder.record, recmod.OpRecorder.record_rows = orig_launch, orig_record, orig_rows
-        recmod._QUEUE_BYTES = orig_qbytes
+        recmod._QUEUE_BYTES, digest_triton.PROGRAMS, recmod.OpRecorder.launch = orig_qbytes, orig_programs, orig_batch_launch
         os.environ.pop("MISMATCH_PROBE_CAPTURE_WRITER", None)
         os.environ.pop("MISMATCH_PROBE_CAPTURE_STREAM", None)
     del model, r
@@ -282,6 +292,13 @@ def cuda_digest_check() -> dict[str, Any]:
         digest_triton.launch([(x, 0, 0)], dig, st)
         dig2 = torch.zeros(257, dtype=torch.int64, device="cuda")
         digest_triton.launch([(x, 0, 0)], dig2, st.clone(), stats=False)  # the digest-only kernel
+        saved, digest_triton.PROGRAMS = digest_triton.PROGRAMS, 7  # programs looping over rows (7 x 2 tensors)
+        dig3 = torch.zeros(257 + 100, dtype=torch.int64, device="cuda")
+        st3 = torch.zeros(257 + 100, 5, dtype=torch.float64, device="cuda")
+        digest_triton.launch([(x, 0, 0), (x[:100], 257, 0)], dig3, st3)
+        dig4 = torch.zeros(257, dtype=torch.int64, device="cuda")
+        digest_triton.launch([(x, 0, 0)], dig4, st3.clone(), stats=False)
+        digest_triton.PROGRAMS = saved
         xc = x.cpu()
         raw = D.word_view(xc).numpy().view(np.uint8).reshape(257, -1)
         ref = D.digest_bytes_ref(raw, xc.element_size())
@@ -290,6 +307,9 @@ def cuda_digest_check() -> dict[str, Any]:
         res[str(dt).removeprefix("torch.")] = {
             "digest_equal": bool(np.array_equal(dig.cpu().numpy().view(np.uint64), ref)),
             "digest_only_equal": bool(np.array_equal(dig2.cpu().numpy().view(np.uint64), ref)),
+            "looping_equal": bool(torch.equal(dig3[:257], dig) and torch.equal(dig3[257:], dig[:100])
+                                  and torch.equal(st3[:257], st) and torch.equal(st3[257:], st[:100])
+                                  and torch.equal(dig4, dig)),
             "stats_close": bool(np.allclose(stc, sref, rtol=1e-12, atol=0)),
             "counts_equal": bool(np.array_equal(stc[:, 2:], sref[:, 2:]))}
     return res

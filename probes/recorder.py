@@ -38,8 +38,14 @@ from mismatch_probe.probes.ops_table import FULL, STATS, _build_table, _dtype_na
 from mismatch_probe.run.schema import DIGEST_KEY
 
 BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, one row group)
-_QUEUE_OPS = 64  # queued tensors (CUDA) before a launch
-_QUEUE_BYTES = 1 << 30
+# CUDA: queued tensors launch when their bytes reach _QUEUE_BYTES (each tensor counted as at least
+# _QUEUE_BYTES // _QUEUE_OPS, so at most _QUEUE_OPS tensors wait), and at each new micro-batch of the HF
+# learner (launch(): after the previous forward's logprobs reached the host, so the kernels overlap the
+# next forward instead of delaying this one's last kernels). Each launch costs host time (descriptor
+# table, stream wait, event: ~0.5 ms on the H200 host); the queue holds at most _QUEUE_BYTES of captured
+# tensors alive beyond their use in the engine (plus the batches in flight, _HELD_MAX).
+_QUEUE_OPS = 1024
+_QUEUE_BYTES = 4 << 30
 # CPU: kept values go to the writer in pieces of this size, so it writes them while the engine runs on
 _CPU_VALUE_BYTES = 64 << 20
 _HELD_MAX = 4  # side-stream batches in flight before the recording thread waits for the oldest
@@ -60,6 +66,7 @@ class _Layout:
     row_stride: int
     nbytes: int
     qkeys: tuple[Any, Any] = ()  # queue keys (dtype, stats) for stats False / True
+    qcost: int = 0  # what it adds to the queue: its bytes, at least _QUEUE_BYTES // _QUEUE_OPS (see _enqueue)
 
 
 # (op, dtype, shape, strides) -> _Layout, shared by all recorders of the process: a recorder's
@@ -85,8 +92,7 @@ class OpRecorder:
         self.value_bytes = 0
         self.writer_peak_rss_mb: float | None = None  # the writer process's (the engine's process reports its own)
         # row sets of the current batch (the seq_ids/pos arrays of _bkey), one per plan rule set
-        self._bkey: tuple[Any, Any] = (None, None)
-        self._brows: dict[tuple[int, ...], _Rows | None] = {}
+        self._set_batch(None, None)
         self._opkey: dict[str, tuple[int, ...]] = {}  # op -> its plan rule set (the key of _brows)
         self._topk_op = "logits" if getattr(self.plan, "topk", 0) else None  # its top-k: never the fast path
         self._window: tuple[np.ndarray, np.ndarray] | None = None  # sorted seq ids, full-row limit each
@@ -123,7 +129,7 @@ class OpRecorder:
         self._error: BaseException | None = None
         # (dtype, stats) -> (tensors, their descriptor rows flattened: 6 ints per tensor)
         self._queue: dict[Any, tuple[list[Any], list[int]]] = {}
-        self._qn = self._qb = 0  # tensors and bytes queued
+        self._qb = 0  # queue cost: bytes queued (see _enqueue)
         self._stream: Any = False  # not decided yet (see _side)
         self._held: collections.deque = collections.deque()
 
@@ -141,7 +147,11 @@ class OpRecorder:
         lens = np.asarray(lengths, np.int64)[order]
         before = np.concatenate([[0], np.cumsum(lens)[:-1]])
         self._window = (ids, np.clip(n - before, 0, lens))
-        self._bkey, self._brows = (None, None), {}
+        self._set_batch(None, None)
+
+    def _set_batch(self, seq: Any, pos: Any) -> None:
+        """The row sets cached for the batch (seq, pos) (by identity) start over."""
+        self._bkey, self._brows, self._bn = (seq, pos), {}, -1 if seq is None else len(seq)
 
     def _in_window(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         if self._window is None:
@@ -154,7 +164,7 @@ class OpRecorder:
         """The rows of ``op`` in the batch (seq, pos): computed once per batch and plan rule set (ops
         of one batch with the same rules share one _Rows, and its device copy)."""
         if seq is not self._bkey[0] or pos is not self._bkey[1]:
-            self._bkey, self._brows = (seq, pos), {}
+            self._set_batch(seq, pos)
         key = self.plan.rule_key(op)
         if key in self._brows:
             return self._brows[key]
@@ -175,27 +185,25 @@ class OpRecorder:
         value per token if 1-D): what the engines' hooks call with ``[batch, time, ...]`` outputs.
 
         On the batched (CUDA) path, an op recorded before (by any recorder of this process) in the
-        same dtype, shape and strides costs one queue append (its segment and descriptor row come
-        from the layout cached at that first call: no torch call but ``data_ptr``, no reshape);
+        same dtype, shape and strides costs appends to three flat lists (its segment and descriptor row
+        come from the layout cached at that first call: no torch call but ``data_ptr``, no reshape);
         a slow host is what limits a small model's forward, so the cost per op call is what
         capture costs there. Rows kept ``full`` and the logits' top-k take the general path."""
-        n = len(seq_ids)
         if self._is_batched:
             lay = _LAYOUTS.get((op, tensor.dtype, tensor.shape, tensor.stride()))
-            if lay is not None and lay.n == n and op != self._topk_op:
+            if lay is not None and op != self._topk_op:
                 # the op's rows in this batch: two dict lookups (its rule set, that set's rows)
                 key = self._opkey.get(op)
                 if key is None:
                     key = self._opkey[op] = self.plan.rule_key(op)
-                if seq_ids is not self._bkey[0] or pos is not self._bkey[1]:
-                    self._bkey, self._brows = (seq_ids, pos), {}
-                rows = self._brows.get(key, _NOROWS)
+                rows = self._brows.get(key, _NOROWS) if seq_ids is self._bkey[0] and pos is self._bkey[1] else _NOROWS
                 if rows is _NOROWS:
                     rows = self._rows(op, seq_ids, pos)
                 if rows is None:
                     return
                 off = self._used
-                if not rows.full.size and off + n <= self.buffer_rows:
+                n = lay.n
+                if not rows.full.size and off + n <= self.buffer_rows and n == self._bn:
                     if op not in self._seen:
                         self._seen.add(op)
                         self.seen_ops.append(op)
@@ -203,18 +211,25 @@ class OpRecorder:
                     # appends to flat lists only: no object per op that the garbage collector tracks (each
                     # one kept until the chunk ends makes the interpreter's full collections more frequent)
                     self._fast.extend((op, lay, rows, off))
-                    self._enqueue(tensor, lay.qkeys[rows.stats], (tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0),
-                                  lay.nbytes)
+                    q = self._queue.get(lay.qkeys[rows.stats]) or self._queue_of(lay.qkeys[rows.stats])
+                    q[0].append(tensor)
+                    q[1].extend((tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0))
+                    self._qb += lay.qcost
+                    if self._qb >= _QUEUE_BYTES:
+                        self._launch()
                     return
+        n = len(seq_ids)
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
         self.record(op, flat, seq_ids, pos)
-        if (self._is_batched and flat.dim() == 2 and flat.shape[1] and flat.stride(1) == 1 and flat.numel()
-                and flat.data_ptr() == tensor.data_ptr()):
+        key = (op, tensor.dtype, tensor.shape, tensor.stride())
+        if (self._is_batched and key not in _LAYOUTS and flat.dim() == 2 and flat.shape[1] and flat.stride(1) == 1
+                and flat.numel() and flat.data_ptr() == tensor.data_ptr()):
             if len(_LAYOUTS) >= _LAYOUTS_MAX:  # many batch widths: start over (bounded memory)
                 _LAYOUTS.clear()
-            _LAYOUTS[(op, tensor.dtype, tensor.shape, tensor.stride())] = _Layout(
+            _LAYOUTS[key] = _Layout(
                 n, _dtype_name(flat.dtype), list(flat.shape[1:]), int(flat.shape[1]), flat.element_size(),
-                int(flat.stride(0)), flat.numel() * flat.element_size(), ((flat.dtype, False), (flat.dtype, True)))
+                int(flat.stride(0)), flat.numel() * flat.element_size(), ((flat.dtype, False), (flat.dtype, True)),
+                max(flat.numel() * flat.element_size(), _QUEUE_BYTES // _QUEUE_OPS))
 
     def record(self, op: str, tensor: Any, seq_ids: Any, pos: Any) -> None:
         """Record ``tensor[i]`` as op ``op`` of token (``seq_ids[i]``, ``pos[i]``); rows whose
@@ -250,7 +265,7 @@ class OpRecorder:
         if cuda:
             if t.shape[1]:  # an empty row's digest and stats are never read
                 self._enqueue(t, (t.dtype, rows.stats), (t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), off, 0),
-                              t.numel() * t.element_size())
+                              max(t.numel() * t.element_size(), _QUEUE_BYTES // _QUEUE_OPS))
         else:
             sel = t if k == t.shape[0] else t[torch.from_numpy(rows.keep)]
             dig, st = self._arena()
@@ -312,18 +327,30 @@ class OpRecorder:
         if seg is not None:
             self._segs.append(seg)
 
-    def _enqueue(self, t: Any, key: tuple[Any, bool], desc: tuple[int, ...], nbytes: int) -> None:
-        """Queue ``t`` (a reference) with its descriptor row (address, rows, columns, row stride,
-        arena row, column offset: see digest_triton.launch_desc) for the next launch of its ``key``
-        (dtype, stats; stats False: digests only, for ops whose rows are all kept in digest mode)."""
+    def _queue_of(self, key: tuple[Any, bool]) -> tuple[list[Any], list[int]]:
+        """The queue of ``key`` (dtype, stats; stats False: digests only, for ops whose rows are all
+        kept in digest mode): (tensors, their descriptor rows flattened). The lists live as long as
+        the recorder (fast-path entries append to them); a launch empties them."""
         q = self._queue.get(key)
         if q is None:
             q = self._queue[key] = ([], [])
+        return q
+
+    def _enqueue(self, t: Any, key: tuple[Any, bool], desc: tuple[int, ...], cost: int) -> None:
+        """Queue ``t`` (a reference) with its descriptor row (address, rows, columns, row stride,
+        arena row, column offset: see digest_triton.launch_desc) for the next launch of its ``key``;
+        ``cost``: its bytes, at least _QUEUE_BYTES // _QUEUE_OPS."""
+        q = self._queue_of(key)
         q[0].append(t)
         q[1].extend(desc)
-        self._qn += 1
-        self._qb += nbytes
-        if self._qn >= _QUEUE_OPS or self._qb >= _QUEUE_BYTES:
+        self._qb += cost
+        if self._qb >= _QUEUE_BYTES:
+            self._launch()
+
+    def launch(self) -> None:
+        """Launch the queued tensors' kernels now (the HF capture calls it when a new micro-batch
+        starts: the previous forward is done, its logprobs on the host)."""
+        if self._is_batched:
             self._launch()
 
     def _side(self) -> Any:
@@ -370,20 +397,23 @@ class OpRecorder:
     def _launch(self) -> None:
         from mismatch_probe.probes import digest_triton
 
-        if not self._queue:
+        if not self._qb:
             return
         refs = []
         with self._after_engine():
             dig, st = self._arena()
             for (_, stats), (ts, flat) in self._queue.items():
+                if not ts:
+                    continue
                 desc = np.array(flat, np.int64).reshape(-1, 6)
                 for i in range(0, len(ts), 512):
                     part = desc[i : i + 512]
                     digest_triton.launch_desc(part, ts[i], int(part[:, 1].max()), dig, st, stats)
-                refs.append(ts)
+                refs.append(ts.copy())
+                ts.clear()
+                flat.clear()
         self._hold_until_done(refs)
-        self._queue.clear()
-        self._qn = self._qb = 0  # tensors and bytes queued
+        self._qb = 0  # queue cost (bytes)
 
     # ---- chunks: device -> host -> Arrow -> sink ---------------------------------------------
     def flush(self) -> None:
@@ -531,7 +561,10 @@ class OpRecorder:
     def abort(self) -> None:
         """Drop everything (the temp file too): nothing half-written stays behind."""
         self._closed = True
-        self._queue.clear()
+        for ts, flat in self._queue.values():
+            ts.clear()
+            flat.clear()
+        self._qb = 0
         if self._thread is not None:
             self._error = self._error or RuntimeError("aborted")
             self._join()

@@ -130,7 +130,10 @@ class HfCapture:
         self._saved: list[tuple[Any, Any]] = []  # (module, its own forward attribute or _MISSING)
 
     def set_batch(self, seq_ids: list[int], lengths: list[int], width: int) -> None:
-        """The next forward holds ``len(seq_ids)`` rows padded to ``width`` tokens."""
+        """The next forward holds ``len(seq_ids)`` rows padded to ``width`` tokens. The previous
+        forward is done (its logprobs are on the host): the recorder launches what it queued, so
+        those kernels overlap this forward rather than the previous one's last kernels."""
+        self.rec.launch()
         seq = np.full((len(seq_ids), width), -1, np.int64)
         for i, (s, n) in enumerate(zip(seq_ids, lengths, strict=True)):
             seq[i, :n] = s
