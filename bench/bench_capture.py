@@ -339,13 +339,18 @@ def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
     dig = torch.empty(len(ts) * tokens, dtype=torch.int64, device="cuda")
     st = torch.empty(len(ts) * tokens, 5, dtype=torch.float64, device="cuda")
     out = []
-    saved = digest_triton.BLOCK, digest_triton.WARPS
-    for block, warps, stats in ((256, 1, True), (256, 1, False), (512, 1, True), (512, 2, True), (1024, 4, True)):
-        digest_triton.BLOCK, digest_triton.WARPS = block, warps
+    saved = digest_triton.BLOCK, digest_triton.WARPS, digest_triton.PROGRAMS
+    # (BLOCK, WARPS, stats, PROGRAMS, tensors per launch): 64 as the queue launched before 2026-12-01 18:00,
+    # 256 about what a 4 GiB queue launches on the 0.6B shape
+    for block, warps, stats, programs, group in (
+            (256, 1, True, 0, 64), (256, 1, False, 0, 64), (256, 1, True, 0, 256), (256, 1, False, 0, 256),
+            (256, 1, True, 1024, 256), (256, 1, False, 1024, 256), (256, 1, True, 4096, 256),
+            (256, 1, False, 4096, 256), (512, 2, True, 0, 64)):
+        digest_triton.BLOCK, digest_triton.WARPS, digest_triton.PROGRAMS = block, warps, programs
 
-        def run(stats: bool = stats) -> None:
-            for a in range(0, len(ts), 64):
-                digest_triton.launch([(t, (a + j) * tokens, 0) for j, t in enumerate(ts[a : a + 64])], dig, st,
+        def run(stats: bool = stats, group: int = group) -> None:
+            for a in range(0, len(ts), group):
+                digest_triton.launch([(t, (a + j) * tokens, 0) for j, t in enumerate(ts[a : a + group])], dig, st,
                                      stats)
 
         run()
@@ -359,10 +364,11 @@ def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
             e1.synchronize()
             times.append(e0.elapsed_time(e1) / 1e3)
         t = statistics.median(times)
-        out.append({"shape": shape, "block": block, "warps": warps, "stats": stats, "elements": n_el, "seconds": t,
+        out.append({"shape": shape, "block": block, "warps": warps, "stats": stats, "programs": programs,
+                    "tensors_per_launch": group, "elements": n_el, "seconds": t,
                     "g_elements_per_s": n_el / t / 1e9, "gb_per_s": 2 * n_el / t / 1e9})
         print(json.dumps(out[-1]), flush=True)
-    digest_triton.BLOCK, digest_triton.WARPS = saved
+    digest_triton.BLOCK, digest_triton.WARPS, digest_triton.PROGRAMS = saved
     return out
 
 
@@ -540,7 +546,7 @@ def main() -> None:
 
                     tot: dict[tuple[int, int], float] = {}
                     for k in res["kernel"]:
-                        if not k["stats"]:
+                        if not k["stats"] or k["programs"] or k["tensors_per_launch"] != 64:
                             continue
                         tot[(k["block"], k["warps"])] = tot.get((k["block"], k["warps"]), 0.0) + k["seconds"]
                     digest_triton.BLOCK, digest_triton.WARPS = min(tot, key=tot.get)

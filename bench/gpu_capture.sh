@@ -24,6 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | 
 python -c "import torch, triton, transformers, pyarrow, os; print(torch.__version__, triton.__version__, transformers.__version__, pyarrow.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/gpu.txt"
 # one process, both shapes (one start, one digest check): 0.6B with the variants and a cProfile of
 # one digest score() after its timed rounds, then 8B (fewer repeats: each capture round writes ~6-8 M rows)
-python "$root/bench/bench_capture.py" --device cuda --shapes qwen3-0.6b,qwen3-8b --repeats "${REPEATS:-5}" \
+# SHAPES= picks the shapes, EXTRA= adds arguments (e.g. --kernel-bench)
+python "$root/bench/bench_capture.py" --device cuda --shapes "${SHAPES:-qwen3-0.6b,qwen3-8b}" --repeats "${REPEATS:-5}" \
   --shape-repeats "qwen3-8b=${REPEATS_8B:-3}" --mbs 3 --modes "${MODES:-off,digest,stats,digest@hooks,digest@nolaunch}" \
-  --variant-shapes qwen3-0.6b --cprofile digest --out "$OUT/h200_capture.json" 2>&1 | tee "$OUT/h200_capture.log"
+  --variant-shapes qwen3-0.6b --cprofile digest ${EXTRA:-} --out "$OUT/h200_capture.json" 2>&1 | tee "$OUT/h200_capture.log"
