@@ -137,7 +137,7 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
     from mismatch_probe.probes import digest_triton
 
     orig_launch, orig_record, orig_rows = digest_triton.launch_desc, recmod.OpRecorder.record, recmod.OpRecorder.record_rows
-    orig_qbytes, orig_programs, orig_batch_launch = recmod._QUEUE_BYTES, digest_triton.PROGRAMS, recmod.OpRecorder.launch
+    orig_qbytes, orig_batch_launch = recmod._QUEUE_BYTES, recmod.OpRecorder.launch
 
     def setup(mode: str, lr: Any = r) -> Any:
         # variants of a mode (MODE@VARIANT), to attribute the cost:
@@ -147,10 +147,8 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
         #   hooks    the hooks run but record nothing (hook dispatch only)
         #   qNg      the queue launches at N GiB instead of the default (4 GiB; 1 GiB before 18:00 2026-12-01)
         #   keep     no launch at each new micro-batch (only when the queue is full, and at close)
-        #   pN       the kernel with about N programs per launch, each looping over rows (digest_triton.PROGRAMS)
         base_mode, _, variant = mode.partition("@")
         recmod._QUEUE_BYTES = int(variant[1:-1]) << 30 if variant[:1] == "q" and variant[1:-1].isdigit() else orig_qbytes
-        digest_triton.PROGRAMS = int(variant[1:]) if variant[:1] == "p" and variant[1:].isdigit() else orig_programs
         recmod.OpRecorder.launch = (lambda self: None) if variant == "keep" else orig_batch_launch
         os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
         os.environ["MISMATCH_PROBE_CAPTURE_STREAM"] = "main" if variant == "main" else "side"
@@ -231,7 +229,7 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
     finally:
         recmod.OpRecorder.close = orig_close
         digest_triton.launch_desc, recmod.OpRecorder.record, recmod.OpRecorder.record_rows = orig_launch, orig_record, orig_rows
-        recmod._QUEUE_BYTES, digest_triton.PROGRAMS, recmod.OpRecorder.launch = orig_qbytes, orig_programs, orig_batch_launch
+        recmod._QUEUE_BYTES, recmod.OpRecorder.launch = orig_qbytes, orig_batch_launch
         os.environ.pop("MISMATCH_PROBE_CAPTURE_WRITER", None)
         os.environ.pop("MISMATCH_PROBE_CAPTURE_STREAM", None)
     del model, r
@@ -292,13 +290,6 @@ def cuda_digest_check() -> dict[str, Any]:
         digest_triton.launch([(x, 0, 0)], dig, st)
         dig2 = torch.zeros(257, dtype=torch.int64, device="cuda")
         digest_triton.launch([(x, 0, 0)], dig2, st.clone(), stats=False)  # the digest-only kernel
-        saved, digest_triton.PROGRAMS = digest_triton.PROGRAMS, 7  # programs looping over rows (7 x 2 tensors)
-        dig3 = torch.zeros(257 + 100, dtype=torch.int64, device="cuda")
-        st3 = torch.zeros(257 + 100, 5, dtype=torch.float64, device="cuda")
-        digest_triton.launch([(x, 0, 0), (x[:100], 257, 0)], dig3, st3)
-        dig4 = torch.zeros(257, dtype=torch.int64, device="cuda")
-        digest_triton.launch([(x, 0, 0)], dig4, st3.clone(), stats=False)
-        digest_triton.PROGRAMS = saved
         xc = x.cpu()
         raw = D.word_view(xc).numpy().view(np.uint8).reshape(257, -1)
         ref = D.digest_bytes_ref(raw, xc.element_size())
@@ -307,9 +298,6 @@ def cuda_digest_check() -> dict[str, Any]:
         res[str(dt).removeprefix("torch.")] = {
             "digest_equal": bool(np.array_equal(dig.cpu().numpy().view(np.uint64), ref)),
             "digest_only_equal": bool(np.array_equal(dig2.cpu().numpy().view(np.uint64), ref)),
-            "looping_equal": bool(torch.equal(dig3[:257], dig) and torch.equal(dig3[257:], dig[:100])
-                                  and torch.equal(st3[:257], st) and torch.equal(st3[257:], st[:100])
-                                  and torch.equal(dig4, dig)),
             "stats_close": bool(np.allclose(stc, sref, rtol=1e-12, atol=0)),
             "counts_equal": bool(np.array_equal(stc[:, 2:], sref[:, 2:]))}
     return res
@@ -339,14 +327,12 @@ def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
     dig = torch.empty(len(ts) * tokens, dtype=torch.int64, device="cuda")
     st = torch.empty(len(ts) * tokens, 5, dtype=torch.float64, device="cuda")
     out = []
-    saved = digest_triton.BLOCK, digest_triton.WARPS, digest_triton.PROGRAMS
-    # (BLOCK, WARPS, stats, PROGRAMS, tensors per launch): 64 as the queue launched before 2026-12-01 18:00,
-    # 256 about what a 4 GiB queue launches on the 0.6B shape
-    for block, warps, stats, programs, group in (
-            (256, 1, True, 0, 64), (256, 1, False, 0, 64), (256, 1, True, 0, 256), (256, 1, False, 0, 256),
-            (256, 1, True, 1024, 256), (256, 1, False, 1024, 256), (256, 1, True, 4096, 256),
-            (256, 1, False, 4096, 256), (512, 2, True, 0, 64)):
-        digest_triton.BLOCK, digest_triton.WARPS, digest_triton.PROGRAMS = block, warps, programs
+    saved = digest_triton.BLOCK, digest_triton.WARPS
+    # (BLOCK, WARPS, stats, tensors per launch): 64 as the queue launched before 2026-12-01 18:00, 256 about
+    # what a 4 GiB queue launches on the 0.6B shape
+    for block, warps, stats, group in ((256, 1, True, 64), (256, 1, False, 64), (256, 1, True, 256),
+                                       (256, 1, False, 256), (512, 2, True, 64)):
+        digest_triton.BLOCK, digest_triton.WARPS = block, warps
 
         def run(stats: bool = stats, group: int = group) -> None:
             for a in range(0, len(ts), group):
@@ -364,11 +350,11 @@ def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
             e1.synchronize()
             times.append(e0.elapsed_time(e1) / 1e3)
         t = statistics.median(times)
-        out.append({"shape": shape, "block": block, "warps": warps, "stats": stats, "programs": programs,
-                    "tensors_per_launch": group, "elements": n_el, "seconds": t,
+        out.append({"shape": shape, "block": block, "warps": warps, "stats": stats, "tensors_per_launch": group,
+                    "elements": n_el, "seconds": t,
                     "g_elements_per_s": n_el / t / 1e9, "gb_per_s": 2 * n_el / t / 1e9})
         print(json.dumps(out[-1]), flush=True)
-    digest_triton.BLOCK, digest_triton.WARPS, digest_triton.PROGRAMS = saved
+    digest_triton.BLOCK, digest_triton.WARPS = saved
     return out
 
 
@@ -546,7 +532,7 @@ def main() -> None:
 
                     tot: dict[tuple[int, int], float] = {}
                     for k in res["kernel"]:
-                        if not k["stats"] or k["programs"] or k["tensors_per_launch"] != 64:
+                        if not k["stats"] or k["tensors_per_launch"] != 64:
                             continue
                         tot[(k["block"], k["warps"])] = tot.get((k["block"], k["warps"]), 0.0) + k["seconds"]
                     digest_triton.BLOCK, digest_triton.WARPS = min(tot, key=tot.get)

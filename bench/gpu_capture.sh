@@ -6,8 +6,8 @@
 #      see bench_capture.py time_modes) and a cProfile of one digest score(),
 #   3. the Qwen3-8B-shaped forwards (3 repeats).
 # The 15:40 round also ran --kernel-bench (the kernel alone) and full-window; add them with MODES= / by hand.
-# Next (not run yet): the launch count per forward, MODES=off,digest,stats,digest@q2g,digest@q4g,stats@q2g
-#   (the queue launching at 2 / 4 GiB instead of 1 GiB; see BENCHMARKS.md, host-path round 2).
+# 18:10 round (fewer launches): SHAPES=qwen3-0.6b MODES=off,digest,stats,digest@keep,... EXTRA=--kernel-bench;
+#   final round: MODES=off,digest,stats REPEATS=9 (both shapes). See BENCHMARKS.md, "launches round".
 # Raw JSON and logs go to $OUT. Round 1 of 2026-12-01 (the kernel alone per block/warps, writer process vs
 # thread, profiler table) was: bench_capture.py --device cuda --shapes qwen3-0.6b,qwen3-8b --repeats 3 --mbs 3
 #   --modes off,digest,stats,full-window,digest@thread,stats@thread --kernel-bench --kernel-auto --profile

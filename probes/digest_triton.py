@@ -31,9 +31,6 @@ else:
 # elements per program per step, warps per program (one row per program)
 BLOCK: int = settings.get("MISMATCH_PROBE_DIGEST_BLOCK")  # module constants: benches set them directly
 WARPS: int = settings.get("MISMATCH_PROBE_DIGEST_WARPS")
-# programs per launch: 0 = one per row; N > 0: about N, each looping over rows of its tensor (a kernel
-# that leaves SM slots to the engine's kernels beside it on the GPU; the same rows, bit for bit)
-PROGRAMS: int = 0
 
 _ITORCH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # KIND: 0 bf16, 1 fp16, 2 fp32, 3 fp64, 4 signed int, 5 unsigned byte (uint8, bool)
@@ -158,16 +155,30 @@ def _abs_max(a, KIND: tl.constexpr):
 
 
 @_jit
-def _one_row(x_ptr, row, start, n_cols, stride, out, coff, dig_ptr, st_ptr, KIND: tl.constexpr, BLOCK: tl.constexpr,
-             STATS: tl.constexpr):
-    base = x_ptr + (start + row * stride)
-    lane = tl.arange(0, BLOCK)
-    lane_key = lane.to(tl.uint64) * 0x9E3779B97F4A7C15  # key of column c0 + j = (c0 + coff + 1) * G + j * G
-    # floats: first the pass that assumes every element finite (fewer instructions per element)
-    acc, s, ss, am, nn, ni = _row(base, n_cols, coff, lane, lane_key, KIND=KIND, BLOCK=BLOCK, STATS=STATS,
-                                  FINITE=True)
-    tl.store(dig_ptr + out, _rsum(acc).to(tl.int64, bitcast=True))
-    if STATS:
+def _rows_kernel(x_ptr, desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                 STATS: tl.constexpr):
+    row = tl.program_id(0)
+    d = desc_ptr + tl.program_id(1) * 6
+    n_rows = tl.load(d + 1)
+    if row < n_rows:
+        start = tl.load(d)  # elements from x_ptr (an integer-typed view of the first tensor)
+        n_cols = tl.load(d + 2)
+        stride = tl.load(d + 3)
+        out = tl.load(d + 4) + row
+        coff = tl.load(d + 5)
+        if VEC > 1:  # every start, row stride and row width is a multiple of 16 bytes: vector loads
+            start = tl.multiple_of(start, VEC)
+            stride = tl.multiple_of(stride, VEC)
+            n_cols = tl.multiple_of(n_cols, VEC)
+        base = x_ptr + (start + row * stride)
+        lane = tl.arange(0, BLOCK)
+        lane_key = lane.to(tl.uint64) * 0x9E3779B97F4A7C15  # key of column c0 + j = (c0 + coff + 1) * G + j * G
+        # floats: first the pass that assumes every element finite (fewer instructions per element)
+        acc, s, ss, am, nn, ni = _row(base, n_cols, coff, lane, lane_key, KIND=KIND, BLOCK=BLOCK, STATS=STATS,
+                                      FINITE=True)
+        tl.store(dig_ptr + out, _rsum(acc).to(tl.int64, bitcast=True))
+        if not STATS:
+            return
         amax = _abs_max(_rmax(am), KIND)
         if KIND <= 3:
             if not (amax < float("inf")):  # a NaN or an Inf in the row (rare): its stats again, counted
@@ -180,32 +191,6 @@ def _one_row(x_ptr, row, start, n_cols, stride, out, coff, dig_ptr, st_ptr, KIND
         tl.store(st + 2, amax)
         tl.store(st + 3, _rsum(nn).to(tl.float64))
         tl.store(st + 4, _rsum(ni).to(tl.float64))
-
-
-@_jit
-def _rows_kernel(x_ptr, desc_ptr, dig_ptr, st_ptr, KIND: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                 STATS: tl.constexpr, LOOP: tl.constexpr):
-    """Program (i, j): rows i, i + P, i + 2P, ... of tensor j (P = the grid's first dimension; LOOP
-    False: P covers every row, one row per program)."""
-    row = tl.program_id(0)
-    d = desc_ptr + tl.program_id(1) * 6
-    n_rows = tl.load(d + 1)
-    start = tl.load(d)  # elements from x_ptr (an integer-typed view of the first tensor)
-    n_cols = tl.load(d + 2)
-    stride = tl.load(d + 3)
-    out0 = tl.load(d + 4)
-    coff = tl.load(d + 5)
-    if VEC > 1:  # every start, row stride and row width is a multiple of 16 bytes: vector loads
-        start = tl.multiple_of(start, VEC)
-        stride = tl.multiple_of(stride, VEC)
-        n_cols = tl.multiple_of(n_cols, VEC)
-    if LOOP:
-        for r in range(row, n_rows, tl.num_programs(0)):
-            _one_row(x_ptr, r, start, n_cols, stride, out0 + r, coff, dig_ptr, st_ptr, KIND=KIND, BLOCK=BLOCK,
-                     STATS=STATS)
-    elif row < n_rows:
-        _one_row(x_ptr, row, start, n_cols, stride, out0 + row, coff, dig_ptr, st_ptr, KIND=KIND, BLOCK=BLOCK,
-                 STATS=STATS)
 
 
 def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any, stats: bool = True) -> None:
@@ -229,9 +214,8 @@ def launch_desc(desc: Any, x: Any, max_rows: int, dig: Any, st: Any, stats: bool
     vec = 16 // size
     aligned = base % 16 == 0 and not ((d[:, [0, 2, 3]] * size) % 16).any()
     xi = x.view(torch.uint8).view(torch.int8) if x.dtype == torch.bool else x.view(_ITORCH[size])
-    per = max_rows if PROGRAMS <= 0 else max(1, min(max_rows, -(-PROGRAMS // len(d))))
-    grid = (per, len(d))
-    args = dict(KIND=_KIND[x.dtype], BLOCK=BLOCK, VEC=vec if aligned else 1, STATS=bool(stats), LOOP=per < max_rows)
+    grid = (max_rows, len(desc))
+    args = dict(KIND=_KIND[x.dtype], BLOCK=BLOCK, VEC=vec if aligned else 1, STATS=bool(stats))
     if INTERPRET:
         _rows_kernel[grid](xi, torch.from_numpy(d), dig, st, **args)
     else:

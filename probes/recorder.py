@@ -4,7 +4,8 @@ top-k of ``logits`` rows.
 
 Cost model (what keeps capture cheap at scale):
 
-- CUDA: each captured tensor is queued (a reference, no copy; at most 64 tensors or 1 GiB);
+- CUDA: each captured tensor is queued (a reference, no copy; up to 4 GiB or 1,024 tensors, and
+  launched at each new micro-batch of the HF learner: see _QUEUE_BYTES);
   queued tensors of one dtype are digested and reduced by ONE Triton launch (``digest_triton``)
   into a device arena of ``buffer_rows`` rows. When the arena fills, or the run ends, it is
   copied to pinned host memory with one asynchronous copy; a writer thread waits for that copy's

@@ -85,28 +85,6 @@ def test_digest_bitwise_equal_numpy_torch_numba_triton(dtype):
     assert _ref(y)[4] != ref[4] and np.array_equal(_ref(y)[:4], ref[:4])
 
 
-def test_triton_programs_looping_over_rows_write_the_same_rows(monkeypatch):
-    """digest_triton.PROGRAMS > 0 (a grid smaller than the rows: each program loops over rows of its
-    tensor) writes the same digests and stats as one program per row, NaN/Inf rows and the digest-only
-    kernel included, for tensors of different row counts in one launch."""
-    from mismatch_probe.probes import digest_triton
-
-    x = _rand(torch.bfloat16, 11, 300, seed=4)
-    x[3, 5], x[7, 0] = float("nan"), float("inf")
-    items = [(x, 0, 0), (x[:5], 11, 0), (x[2:9, 40:], 16, 40)]
-    outs = []
-    for programs in (0, 4, 1):
-        monkeypatch.setattr(digest_triton, "PROGRAMS", programs)
-        for stats in (True, False):
-            dig, st = torch.zeros(23, dtype=torch.int64), torch.full((23, 5), -1.0, dtype=torch.float64)
-            digest_triton.launch(items, dig, st, stats=stats)
-            outs.append((dig, st))
-    assert np.array_equal(outs[0][0][:11].numpy().view(np.uint64), _ref(x))
-    for i, (dig, st) in enumerate(outs):  # [programs 0, 4, 1] x [stats, digest only]
-        assert torch.equal(dig, outs[0][0]) and torch.equal(st, outs[i % 2][1])
-    assert (outs[1][1] == -1).all() and (outs[0][1][:, 0] != -1).all()
-
-
 def test_digest_and_stats_merge_across_tensor_parallel_slices_and_ranks():
     # values whose float64 sums are exact, so merged == whole holds bit for bit
     g = torch.Generator().manual_seed(3)
