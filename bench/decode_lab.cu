@@ -33,6 +33,7 @@ struct Bufs {
   uint8_t* ws[NW];
   uint8_t* ws16[NW];  // fp16 sf * 2^7 per block, same order
   __half* a;
+  __half* acm;  // the same tokens, chunk-major ([4 blocks][K/128][16][136], TOKC kernels)
   float *a_amax, *w_amax, *part;
   uint16_t* out;
 };
@@ -68,15 +69,28 @@ static LaunchFn old_kernel(Bufs& b, int nseg = 1) {
   };
 }
 
-template <int MT, int NT, int S, int CPS, bool SC16, int DEC, int MODE>
+template <int MT, int NT, int S, int CPS, bool SC16, int DEC, int MODE, int TOKC = 0, bool PIPE = false>
 static LaunchFn bulk_kernel(Bufs& b, int nseg = 1) {
-  const int smem = S * (CPS * (W_BYTES + (SC16 ? 2 : 1) * S_BYTES) + MT * 16 * (KC * CPS + 8) * 2) + 16 * S;
-  auto kern = decode_bulk_kernel<MT, NT, S, CPS, SC16, DEC, MODE>;
+  const int abytes = TOKC ? MT * CPS * TCH : MT * 16 * (KC * CPS + 8) * 2;
+  const int smem = S * (CPS * (W_BYTES + (SC16 ? 2 : 1) * S_BYTES) + abytes) + 16 * S;
+  auto kern = decode_bulk_kernel<MT, NT, S, CPS, SC16, DEC, MODE, TOKC, PIPE>;
   smem_attr(kern, smem);
   return [=](cudaStream_t s, int m, int w) {
-    dim3 grid(N / 64, (m + 16 * MT - 1) / (16 * MT), nseg);
-    kern<<<grid, 256 / NT + 32, smem, s>>>(b.wq[w], SC16 ? b.ws16[w] : b.ws[w], b.w_amax, 1, b.a, b.a_amax, b.out,
-                                          b.part, m, N, K, nseg);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(N / 64, (m + 16 * MT - 1) / (16 * MT), nseg);
+    cfg.blockDim = dim3(256 / NT + 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = TOKC >= 2 ? TOKC : 1;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, kern, (const uint8_t*)b.wq[w], (const uint8_t*)(SC16 ? b.ws16[w] : b.ws[w]),
+                          (const float*)b.w_amax, 1, (const __half*)(TOKC ? b.acm : b.a), (const float*)b.a_amax,
+                          b.out, b.part, m, N, K, nseg));
   };
 }
 
@@ -179,6 +193,14 @@ int main(int argc, char** argv) {
   for (int i = 0; i < N; ++i) hwa[i] = 0.5f + (i % 13) * 0.25f;
   CK(cudaMalloc(&b.a, ha.size() * 2));
   CK(cudaMemcpy(b.a, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice));
+  {  // chunk-major copy: [4][K/128][16][136] fp16, padding halves zero
+    std::vector<__half> hc((size_t)4 * (K / 128) * 16 * 136, __float2half_rn(0.0f));
+    for (int r = 0; r < 64; ++r)
+      for (int k = 0; k < K; ++k)
+        hc[(((size_t)(r / 16) * (K / 128) + k / 128) * 16 + r % 16) * 136 + k % 128] = ha[(size_t)r * K + k];
+    CK(cudaMalloc(&b.acm, hc.size() * 2));
+    CK(cudaMemcpy(b.acm, hc.data(), hc.size() * 2, cudaMemcpyHostToDevice));
+  }
   CK(cudaMalloc(&b.a_amax, 64 * 4));
   CK(cudaMemcpy(b.a_amax, haa.data(), 64 * 4, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&b.w_amax, N * 4));
@@ -203,6 +225,9 @@ int main(int argc, char** argv) {
   vs.push_back({"bulk NT2 S6 CPS2 SC16 shift (v8)", 1, bulk_kernel<1, 2, 6, 2, true, 1, 0>(b), false});
   vs.push_back({"bulk NT2 S6 CPS2 bytes shift (v9)", 1, bulk_kernel<1, 2, 6, 2, false, 1, 0>(b), false});
   vs.push_back({"bulk NT1 S6 CPS2 SC16 shift", 1, bulk_kernel<1, 1, 6, 2, true, 1, 0>(b), false});
+  vs.push_back({"v7 TOK1 (chunk-major, 1 bulk)", 1, bulk_kernel<1, 2, 6, 2, true, 0, 0, 1>(b), false});
+  vs.push_back({"v7 TOK1 PIPE", 1, bulk_kernel<1, 2, 6, 2, true, 0, 0, 1, true>(b), false});
+  vs.push_back({"v7 TOK1 PIPE S4 CPS4", 1, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, true>(b), false});
   vs.push_back({"NODECODE bulk NT2 S6 CPS2 SC16", 1, bulk_kernel<1, 2, 6, 2, true, 0, 2>(b), true});
   vs.push_back({"STREAM bulk NT2 S6 CPS2 SC16", 1, bulk_kernel<1, 2, 6, 2, true, 0, 1>(b), true});
   vs.push_back({"cp.async 6x2 (ref) (v0)", 16, old_kernel<1, 6, 2, 2, false>(b), false});
@@ -212,6 +237,20 @@ int main(int argc, char** argv) {
   vs.push_back({"bulk NT2 S6 CPS2 bytes shift (v9)", 16, bulk_kernel<1, 2, 6, 2, false, 1, 0>(b), false});
   vs.push_back({"bulk NT1 S6 CPS2 SC16 prmt (v10)", 16, bulk_kernel<1, 1, 6, 2, true, 0, 0>(b), false});
   vs.push_back({"bulk NT1 S6 CPS2 SC16 shift (v11)", 16, bulk_kernel<1, 1, 6, 2, true, 1, 0>(b), false});
+  vs.push_back({"v7 TOK1 (chunk-major, 1 bulk)", 16, bulk_kernel<1, 2, 6, 2, true, 0, 0, 1>(b), false});
+  vs.push_back({"v7 TOK1 S4 CPS4", 16, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1>(b), false});
+  vs.push_back({"v8 TOK1 (shift)", 16, bulk_kernel<1, 2, 6, 2, true, 1, 0, 1>(b), false});
+  vs.push_back({"v10 TOK1 (NT1)", 16, bulk_kernel<1, 1, 6, 2, true, 0, 0, 1>(b), false});
+  vs.push_back({"v7 TOK1 PIPE", 16, bulk_kernel<1, 2, 6, 2, true, 0, 0, 1, true>(b), false});
+  vs.push_back({"v8 TOK1 PIPE (shift)", 16, bulk_kernel<1, 2, 6, 2, true, 1, 0, 1, true>(b), false});
+  vs.push_back({"v7 TOK1 PIPE S8", 16, bulk_kernel<1, 2, 8, 2, true, 0, 0, 1, true>(b), false});
+  vs.push_back({"v7 TOK1 PIPE S4 CPS4", 16, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, true>(b), false});
+  vs.push_back({"v8 TOK1 PIPE S4 CPS4", 16, bulk_kernel<1, 2, 4, 4, true, 1, 0, 1, true>(b), false});
+  vs.push_back({"v10 TOK1 PIPE (NT1)", 16, bulk_kernel<1, 1, 6, 2, true, 0, 0, 1, true>(b), false});
+  vs.push_back({"v6 TOK1 PIPE (bytes)", 16, bulk_kernel<1, 2, 6, 2, false, 0, 0, 1, true>(b), false});
+  vs.push_back({"COMPUTE-ONLY v7 PIPE", 16, bulk_kernel<1, 2, 6, 2, true, 0, 3, 1, true>(b), true});
+  vs.push_back({"COMPUTE-ONLY v7 PIPE NT1", 16, bulk_kernel<1, 1, 6, 2, true, 0, 3, 1, true>(b), true});
+  vs.push_back({"STREAM TOK1", 16, bulk_kernel<1, 2, 6, 2, true, 0, 1, 1>(b), true});
   vs.push_back({"bulk NT2 S8 CPS2 SC16 shift", 16, bulk_kernel<1, 2, 8, 2, true, 1, 0>(b), false});
   vs.push_back({"bulk NT2 S4 CPS4 SC16 shift", 16, bulk_kernel<1, 2, 4, 4, true, 1, 0>(b), false});
   vs.push_back({"NODECODE bulk NT2 S6 CPS2 SC16", 16, bulk_kernel<1, 2, 6, 2, true, 0, 2>(b), true});
@@ -226,11 +265,15 @@ int main(int argc, char** argv) {
   vs.push_back({"cp.async MT2 6x2 (ref)", 32, old_kernel<2, 6, 2, 2, false>(b), false});
   vs.push_back({"bulk MT2 NT2 S6 CPS2 bytes prmt", 32, bulk_kernel<2, 2, 6, 2, false, 0, 0>(b), false});
   vs.push_back({"bulk MT2 NT2 S6 CPS2 SC16 shift", 32, bulk_kernel<2, 2, 6, 2, true, 1, 0>(b), false});
+  vs.push_back({"MT2 v7 TOK1 PIPE", 32, bulk_kernel<2, 2, 6, 2, true, 0, 0, 1, true>(b), false});
   vs.push_back({"cp.async MT4 4x2 (ref)", 64, old_kernel<4, 4, 2, 2, false>(b), false});
   vs.push_back({"bulk MT4 NT2 S4 CPS2 bytes prmt", 64, bulk_kernel<4, 2, 4, 2, false, 0, 0>(b), false});
   vs.push_back({"bulk MT4 NT2 S4 CPS2 SC16 prmt", 64, bulk_kernel<4, 2, 4, 2, true, 0, 0>(b), false});
   vs.push_back({"bulk MT4 NT2 S4 CPS2 SC16 shift", 64, bulk_kernel<4, 2, 4, 2, true, 1, 0>(b), false});
   vs.push_back({"bulk MT4 NT1 S4 CPS2 SC16 shift", 64, bulk_kernel<4, 1, 4, 2, true, 1, 0>(b), false});
+  vs.push_back({"MT4 v7 TOK1", 64, bulk_kernel<4, 2, 4, 2, true, 0, 0, 1>(b), false});
+  vs.push_back({"MT4 v7 TOK1 PIPE", 64, bulk_kernel<4, 2, 4, 2, true, 0, 0, 1, true>(b), false});
+  vs.push_back({"MT4 v7 TOK1 PIPE NT1", 64, bulk_kernel<4, 1, 4, 2, true, 0, 0, 1, true>(b), false});
   vs.push_back({"COMPUTE-ONLY bulk MT4 NT2 SC16 prmt", 64, bulk_kernel<4, 2, 4, 2, true, 0, 3>(b), true});
 
   {  // K segments (nseg 4): fp32 partials of every bulk variant == the cp.async kernel's, M = 5 and 40

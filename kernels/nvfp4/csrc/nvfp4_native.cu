@@ -94,10 +94,32 @@ __device__ __forceinline__ uint32_t hmul2_hi(uint32_t a, uint32_t s) {  // a * {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// the B fragment (b0, b1) of one 8-row weight tile at k16 step s (0-7) of a 128-wide chunk, from the
+// step's code half v (code_halves of the tile's word s / 2) and the tile's scale words sc
+template <bool SC16, int DEC, bool NODEC>
+__device__ __forceinline__ void frag_b(uint32_t v, const uint32_t (&sc)[4], int s, uint32_t& b0, uint32_t& b1) {
+  // fp16 pairs E2M1 * 2^-14 {k = 2q, 2q+1} (bytes 0, 2) and {k = 2q+8, 2q+9} (bytes 1, 3)
+  const uint32_t f0 = DEC ? (v << 8) & 0xFF00FF00u : prmt(v, 0u, 0x2404u);
+  const uint32_t f1 = DEC ? v & 0xFF00FF00u : prmt(v, 0u, 0x3414u);
+  if (NODEC) {
+    b0 = f0;
+    b1 = sc[0];
+  } else if (SC16) {  // sc word s/2 = {sf(s even) * 2^7, sf(s odd) * 2^7}
+    b0 = (s & 1) ? hmul2_hi(f0, sc[s >> 1]) : hmul2_lo(f0, sc[s >> 1]);
+    b1 = (s & 1) ? hmul2_hi(f1, sc[s >> 1]) : hmul2_lo(f1, sc[s >> 1]);
+  } else {
+    // {b, 0, b, 0} << 7: fp16 bits of sf * 2^-8 in both halves; * 2^15 -> sf * 2^7 (exact)
+    const uint32_t sbits = prmt(sc[s >> 2], 0u, 0x4040u | ((s & 3) * 0x0101u)) << 7;
+    const uint32_t scale = hmul2(sbits, 0x78007800u);
+    b0 = hmul2(f0, scale);
+    b1 = hmul2(f1, scale);
+  }
+}
+
 // one 128-wide K chunk, shared by both decode kernels: NT weight tiles (code words wv; scale words sc:
-// 2 of E4M3 bytes, or 4 of fp16 pairs with SC16) x MT token tiles (ldmatrix.x4 from a_base, row stride
-// AROW; HALF: M <= 8, ldmatrix.x2, rows 8-15 of the MMA's A operand are zero registers)
-template <int MT, int NT, int AROW, bool SC16, int DEC, bool NODEC, bool HALF = false>
+// 2 of E4M3 bytes, or 4 of fp16 pairs with SC16) x MT token tiles (ldmatrix.x4 from a_base, MTS bytes
+// between token tiles; HALF: M <= 8, ldmatrix.x2, rows 8-15 of the MMA's A operand are zero registers)
+template <int MT, int NT, int MTS, bool SC16, int DEC, bool NODEC, bool HALF = false>
 __device__ __forceinline__ void bulk_chunk(float (&acc)[MT][NT][4], const uint32_t (&wv)[NT][4],
                                            const uint32_t (&sc)[NT][4], uint32_t a_base) {
 #pragma unroll
@@ -116,29 +138,13 @@ __device__ __forceinline__ void bulk_chunk(float (&acc)[MT][NT][4], const uint32
           af[mt][1] = 0u;
           af[mt][3] = 0u;
         } else {
-          ldmatrix_x4(af[mt], a_base + mt * 16 * AROW + s * 32);
+          ldmatrix_x4(af[mt], a_base + mt * MTS + s * 32);
         }
       }
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        const uint32_t v = h ? vb[t] : va[t];
-        // fp16 pairs E2M1 * 2^-14 {k = 2q, 2q+1} (bytes 0, 2) and {k = 2q+8, 2q+9} (bytes 1, 3)
-        const uint32_t f0 = DEC ? (v << 8) & 0xFF00FF00u : prmt(v, 0u, 0x2404u);
-        const uint32_t f1 = DEC ? v & 0xFF00FF00u : prmt(v, 0u, 0x3414u);
         uint32_t b0, b1;
-        if (NODEC) {
-          b0 = f0;
-          b1 = sc[t][0];
-        } else if (SC16) {  // sc word s/2 = {sf(s even) * 2^7, sf(s odd) * 2^7}
-          b0 = (s & 1) ? hmul2_hi(f0, sc[t][s >> 1]) : hmul2_lo(f0, sc[t][s >> 1]);
-          b1 = (s & 1) ? hmul2_hi(f1, sc[t][s >> 1]) : hmul2_lo(f1, sc[t][s >> 1]);
-        } else {
-          // {b, 0, b, 0} << 7: fp16 bits of sf * 2^-8 in both halves; * 2^15 -> sf * 2^7 (exact)
-          const uint32_t sbits = prmt(sc[t][s >> 2], 0u, 0x4040u | ((s & 3) * 0x0101u)) << 7;
-          const uint32_t scale = hmul2(sbits, 0x78007800u);
-          b0 = hmul2(f0, scale);
-          b1 = hmul2(f1, scale);
-        }
+        frag_b<SC16, DEC, NODEC>(h ? vb[t] : va[t], sc[t], s, b0, b1);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) mma16816(acc[mt][t], af[mt], b0, b1);
       }
@@ -271,7 +277,7 @@ __global__ void __launch_bounds__(256 / NT, 1) decode_gemm_kernel(
         const uint2 v = *reinterpret_cast<const uint2*>(st + CPS * W_BYTES + j * S_BYTES + tile * 64 + g * 8);
         sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = sc[t][3] = 0u;
       }
-      bulk_chunk<MT, NT, AROW, false, 0, false, HALF>(acc, wv, sc, smem_u32(st + A_OFF) + a_lane + j * (KC * 2));
+      bulk_chunk<MT, NT, 16 * AROW, false, 0, false, HALF>(acc, wv, sc, smem_u32(st + A_OFF) + a_lane + j * (KC * 2));
     }
   }
   cp_wait<0>();
@@ -315,11 +321,136 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-template <int MT, int NT, int S, int CPS, bool SC16, int DEC, int MODE = 0>
+// the same bytes into the same shared-memory offset of every CTA in ``mask`` (of the cluster), each
+// completing on its own mbarrier at offset ``bar``
+__device__ __forceinline__ void bulk_g2s_mc(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint16_t mask) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, uint32_t rank) {  // the barrier at this offset in CTA rank
+  asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}" ::"r"(bar), "r"(rank) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// Token operand in the chunk-major layout (TOKC >= 1): [ceil(M/16) blocks][K/128 chunks][16 rows][136]
+// fp16 (rows padded by 8 halves: 272 B, 16 mod 128, conflict-free ldmatrix), so one stage's token tile
+// of a 16-row block is one contiguous copy of CPS * 4352 bytes; rows >= M of the last block are zero.
+constexpr int TROW = (KC + 8) * 2;  // bytes per token row of a chunk
+constexpr int TCH = 16 * TROW;      // bytes per (16-row block, chunk)
+
+// The consumer loop of decode_bulk_kernel with the chunk-major token tile (TOKC == 1), software-
+// pipelined across steps, chunks and stages: the A fragments (ldmatrix) LA = 2 k16 steps ahead, the B
+// fragments decoded one step ahead, the next chunk's weight words loaded 3-4 steps before use (the
+// next stage's after waiting on its "full" barrier 4 steps before the stage ends), so that the MMA of
+// step u issues first and waits only on its own accumulator chain. Same operands, same MMAs in the
+// same order per accumulator: the same bits as bulk_chunk. MODE 3 (bench): no waits, stage 0 only.
+template <int MT, int NT, int S, int CPS, bool SC16, int DEC, int MODE, int STAGE, int A_OFF, int SB>
+__device__ __forceinline__ void consume_pipe(float (&acc)[MT][NT][4], uint8_t* smem, uint32_t full0, uint32_t empty0,
+                                             int steps, int warp, int lane) {
+  constexpr int U = CPS * 8;  // k16 steps per stage
+  constexpr int LA = 2;       // A-fragment lookahead (steps)
+  constexpr int WPRE = U - 4; // step of a stage at which the next stage is waited on and its first words loaded
+  static_assert(CPS >= 1 && U % 4 == 0, "ring of 4 A fragments over whole stages");
+  const int g = lane >> 2;
+  const uint32_t a_lane = smem_u32(smem) + A_OFF + (lane & 15) * TROW + (lane >> 4) * 16;
+  auto lda = [&](uint32_t (&af)[MT][4], int slot, int u) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a_lane + slot * STAGE + mt * CPS * TCH + (u / 8) * TCH + (u % 8) * 32);
+  };
+  auto ldw = [&](uint32_t (&wv)[NT][4], uint32_t (&sc)[NT][4], int slot, int j) {
+    const uint8_t* st = smem + slot * STAGE;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int tile = warp * NT + t;
+      const uint4 w = *reinterpret_cast<const uint4*>(st + j * W_BYTES + (tile * 32 + lane) * 16);
+      wv[t][0] = w.x; wv[t][1] = w.y; wv[t][2] = w.z; wv[t][3] = w.w;
+      const uint8_t* sp = st + CPS * W_BYTES + j * SB + (tile * 8 + g) * (SB / 64);
+      if (SC16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(sp);
+        sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = v.z; sc[t][3] = v.w;
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(sp);
+        sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = sc[t][3] = 0u;
+      }
+    }
+  };
+  auto decb = [&](uint32_t (&b)[NT][2], const uint32_t (&wv)[NT][4], const uint32_t (&sc)[NT][4], int s) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      uint32_t lo, hi;
+      code_halves(wv[t][s >> 1], lo, hi);
+      frag_b<SC16, DEC, false>((s & 1) ? hi : lo, sc[t], s, b[t][0], b[t][1]);
+    }
+  };
+  uint32_t af[4][MT][4], bf[2][NT][2], wc[NT][4], scc[NT][4], wn[NT][4], scn[NT][4];
+  if (MODE < 3) mbar_wait(full0, 0);
+  lda(af[0], 0, 0);
+  lda(af[1], 0, 1);
+  ldw(wc, scc, 0, 0);
+  decb(bf[0], wc, scc, 0);
+  for (int i = 0; i < steps; ++i) {
+    const int slot = MODE >= 3 ? 0 : i % S;
+    const int ns = MODE >= 3 ? 0 : (i + 1) % S;
+    const bool more = i + 1 < steps;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      // the MMAs of step u first: their operands are in registers already
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma16816(acc[mt][t], af[u % 4][mt], bf[u % 2][t][0], bf[u % 2][t][1]);
+      // then the loads and the decode for later steps
+      if (u == WPRE && more) {
+        if (MODE < 3) mbar_wait(full0 + 8 * ns, ((i + 1) / S) & 1);
+        ldw(wn, scn, ns, 0);
+      }
+      if (CPS > 1 && u % 8 == 4 && u / 8 + 1 < CPS) ldw(wn, scn, slot, u / 8 + 1);
+      if (u + LA < U) {
+        lda(af[(u + LA) % 4], slot, u + LA);
+      } else if (more) {
+        lda(af[(u + LA) % 4], ns, u + LA - U);
+      }
+      if (u == U - 1 - LA + 1 && MODE < 3) {  // every read of this stage issued (the last A fragment at U-1-LA)
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * slot);
+      }
+      if (u % 8 == 7) {  // next chunk (of this stage or the next one): its words become current
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            wc[t][w] = wn[t][w];
+            scc[t][w] = scn[t][w];
+          }
+      }
+      if (u + 1 < U || more) decb(bf[(u + 1) % 2], wc, scc, (u + 1) % 8);
+    }
+  }
+}
+
+template <int MT, int NT, int S, int CPS, bool SC16, int DEC, int MODE = 0, int TOKC = 0, bool PIPE = false>
 __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
     const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
     const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
     float* __restrict__ part, int M, int N, int K, int nseg) {
+  // TOKC 0: token rows [M, K] by per-lane cp.async; 1: chunk-major tokens, one bulk copy per 16-row
+  // block and stage; >= 2: the same tile multicast over a cluster of TOKC CTAs (consecutive weight
+  // blocks, same tokens), each CTA copying 1/TOKC of it; a slot is refilled once the consumers of
+  // every CTA in the cluster released it (remote arrives on each CTA's "empty" barrier).
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int CW = 256 / NT / 32;  // consumer warps
   constexpr int KS = KC * CPS;
@@ -327,8 +458,10 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
   constexpr int ROWS = MT * 16;
   constexpr int SB = SC16 ? 2 * S_BYTES : S_BYTES;  // scale bytes per chunk
   constexpr int A_OFF = CPS * (W_BYTES + SB);
-  constexpr int STAGE = A_OFF + ROWS * AROW;  // a multiple of 16
-  constexpr int PIECES = KS / 8;              // 16-byte pieces per token row and stage
+  constexpr int ABYTES = TOKC ? MT * CPS * TCH : ROWS * AROW;
+  constexpr int STAGE = A_OFF + ABYTES;  // a multiple of 16
+  constexpr int PIECES = KS / 8;         // 16-byte pieces per token row and stage
+  constexpr int CS = TOKC >= 2 ? TOKC : 1;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // full[S], empty[S]
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int nb = blockIdx.x, m0 = blockIdx.y * ROWS, seg = blockIdx.z;
@@ -336,92 +469,132 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
   const int steps = chunks / nseg / CPS;
   const int c0 = seg * (chunks / nseg);
   const int rows = min(ROWS, M - m0);  // token rows copied; the rest stay zero
+  const int mts = TOKC ? (rows + 15) / 16 : MT;  // 16-row token blocks present (chunk-major)
   const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + S);
-  {
+  if constexpr (!TOKC) {
     const int per = (ROWS - rows) * (AROW / 16);
     for (int i = tid; i < S * per; i += blockDim.x) {
       const int st = i / per, r = rows + (i % per) / (AROW / 16), col = i % (AROW / 16);
       *reinterpret_cast<uint4*>(smem + st * STAGE + A_OFF + r * AROW + col * 16) = make_uint4(0, 0, 0, 0);
     }
+  } else {  // token blocks past M: zero once, never copied
+    const int per = (MT - mts) * (CPS * TCH / 16);
+    for (int i = tid; i < S * per; i += blockDim.x)
+      *reinterpret_cast<uint4*>(smem + (i / per) * STAGE + A_OFF + mts * CPS * TCH + (i % per) * 16) = make_uint4(0, 0, 0, 0);
   }
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, 1 + 32);  // the producer's expect_tx arrive + its 32 lanes' cp.async arrives
-      mbar_init(empty0 + 8 * s, CW);
+      mbar_init(full0 + 8 * s, TOKC ? 1 : 1 + 32);  // the producer's expect_tx arrive (+ its lanes' cp.async arrives)
+      mbar_init(empty0 + 8 * s, CW * CS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if (CS > 1) cluster_sync(); else __syncthreads();
 
   if (warp == CW) {  // producer warp
-    if (MODE >= 3) return;
-    const uint32_t tx = CPS * (W_BYTES + SB);
-    for (int i = 0; i < steps; ++i) {
-      const int slot = i % S;
-      if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
-      const uint32_t full = full0 + 8 * slot;
-      const uint32_t st = smem_u32(smem + slot * STAGE);
-      const size_t c = (size_t)nb * chunks + c0 + i * CPS;
-      if (lane == 0) {
-        mbar_expect_tx(full, tx);
-        bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
-        bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
-      }
-      const __half* ak = a + (size_t)m0 * K + (size_t)(c0 + i * CPS) * KC;
-      for (int p = lane; p < rows * PIECES; p += 32) {
-        const int r = p / PIECES, col = p % PIECES;
-        cp_async16(st + A_OFF + r * AROW + col * 16, ak + (size_t)r * K + col * 8, 16);
-      }
-      mbar_arrive_cp_async(full);
-    }
-    return;
-  }
-
-  float acc[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[i][t][0] = acc[i][t][1] = acc[i][t][2] = acc[i][t][3] = 0.0f;
-  const int g = lane >> 2;
-  const uint32_t a_lane = (lane & 15) * AROW + (lane >> 4) * 16;
-  uint32_t sink = 0;
-  for (int i = 0; i < steps; ++i) {
-    const int slot = MODE >= 3 ? 0 : i % S;
-    if (MODE < 3) mbar_wait(full0 + 8 * slot, (i / S) & 1);
-    const uint8_t* st = smem + slot * STAGE;
-#pragma unroll
-    for (int j = 0; j < CPS; ++j) {
-      uint32_t wv[NT][4], sc[NT][4];
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int tile = warp * NT + t;
-        const uint4 w = *reinterpret_cast<const uint4*>(st + j * W_BYTES + (tile * 32 + lane) * 16);
-        wv[t][0] = w.x; wv[t][1] = w.y; wv[t][2] = w.z; wv[t][3] = w.w;
-        const uint8_t* sp = st + CPS * W_BYTES + j * SB + (tile * 8 + g) * (SB / 64);
-        if (SC16) {
-          const uint4 v = *reinterpret_cast<const uint4*>(sp);
-          sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = v.z; sc[t][3] = v.w;
-        } else {
-          const uint2 v = *reinterpret_cast<const uint2*>(sp);
-          sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = sc[t][3] = 0u;
+    if (MODE < 3) {
+      const uint32_t tx = CPS * (W_BYTES + SB) + (TOKC ? mts * CPS * TCH : 0);
+      const uint32_t rank = CS > 1 ? cluster_rank() : 0;
+      for (int i = 0; i < steps; ++i) {
+        const int slot = i % S;
+        if (i >= S) {
+          if (CS > 1) mbar_wait_cluster(empty0 + 8 * slot, ((i / S) - 1) & 1);
+          else mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
+        }
+        const uint32_t full = full0 + 8 * slot;
+        const uint32_t st = smem_u32(smem + slot * STAGE);
+        const size_t c = (size_t)nb * chunks + c0 + i * CPS;
+        if (lane == 0) {
+          mbar_expect_tx(full, tx);
+          bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
+          bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
+          if (TOKC) {
+            const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
+            for (int mt = 0; mt < mts; ++mt) {
+              const size_t off = ((size_t)(m0 / 16 + mt) * chunks + c0 + i * CPS) * TCH;
+              if (CS == 1) {
+                bulk_g2s(st + A_OFF + mt * CPS * TCH, ab + off, CPS * TCH, full);
+              } else {
+                constexpr uint32_t PIECE = CPS * TCH / CS;
+                bulk_g2s_mc(st + A_OFF + mt * CPS * TCH + rank * PIECE, ab + off + rank * PIECE, PIECE, full,
+                            static_cast<uint16_t>((1u << CS) - 1));
+              }
+            }
+          }
+        }
+        if (!TOKC) {
+          const __half* ak = a + (size_t)m0 * K + (size_t)(c0 + i * CPS) * KC;
+          for (int p = lane; p < rows * PIECES; p += 32) {
+            const int r = p / PIECES, col = p % PIECES;
+            cp_async16(st + A_OFF + r * AROW + col * 16, ak + (size_t)r * K + col * 8, 16);
+          }
+          mbar_arrive_cp_async(full);
         }
       }
-      if (MODE == 1) {
+    }
+  } else {
+    float acc[MT][NT][4];
 #pragma unroll
-        for (int t = 0; t < NT; ++t) sink ^= wv[t][0] ^ wv[t][3] ^ sc[t][0];
-      } else {
-        bulk_chunk<MT, NT, AROW, SC16, DEC, MODE == 2 || MODE == 4>(acc, wv, sc,
-                                                                   smem_u32(st + A_OFF) + a_lane + j * (KC * 2));
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) acc[i][t][0] = acc[i][t][1] = acc[i][t][2] = acc[i][t][3] = 0.0f;
+    uint32_t sink = 0;
+    if constexpr (PIPE) {
+      static_assert(TOKC == 1 && MODE != 1 && MODE != 2 && MODE != 4, "pipelined consumer: chunk-major tokens, no cluster");
+      consume_pipe<MT, NT, S, CPS, SC16, DEC, MODE, STAGE, A_OFF, SB>(acc, smem, full0, empty0, steps, warp, lane);
+    } else {
+      const int g = lane >> 2;
+      const uint32_t a_lane = TOKC ? (lane & 15) * TROW + (lane >> 4) * 16 : (lane & 15) * AROW + (lane >> 4) * 16;
+      for (int i = 0; i < steps; ++i) {
+        const int slot = MODE >= 3 ? 0 : i % S;
+        if (MODE < 3) mbar_wait(full0 + 8 * slot, (i / S) & 1);
+        const uint8_t* st = smem + slot * STAGE;
+#pragma unroll
+        for (int j = 0; j < CPS; ++j) {
+          uint32_t wv[NT][4], sc[NT][4];
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const int tile = warp * NT + t;
+            const uint4 w = *reinterpret_cast<const uint4*>(st + j * W_BYTES + (tile * 32 + lane) * 16);
+            wv[t][0] = w.x; wv[t][1] = w.y; wv[t][2] = w.z; wv[t][3] = w.w;
+            const uint8_t* sp = st + CPS * W_BYTES + j * SB + (tile * 8 + g) * (SB / 64);
+            if (SC16) {
+              const uint4 v = *reinterpret_cast<const uint4*>(sp);
+              sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = v.z; sc[t][3] = v.w;
+            } else {
+              const uint2 v = *reinterpret_cast<const uint2*>(sp);
+              sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = sc[t][3] = 0u;
+            }
+          }
+          if (MODE == 1) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) sink ^= wv[t][0] ^ wv[t][3] ^ sc[t][0];
+          } else if (TOKC) {
+            bulk_chunk<MT, NT, CPS * TCH, SC16, DEC, MODE == 2 || MODE == 4>(acc, wv, sc,
+                                                                           smem_u32(st + A_OFF) + a_lane + j * TCH);
+          } else {
+            bulk_chunk<MT, NT, 16 * AROW, SC16, DEC, MODE == 2 || MODE == 4>(acc, wv, sc,
+                                                                            smem_u32(st + A_OFF) + a_lane + j * (KC * 2));
+          }
+        }
+        __syncwarp();
+        if (MODE < 3 && lane == 0) {
+          if (CS > 1) {
+#pragma unroll
+            for (int p = 0; p < CS; ++p) mbar_arrive_remote(empty0 + 8 * slot, p);
+          } else {
+            mbar_arrive(empty0 + 8 * slot);
+          }
+        }
       }
     }
-    __syncwarp();
-    if (MODE < 3 && lane == 0) mbar_arrive(empty0 + 8 * slot);
+    if (MODE == 1) {
+      if (sink == 0x9E3779B9u) out[0] = 1;
+    } else {
+      decode_epilogue<MT, NT>(acc, w_amax, w_amax_row, a_amax, out, part, M, N, nseg, nb, m0, seg, warp, lane);
+    }
   }
-  if (MODE == 1) {
-    if (sink == 0x9E3779B9u) out[0] = 1;
-    return;
-  }
-  decode_epilogue<MT, NT>(acc, w_amax, w_amax_row, a_amax, out, part, M, N, nseg, nb, m0, seg, warp, lane);
+  if (CS > 1) cluster_sync();  // no CTA leaves while a peer may still write into its shared memory
 }
 
 // bench only: CH independent chains of 512 dependent mma.sync m16n8k16 per warp (latency floor)
@@ -493,10 +666,27 @@ __device__ __forceinline__ float e4m3_value(uint32_t b) {  // exact
 template <int BPT, bool EMIT_OP>
 __global__ void __launch_bounds__(128) quant_rows_kernel(const uint4* __restrict__ x, float* __restrict__ amax_p,
                                                          uint2* __restrict__ codes, uint8_t* __restrict__ scales,
-                                                         uint4* __restrict__ op, int K, int amax_mode) {
+                                                         uint4* __restrict__ op, int K, int amax_mode, int rows,
+                                                         int op_cm) {
+  // op_cm: the fp16 operand in the decode kernel's chunk-major token layout (TROW / TCH above):
+  // [ceil(rows/16)][K/128][16][136]; the grid then covers ceil(rows/16)*16 rows, the rows past ``rows``
+  // writing zero operand rows only
   const int row = blockIdx.x;
   const int tid = threadIdx.x;
   const int nblk = K >> 4;
+  auto op_at = [&](int b) -> uint4* {  // the 16 operand halves of block b of this row
+    if (!op_cm) return op + ((size_t)row * K + (size_t)b * 16) / 8;
+    return op + ((((size_t)(row >> 4) * (K >> 7) + (b >> 3)) * 16 + (row & 15)) * TROW + (b & 7) * 32) / 16;
+  };
+  if (row >= rows) {  // padding row of the last 16-row block (op_cm only)
+    if (EMIT_OP) {
+      for (int b = tid; b < nblk; b += 128) {
+        uint4* o = op_at(b);
+        o[0] = o[1] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    return;
+  }
   const uint4* xr = x + (size_t)row * (K >> 3);
   uint4 v[BPT][2];
 #pragma unroll
@@ -595,7 +785,7 @@ __global__ void __launch_bounds__(128) quant_rows_kernel(const uint4* __restrict
         }
         hv[e] = static_cast<uint32_t>(__half_as_ushort(h2[0])) | (static_cast<uint32_t>(__half_as_ushort(h2[1])) << 16);
       }
-      uint4* o = op + ((size_t)row * K + (size_t)b * 16) / 8;
+      uint4* o = op_at(b);
       o[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
       o[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
     }
@@ -628,13 +818,13 @@ void launch_decode(const torch::Tensor& wq, const torch::Tensor& wsc, const torc
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int MT, int NT, bool SC16, int DEC>
+template <int MT, int NT, bool SC16, int DEC, int TOKC = 0, bool PIPE = false, int CPS = 2, int S = (MT == 4 ? 4 : 6)>
 void launch_bulk(const torch::Tensor& wq, const torch::Tensor& wsc, const torch::Tensor& w_amax, bool w_amax_row,
                  const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
                  int N, int K, int nseg) {
-  constexpr int CPS = 2, S = MT == 4 ? 4 : 6;
-  constexpr int SMEM = S * (CPS * (W_BYTES + (SC16 ? 2 : 1) * S_BYTES) + MT * 16 * (KC * CPS + 8) * 2) + 16 * S;
-  auto kern = decode_bulk_kernel<MT, NT, S, CPS, SC16, DEC>;
+  constexpr int ABYTES = TOKC ? MT * CPS * TCH : MT * 16 * (KC * CPS + 8) * 2;
+  constexpr int SMEM = S * (CPS * (W_BYTES + (SC16 ? 2 : 1) * S_BYTES) + ABYTES) + 16 * S;
+  auto kern = decode_bulk_kernel<MT, NT, S, CPS, SC16, DEC, 0, TOKC, PIPE>;
   static bool attr = false;
   if (!attr) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
@@ -651,17 +841,18 @@ void launch_bulk(const torch::Tensor& wq, const torch::Tensor& wsc, const torch:
 
 template <int BPT>
 void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& codes, torch::Tensor& scales,
-                  torch::Tensor& op, bool emit_op, int amax_mode) {
+                  torch::Tensor& op, bool emit_op, int amax_mode, bool op_cm) {
   const int rows = x.size(0), K = x.size(1);
+  const int grid = op_cm ? (rows + 15) / 16 * 16 : rows;
   auto stream = c10::cuda::getCurrentCUDAStream();
   const uint4* xp = reinterpret_cast<const uint4*>(x.data_ptr());
   uint2* cp = reinterpret_cast<uint2*>(codes.data_ptr());
   uint8_t* sp = scales.data_ptr<uint8_t>();
   uint4* opp = reinterpret_cast<uint4*>(op.data_ptr());
   if (emit_op)
-    quant_rows_kernel<BPT, true><<<rows, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode);
+    quant_rows_kernel<BPT, true><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows, op_cm);
   else
-    quant_rows_kernel<BPT, false><<<rows, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode);
+    quant_rows_kernel<BPT, false><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows, 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -682,6 +873,30 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
   // stages x 1 chunk (M <= 16; M > 16: 2 or 4 token tiles, M > 64 (forced decode path) in 64-row
   // blocks). M <= 8: token rows 0-7 only there.
   const bool two = (K / KC / nseg) % 2 == 0;
+  // variants 12, 13: 7 with the token operand chunk-major (``a`` [ceil(M/16), K/128, 16, 136], as
+  // quantize_rows writes it with op_cm), one bulk copy per 16-row block and stage on the weights'
+  // mbarrier; M <= 16: 4 stages x 4 chunks when the segment's chunk count allows it; 13: the
+  // software-pipelined consumer loop (consume_pipe). Same conditions as 6-11, else the cp.async kernel.
+  if ((variant == 12 || variant == 13) && two && M <= 64) {
+    TORCH_CHECK(wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
+    TORCH_CHECK(a.dim() == 4 && a.size(0) >= (M + 15) / 16 && a.size(1) == K / KC && a.size(2) == 16 &&
+                    a.size(3) == TROW / 2,
+                "decode_gemm: variants 12, 13 take the chunk-major token operand [ceil(M/16), K/128, 16, 136]");
+    const bool four = (K / KC / nseg) % 4 == 0;
+#define MP_TOK(P_)                                                                                                \
+  if (M <= 16 && four) launch_bulk<1, 2, true, 0, 1, P_, 4, 4>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); \
+  else if (M <= 16) launch_bulk<1, 2, true, 0, 1, P_>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); \
+  else if (M <= 32) launch_bulk<2, 2, true, 0, 1, P_>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); \
+  else launch_bulk<4, 2, true, 0, 1, P_>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
+    if (variant == 13) {
+      MP_TOK(true)
+    } else {
+      MP_TOK(false)
+    }
+#undef MP_TOK
+    return;
+  }
+  TORCH_CHECK(a.dim() == 2, "decode_gemm: row-major token operand [M, K] for this kernel");
   if (variant >= 6 && variant <= 11 && two && M <= 64) {
     TORCH_CHECK(variant == 6 || variant == 9 || wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
 #define MP_BULK(MT_)                                                                                            \
@@ -721,28 +936,34 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
 }
 
 void quantize_rows(torch::Tensor x, torch::Tensor amax, torch::Tensor codes, torch::Tensor scales, torch::Tensor op,
-                   bool emit_op, int64_t amax_mode) {
+                   bool emit_op, int64_t amax_mode, bool op_cm) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2, "quantize_rows: bf16 [rows, K]");
   const int64_t k = x.size(1);
   TORCH_CHECK(k % 16 == 0 && k <= 16384, "quantize_rows: K % 16 == 0 and K <= 16384");
+  TORCH_CHECK(!op_cm || (emit_op && k % KC == 0 && op.is_contiguous() && op.dim() == 4 && op.size(0) == (x.size(0) + 15) / 16 &&
+                         op.size(1) == k / KC && op.size(2) == 16 && op.size(3) == TROW / 2),
+              "quantize_rows: chunk-major operand [ceil(rows/16), K/128, 16, 136]");
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t nblk = k / 16;
   const int mode = static_cast<int>(amax_mode);
-  if (nblk <= 128) launch_quant<1>(x, amax, codes, scales, op, emit_op, mode);
-  else if (nblk <= 256) launch_quant<2>(x, amax, codes, scales, op, emit_op, mode);
-  else if (nblk <= 512) launch_quant<4>(x, amax, codes, scales, op, emit_op, mode);
-  else launch_quant<8>(x, amax, codes, scales, op, emit_op, mode);
+  if (nblk <= 128) launch_quant<1>(x, amax, codes, scales, op, emit_op, mode, op_cm);
+  else if (nblk <= 256) launch_quant<2>(x, amax, codes, scales, op, emit_op, mode, op_cm);
+  else if (nblk <= 512) launch_quant<4>(x, amax, codes, scales, op, emit_op, mode, op_cm);
+  else launch_quant<8>(x, amax, codes, scales, op, emit_op, mode, op_cm);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_gemm", &decode_gemm, "NVFP4 decode GEMM (native layout weights, fp16 activation operand)");
-  m.def("quantize_rows", &quantize_rows, "NVFP4 per-token / given-amax quantizer, bf16 rows");
+  m.def("quantize_rows", &quantize_rows, "NVFP4 per-token / given-amax quantizer, bf16 rows (op_cm: chunk-major operand)");
 }
 #else
 // kernels-only build (compile check): take the instances' addresses so they are compiled
 void* nvfp4_instances[] = {(void*)decode_gemm_kernel<1, 6, 2, 2, false>, (void*)decode_gemm_kernel<1, 6, 2, 2, true>,
                            (void*)decode_gemm_kernel<4, 4, 2, 2, false>, (void*)decode_bulk_kernel<1, 2, 6, 2, true, 0>,
                            (void*)decode_bulk_kernel<1, 2, 6, 2, true, 1>, (void*)decode_bulk_kernel<4, 2, 4, 2, false, 0>,
+                           (void*)decode_bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, false>,
+                           (void*)decode_bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, true>,
+                           (void*)decode_bulk_kernel<4, 2, 4, 2, true, 0, 0, 1, true>,
                            (void*)quant_rows_kernel<4, false>, (void*)quant_rows_kernel<4, true>};
 #endif
