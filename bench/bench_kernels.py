@@ -42,6 +42,16 @@ import triton
 ROWS: list[dict[str, Any]] = []
 NOTES: list[str] = []
 GRAPH = {"on": True}
+SEL: dict[str, Any] = {"variants": None, "triton_all": True}  # --variants / --triton-decode: rows to run
+
+
+def variants() -> list[int]:
+    """The native decode variants to run per-variant rows, checks and sweeps for (--variants)."""
+    from mismatch_probe.kernels.nvfp4 import native
+
+    if not native.available():
+        return []
+    return [v for v in native.VARIANTS if SEL["variants"] is None or v in SEL["variants"]]
 
 
 def bench(fn, rep: int = 100) -> float:  # noqa: ANN001
@@ -161,7 +171,7 @@ def checks() -> None:
          f"{sum(r.status == 'pass' for r in ran if not r.exact)}/{len(ran) - len(ex)} tolerance); failures: {bad}")
     from mismatch_probe.kernels.nvfp4 import native
 
-    for v in native.VARIANTS if native.available() else ():  # every native decode variant (K/128/NSEG = 2 there)
+    for v in variants():  # every native decode variant (K/128/NSEG = 2 there)
         native.NATIVE_CFG["variant"] = v
         res = run_checks(["tc_gemm_decode_vs_reference", "tc_grouped_vs_reference"], device="cuda")
         native.NATIVE_CFG.clear()
@@ -186,6 +196,11 @@ def quantize() -> None:
     rec("quantize per-tensor 1x16, amax given (static)", lambda: nvfp4_quantize(x, amax=a1), bytes=qb, **kw)
     rec("quantize per-token + fp16 GEMM operand (tc_linear's A)", lambda: qf.quantize_rows(x, None, True, emit_op=torch.float16),
         bytes=qb + x.numel() * 2, **kw)
+    for m in (1, 16, 64):  # decode-sized: the operand chunk-major for the native decode GEMM (tc_linear's A there)
+        xm = x[:m]
+        for cm in (False, True):
+            rec(f"quantize per-token M={m} + fp16 operand, {'chunk' if cm else 'row'}-major",
+                lambda: qf.quantize_rows(xm, None, True, emit_op=torch.float16, op_chunks=cm))
     wt = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     rec("fused RMSNorm + per-token quantize (writes y too)", lambda: qf.rmsnorm_quantize_rows(x, wt, 1e-6),
         bytes=qb + x.numel() * 2, **kw)
@@ -211,16 +226,19 @@ def linear() -> None:
         rec(f"{tag} FP8 _scaled_mm", lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
             m=m, cublas_ms=cub)
         p = T.choose(m, tw)
-        rec(f"{tag} NVFP4 GEMM auto ({p}), A quantized", lambda: T.tc_matmul(a, tw, a_op=op), m=m, cublas_ms=cub,
-            rows_eq_prefill=eq(T.tc_matmul(a, tw, a_op=op), full[:m]))
+        opd = T.decode_operand(op, tw, m)  # the operand as the quantizer writes it for this path (tc_linear)
+        lay = "chunk-major" if opd.dim() == 4 else "row-major"
+        rec(f"{tag} NVFP4 GEMM auto ({p}), A quantized ({lay} operand)", lambda: T.tc_matmul(a, tw, a_op=opd), m=m,
+            cublas_ms=cub, rows_eq_prefill=eq(T.tc_matmul(a, tw, a_op=opd), full[:m]))
         rec(f"{tag} NVFP4 linear incl. per-token quantize", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub)
         if m <= 64:
             bm = 16 if m <= 16 else 64
-            for name, cfg in (("decode Triton (default config)", {}),
-                              ("decode swap (weights on MMA M)", {"SWAP": True, "BN": 64, "BM": bm}),
-                              ("decode ns BN32", {"BN": 32, "BM": bm}),
-                              ("decode ns BN64 s3", {"BN": 64, "BM": bm, "num_stages": 3}),
-                              ("decode ns BN64 cpi2", {"BN": 64, "BM": bm, "CPI": 2}), ("decode no-asm", {"USE_ASM": False})):
+            tcfgs = (("decode Triton (default config)", {}),
+                     ("decode swap (weights on MMA M)", {"SWAP": True, "BN": 64, "BM": bm}),
+                     ("decode ns BN32", {"BN": 32, "BM": bm}),
+                     ("decode ns BN64 s3", {"BN": 64, "BM": bm, "num_stages": 3}),
+                     ("decode ns BN64 cpi2", {"BN": 64, "BM": bm, "CPI": 2}), ("decode no-asm", {"USE_ASM": False}))
+            for name, cfg in tcfgs if SEL["triton_all"] else tcfgs[:1]:
                 T.DECODE_CFG.clear()
                 T.DECODE_CFG.update(cfg, NATIVE=False)
                 try:
@@ -233,19 +251,20 @@ def linear() -> None:
             T.DECODE_CFG.clear()
             from mismatch_probe.kernels.nvfp4 import native
 
-            for v in native.VARIANTS if native.available() else ():
+            for v in variants():
                 if v == 3 and m > 16:
                     continue  # the same instance as variant 0 there
                 native.NATIVE_CFG["variant"] = v
                 r_ = native.decode_variant(m, tw)
+                opv = T.decode_operand(op, tw, m)
                 try:
-                    ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
+                    ok = eq(T.tc_matmul(a, tw, path="decode", a_op=opv), full[:m])
                 except Exception as e:
                     note(f"{tag} native variant {v} failed: {type(e).__name__}: {str(e)[:800]}")
                     continue
                 lab = ", ".join(str(r_[key]) for key in ("pipeline", "scales", "decode") if key in r_)
                 rec(f"{tag} NVFP4 decode native v{v} ({lab}, {r_['STAGES']} stages x {r_['CPS']} chunks)",
-                    lambda: T.tc_matmul(a, tw, path="decode", a_op=op), m=m, cublas_ms=cub, rows_eq_prefill=ok)
+                    lambda: T.tc_matmul(a, tw, path="decode", a_op=opv), m=m, cublas_ms=cub, rows_eq_prefill=ok)
             native.NATIVE_CFG.clear()
             rec(f"{tag} NVFP4 prefill path", lambda: T.tc_matmul(a, tw, path="prefill", a_op=op), m=m, cublas_ms=cub)
         GRAPH["on"] = False
@@ -263,7 +282,7 @@ def sweep() -> None:
 
     _sweep(f"default (native decode variant {native.DEFAULT_VARIANT})")
     _sweep(f"default (native decode variant {native.DEFAULT_VARIANT}), padded rows and K segments", 1000, 2048)
-    for v in native.VARIANTS if native.available() else ():
+    for v in variants():
         if v not in (native.DEFAULT_VARIANT, 3):
             native.NATIVE_CFG["variant"] = v
             _sweep(f"native decode variant {v} {native.VARIANTS[v]}")
@@ -413,7 +432,12 @@ def main() -> int:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--only", default="checks,quantize,linear,sweep,moe,e2e")
     ap.add_argument("--native-variant", type=int, default=None, help="the native decode variant to use by default")
+    ap.add_argument("--variants", default=None, help="native decode variants for the per-variant rows (default: all)")
+    ap.add_argument("--triton-decode", choices=("all", "default"), default="all",
+                    help="Triton decode configs timed in 'linear' (default: only the default config)")
     args = ap.parse_args()
+    SEL["variants"] = None if args.variants is None else {int(v) for v in args.variants.split(",")}
+    SEL["triton_all"] = args.triton_decode == "all"
     if args.native_variant is not None:
         from mismatch_probe.kernels.nvfp4 import native
 

@@ -14,7 +14,8 @@ Kernels (same bits as the Triton paths; the GPU checks compare them with ``torch
   output along K. Variants (``NATIVE_CFG["variant"]``, all the same bits, see :data:`VARIANTS`):
   the cp.async pipeline (0, 3) and the bulk-copy pipeline (6-9: weights by the copy engine, a
   producer warp, no CTA-wide barrier; with E4M3 scale bytes or fp16 scales, byte-permute or
-  mask/shift fragment decode);
+  mask/shift fragment decode; 12, 13, the default: the token operand chunk-major, one bulk copy per
+  stage);
 * ``quantize_rows``: the per-token / given-amax quantizer of :mod:`quant_fast` for bf16 rows.
 """
 
@@ -41,15 +42,25 @@ NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (see VARIANTS)
 # bytes; "fp16": scales as fp16 sf * 2^7 (native_layout's third tensor). "prmt" / "shift": the fp16
 # pairs made by byte permutes or by masks and shifts. NT 2: 4 consumer warps of two 8-row weight
 # tiles, 1: 8 warps of one. The bulk ones need an even chunk count per K segment and M <= 64 (else
-# variant 0 runs). All give the same bits (H200 run of BENCHMARKS.md, 2026-12-01 15:46 UTC: 7 the
-# fastest over M = 1, 16, 64 together). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no
-# better than 0; 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for
-# the weights (no shared memory): 0.9-1.0 TB/s, dropped.
+# variant 0 runs). "bulk-chunked" (12, 13): 7 with the token operand chunk-major (TOKEN_LAYOUT, made
+# by the quantizer or :func:`chunk_operand`), one bulk copy per 16-row token block and stage on the
+# weights' mbarrier, 4 stages x 4 chunks at M <= 16 when the segment's chunk count allows; 13 with
+# the software-pipelined consumer loop. All give the same bits (H200 runs of BENCHMARKS.md,
+# 2026-12-01: 7 the fastest of 0-11 at 15:46; the chunk-major token copy at 18:00-18:05: M = 16
+# 21.5 -> 16.2 us in the lab). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no better
+# than 0; 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for the
+# weights (no shared memory): 0.9-1.0 TB/s, dropped; the token tile multicast over clusters of 2-4
+# CTAs (lab, 18:00): 40-70 us, dropped.
 VARIANTS: dict[int, tuple[str, str, str, int]] = {
     0: ("cp.async", "e4m3", "prmt", 2), 3: ("cp.async", "e4m3", "prmt", 2), 6: ("bulk", "e4m3", "prmt", 2),
     7: ("bulk", "fp16", "prmt", 2), 8: ("bulk", "fp16", "shift", 2), 9: ("bulk", "e4m3", "shift", 2),
-    10: ("bulk", "fp16", "prmt", 1), 11: ("bulk", "fp16", "shift", 1)}  # last: 8-row weight tiles per warp (NT)
-DEFAULT_VARIANT = 7
+    10: ("bulk", "fp16", "prmt", 1), 11: ("bulk", "fp16", "shift", 1),
+    12: ("bulk-chunked", "fp16", "prmt", 2), 13: ("bulk-chunked-pipelined", "fp16", "prmt", 2)}
+CHUNKED = (12, 13)  # the variants that take the chunk-major token operand
+DEFAULT_VARIANT = 12
+# the chunk-major token operand: [ceil(M/16) blocks][K/128 chunks][16 rows][128 + 8 halves] (fp16; the
+# 8 padding halves of a row keep ldmatrix conflict-free and are never read; rows >= M are zero)
+TOKEN_ROW = 136
 _STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s": None}
 
 
@@ -174,19 +185,45 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
     """The kernel instance for M rows (as nvfp4_native.cu's decode_gemm picks it): the variant, its
     pipeline / scales / fragment decode, MT (16-row token tiles), NT (8-row weight tiles per warp),
     STAGES, CPS (128-wide chunks per stage), HALF (cp.async, M <= 8: token rows 0-7 only)."""
-    two = (w.k // 128 // w.nseg) % 2 == 0
+    chunks = w.k // 128 // w.nseg
+    two = chunks % 2 == 0
     v = _variant()
     mt = 1 if m <= 16 else 2 if m <= 32 else 4
     if v >= 6 and two and m <= 64:
         pipe, sc, dec, nt = VARIANTS[v]
-        return {"variant": v, "pipeline": pipe, "scales": sc, "decode": dec, "MT": mt, "NT": nt,
-                "STAGES": 4 if mt == 4 else 6, "CPS": 2, "MMA": "mma.sync m16n8k16"}
+        cps = 4 if v in CHUNKED and mt == 1 and chunks % 4 == 0 else 2
+        stages = 4 if mt == 4 or cps == 4 else 6
+        rec = {"variant": v, "pipeline": pipe, "scales": sc, "decode": dec, "MT": mt, "NT": nt,
+               "STAGES": stages, "CPS": cps, "MMA": "mma.sync m16n8k16"}
+        if v in CHUNKED:
+            rec["tokens"] = f"chunk-major [M/16][K/128][16][{TOKEN_ROW}] fp16"
+        return rec
     if m > 16:
         return {"variant": 0, "pipeline": "cp.async", "MT": mt, "NT": 2, "STAGES": 6 if m <= 32 else 4,
                 "CPS": 2 if two else 1, "HALF": 0, "MMA": "mma.sync m16n8k16"}
     v = 0 if v != 3 and two else 3
     return {"variant": v, "pipeline": "cp.async", "MT": 1, "NT": 2, "STAGES": 6 if v == 0 else 8, "CPS": 2 if v == 0 else 1,
             "HALF": int(m <= 8), "MMA": "mma.sync m16n8k16"}
+
+
+def chunked_tokens(m: int, w: Any) -> bool:
+    """Whether the native decode GEMM of M rows of this weight takes the chunk-major token operand."""
+    return _variant() in CHUNKED and (w.k // 128 // w.nseg) % 2 == 0 and m <= 64
+
+
+def chunk_operand(op: torch.Tensor) -> torch.Tensor:
+    """Row-major fp16 operand [M, K] (K % 128 == 0) -> the chunk-major one (see TOKEN_ROW)."""
+    m, k = op.shape
+    mb = -(-m // 16)
+    out = op.new_zeros(mb * 16, k // 128, TOKEN_ROW)
+    out[:m, :, :128] = op.reshape(m, k // 128, 128)
+    return out.view(mb, 16, k // 128, TOKEN_ROW).permute(0, 2, 1, 3).contiguous()
+
+
+def rows_operand(op: torch.Tensor, m: int) -> torch.Tensor:
+    """The chunk-major operand -> row-major [M, K] (a copy)."""
+    mb, chunks = op.shape[0], op.shape[1]
+    return op[..., :128].permute(0, 2, 1, 3).reshape(mb * 16, chunks * 128)[:m].contiguous()
 
 
 def _variant() -> int:
@@ -199,9 +236,16 @@ def _variant() -> int:
 
 def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: int, out: torch.Tensor,
                 part: torch.Tensor) -> None:
+    """``a_op``: the fp16 token operand, row-major [M, K] or chunk-major (either is converted to what
+    the chosen kernel takes: :func:`chunked_tokens`)."""
     mod = load()
     wq, ws, ws16 = w.native_w
-    a = a_op if a_op.data_ptr() % 16 == 0 else a_op.clone()
+    if chunked_tokens(m, w):
+        a = a_op if a_op.dim() == 4 else chunk_operand(a_op)
+    else:
+        a = a_op if a_op.dim() == 2 else rows_operand(a_op, m)
+    if a.data_ptr() % 16 or not a.is_contiguous():
+        a = a.clone(memory_format=torch.contiguous_format)
     mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant())
 
 
@@ -215,9 +259,15 @@ def quant_ok(x: torch.Tensor) -> bool:
 
 
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
-                  emit_op: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
-    """As :func:`quant_fast.quantize_rows` (bf16 x; ``emit_op`` None or fp16)."""
+                  emit_op: torch.dtype | None = None, op_chunks: bool = False) -> tuple[torch.Tensor, ...]:
+    """As :func:`quant_fast.quantize_rows` (bf16 x; ``emit_op`` None or fp16; ``op_chunks``: the
+    operand chunk-major, as the chunked decode variants take it; K % 128 == 0)."""
     amax = None if amax is None else amax.float().contiguous()
-    codes, scales, mode, amax_t, op = quant_outputs(x, amax, per_token, None if emit_op is None else torch.float16)
-    load().quantize_rows(x, amax_t, codes, scales, codes if op is None else op, op is not None, mode)
+    codes, scales, mode, amax_t, op = quant_outputs(x, amax, per_token, None if (emit_op is None or op_chunks)
+                                                    else torch.float16)
+    if op_chunks:
+        if emit_op is None or x.shape[1] % 128:
+            raise ValueError("op_chunks needs emit_op and K % 128 == 0")
+        op = torch.empty(-(-x.shape[0] // 16), x.shape[1] // 128, 16, TOKEN_ROW, dtype=torch.float16, device=x.device)
+    load().quantize_rows(x, amax_t, codes, scales, codes if op is None else op, op is not None, mode, op_chunks)
     return codes, scales, amax_t, op

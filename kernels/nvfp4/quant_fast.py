@@ -169,13 +169,20 @@ def use_native_quant(x: torch.Tensor, emit_op: torch.dtype | None = None) -> boo
 
 
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
-                  emit_op: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+                  emit_op: torch.dtype | None = None, op_chunks: bool = False) -> tuple[torch.Tensor, ...]:
     """The fast kernel: (codes, scales, amax, op or None). ``amax`` None computes it per row
-    (``per_token`` must be True). x: contiguous [rows, K] bf16/fp16/fp32 with K <= MAX_K."""
+    (``per_token`` must be True). x: contiguous [rows, K] bf16/fp16/fp32 with K <= MAX_K.
+    ``op_chunks``: the fp16 operand in the chunk-major layout of the native decode GEMM
+    (``native.TOKEN_ROW``; K % 128 == 0), written by the native quantizer directly."""
     if use_native_quant(x, emit_op):
         from . import native
 
-        return native.quantize_rows(x, amax, per_token, emit_op)
+        return native.quantize_rows(x, amax, per_token, emit_op, op_chunks)
+    if op_chunks:
+        from . import native
+
+        codes, scales, amax_t, op = quantize_rows(x, amax, per_token, emit_op)
+        return codes, scales, amax_t, native.chunk_operand(op)
     rows, k = x.shape
     codes, scales, mode, amax_t, op = quant_outputs(x, amax, per_token, emit_op)
     if rows == 0:

@@ -201,6 +201,10 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         return out
     grouped = tiles is not None
     nseg = int(DECODE_CFG.get("NSEG", w.nseg)) if p == "decode" else w.nseg
+    if a_op.dim() == 4 and not (p == "decode" and use_native(w, a_op, nseg)):  # chunk-major operand (native decode's)
+        from . import native
+
+        a_op = native.rows_operand(a_op, m)
     te, tr0, tr1 = tiles if grouped else (a_amax, a_amax, a_amax)
     wes = (n * k) if grouped else 0
     if p == "decode":
@@ -250,6 +254,26 @@ def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:
     return native.available() and native.decode_ok(w)
 
 
+def chunked_operand(m: int, w: TCWeight) -> bool:
+    """The decode GEMM of M rows runs a native kernel that takes the chunk-major token operand
+    (``native.chunked_tokens``): the quantizer should write that layout directly."""
+    if m == 0 or m > DECODE_MAX_M or w.dec is None or not use_native(w, w.codes.new_empty(0, dtype=torch.float16), w.nseg):
+        return False
+    from . import native
+
+    return native.chunked_tokens(m, w)
+
+
+def decode_operand(a_op: torch.Tensor, w: TCWeight, m: int) -> torch.Tensor:
+    """``a_op`` (row-major) in the layout the decode GEMM of M rows takes (bench / callers holding a
+    row-major operand: convert once, outside the timed GEMM)."""
+    if a_op.dim() == 2 and chunked_operand(m, w):
+        from . import native
+
+        return native.chunk_operand(a_op)
+    return a_op
+
+
 def _cpi(cfg: dict[str, Any], chunks: int) -> int:
     """Chunks per loop step: the largest power of two <= cfg's CPI dividing the segment's chunks."""
     cpi = int(cfg.get("CPI", 1))
@@ -283,7 +307,9 @@ def tc_linear(x: torch.Tensor, w: TCWeight, *, path: str = "auto") -> torch.Tens
 
     x = x.contiguous()
     if x.shape[1] <= MAX_K:
-        codes, scales, amax, op = quantize_rows(x, None, True, emit_op=OP_DTYPE)
+        m = x.shape[0]
+        chunks = choose(m, w, path) == "decode" and chunked_operand(m, w)
+        codes, scales, amax, op = quantize_rows(x, None, True, emit_op=OP_DTYPE, op_chunks=chunks)
         return tc_matmul(NVFP4Tensor(codes, scales, amax, True), w, path=path, a_op=op)
     return tc_matmul(nvfp4_quantize(x, per_token=True), w, path=path)
 

@@ -129,3 +129,27 @@ def test_variant_records():
             native.decode_variant(16, w)
     finally:
         native.NATIVE_CFG.clear()
+
+
+def test_chunked_variant_records_and_token_layout():
+    """Variants 12, 13 take the chunk-major token operand: [M/16][K/128][16][136] fp16, element (r, k)
+    at [r // 16, k // 128, r % 16, k % 128], rows past M zero; rows_operand inverts it exactly."""
+    from types import SimpleNamespace
+
+    w = SimpleNamespace(k=8192, nseg=1)
+    r = native.decode_variant(16, w)
+    assert (r["variant"], r["STAGES"], r["CPS"]) == (12, 4, 4) and "chunk-major" in r["tokens"]
+    assert native.chunked_tokens(16, w) and native.chunked_tokens(64, w) and not native.chunked_tokens(65, w)
+    assert native.decode_variant(40, w)["CPS"] == 2 and native.decode_variant(40, w)["STAGES"] == 4
+    w6 = SimpleNamespace(k=768, nseg=1)  # 6 chunks: 2 per stage
+    assert native.decode_variant(16, w6)["CPS"] == 2 and native.chunked_tokens(16, w6)
+    assert not native.chunked_tokens(1, SimpleNamespace(k=1152, nseg=1))  # odd chunk count: the cp.async kernel
+    g = torch.Generator().manual_seed(3)
+    for m, k in ((1, 256), (16, 384), (37, 1024)):
+        op = torch.randn(m, k, generator=g).to(torch.float16)
+        cm = native.chunk_operand(op)
+        assert cm.shape == (-(-m // 16), k // 128, 16, native.TOKEN_ROW) and cm.is_contiguous()
+        rr, kk = torch.meshgrid(torch.arange(m), torch.arange(k), indexing="ij")
+        assert torch.equal(cm[rr // 16, kk // 128, rr % 16, kk % 128], op)
+        assert not cm.permute(0, 2, 1, 3).reshape(-1, k // 128, native.TOKEN_ROW)[m:].any()
+        assert torch.equal(native.rows_operand(cm, m), op)
