@@ -76,21 +76,9 @@ static LaunchFn bulk_kernel(Bufs& b, int nseg = 1) {
   auto kern = decode_bulk_kernel<MT, NT, S, CPS, SC16, DEC, MODE, TOKC, PIPE>;
   smem_attr(kern, smem);
   return [=](cudaStream_t s, int m, int w) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(N / 64, (m + 16 * MT - 1) / (16 * MT), nseg);
-    cfg.blockDim = dim3(256 / NT + 32);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = TOKC >= 2 ? TOKC : 1;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, kern, (const uint8_t*)b.wq[w], (const uint8_t*)(SC16 ? b.ws16[w] : b.ws[w]),
-                          (const float*)b.w_amax, 1, (const __half*)(TOKC ? b.acm : b.a), (const float*)b.a_amax,
-                          b.out, b.part, m, N, K, nseg));
+    dim3 grid(N / 64, (m + 16 * MT - 1) / (16 * MT), nseg);
+    kern<<<grid, 256 / NT + 32, smem, s>>>(b.wq[w], SC16 ? b.ws16[w] : b.ws[w], b.w_amax, 1, TOKC ? b.acm : b.a, b.a_amax,
+                                          b.out, b.part, m, N, K, nseg);
   };
 }
 

@@ -321,32 +321,7 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-// the same bytes into the same shared-memory offset of every CTA in ``mask`` (of the cluster), each
-// completing on its own mbarrier at offset ``bar``
-__device__ __forceinline__ void bulk_g2s_mc(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint16_t mask) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, uint32_t rank) {  // the barrier at this offset in CTA rank
-  asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}" ::"r"(bar), "r"(rank) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-
-// Token operand in the chunk-major layout (TOKC >= 1): [ceil(M/16) blocks][K/128 chunks][16 rows][136]
+// Token operand in the chunk-major layout (TOKC 1): [ceil(M/16) blocks][K/128 chunks][16 rows][136]
 // fp16 (rows padded by 8 halves: 272 B, 16 mod 128, conflict-free ldmatrix), so one stage's token tile
 // of a 16-row block is one contiguous copy of CPS * 4352 bytes; rows >= M of the last block are zero.
 constexpr int TROW = (KC + 8) * 2;  // bytes per token row of a chunk
@@ -448,9 +423,8 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
     const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
     float* __restrict__ part, int M, int N, int K, int nseg) {
   // TOKC 0: token rows [M, K] by per-lane cp.async; 1: chunk-major tokens, one bulk copy per 16-row
-  // block and stage; >= 2: the same tile multicast over a cluster of TOKC CTAs (consecutive weight
-  // blocks, same tokens), each CTA copying 1/TOKC of it; a slot is refilled once the consumers of
-  // every CTA in the cluster released it (remote arrives on each CTA's "empty" barrier).
+  // block and stage, on the weights' "full" barrier (a multicast of that copy over clusters of 2-4
+  // CTAs was tried in the lab, 2026-12-01 18:00: 40-70 us at M = 16, removed). PIPE: consume_pipe.
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int CW = 256 / NT / 32;  // consumer warps
   constexpr int KS = KC * CPS;
@@ -461,7 +435,6 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
   constexpr int ABYTES = TOKC ? MT * CPS * TCH : ROWS * AROW;
   constexpr int STAGE = A_OFF + ABYTES;  // a multiple of 16
   constexpr int PIECES = KS / 8;         // 16-byte pieces per token row and stage
-  constexpr int CS = TOKC >= 2 ? TOKC : 1;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // full[S], empty[S]
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int nb = blockIdx.x, m0 = blockIdx.y * ROWS, seg = blockIdx.z;
@@ -485,22 +458,18 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full0 + 8 * s, TOKC ? 1 : 1 + 32);  // the producer's expect_tx arrive (+ its lanes' cp.async arrives)
-      mbar_init(empty0 + 8 * s, CW * CS);
+      mbar_init(empty0 + 8 * s, CW);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (CS > 1) cluster_sync(); else __syncthreads();
+  __syncthreads();
 
   if (warp == CW) {  // producer warp
     if (MODE < 3) {
       const uint32_t tx = CPS * (W_BYTES + SB) + (TOKC ? mts * CPS * TCH : 0);
-      const uint32_t rank = CS > 1 ? cluster_rank() : 0;
       for (int i = 0; i < steps; ++i) {
         const int slot = i % S;
-        if (i >= S) {
-          if (CS > 1) mbar_wait_cluster(empty0 + 8 * slot, ((i / S) - 1) & 1);
-          else mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
-        }
+        if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
         const uint32_t full = full0 + 8 * slot;
         const uint32_t st = smem_u32(smem + slot * STAGE);
         const size_t c = (size_t)nb * chunks + c0 + i * CPS;
@@ -512,13 +481,7 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
             const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
             for (int mt = 0; mt < mts; ++mt) {
               const size_t off = ((size_t)(m0 / 16 + mt) * chunks + c0 + i * CPS) * TCH;
-              if (CS == 1) {
-                bulk_g2s(st + A_OFF + mt * CPS * TCH, ab + off, CPS * TCH, full);
-              } else {
-                constexpr uint32_t PIECE = CPS * TCH / CS;
-                bulk_g2s_mc(st + A_OFF + mt * CPS * TCH + rank * PIECE, ab + off + rank * PIECE, PIECE, full,
-                            static_cast<uint16_t>((1u << CS) - 1));
-              }
+              bulk_g2s(st + A_OFF + mt * CPS * TCH, ab + off, CPS * TCH, full);
             }
           }
         }
@@ -540,7 +503,7 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
       for (int t = 0; t < NT; ++t) acc[i][t][0] = acc[i][t][1] = acc[i][t][2] = acc[i][t][3] = 0.0f;
     uint32_t sink = 0;
     if constexpr (PIPE) {
-      static_assert(TOKC == 1 && MODE != 1 && MODE != 2 && MODE != 4, "pipelined consumer: chunk-major tokens, no cluster");
+      static_assert(TOKC == 1 && MODE != 1 && MODE != 2 && MODE != 4, "pipelined consumer: chunk-major tokens");
       consume_pipe<MT, NT, S, CPS, SC16, DEC, MODE, STAGE, A_OFF, SB>(acc, smem, full0, empty0, steps, warp, lane);
     } else {
       const int g = lane >> 2;
@@ -578,14 +541,7 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
           }
         }
         __syncwarp();
-        if (MODE < 3 && lane == 0) {
-          if (CS > 1) {
-#pragma unroll
-            for (int p = 0; p < CS; ++p) mbar_arrive_remote(empty0 + 8 * slot, p);
-          } else {
-            mbar_arrive(empty0 + 8 * slot);
-          }
-        }
+        if (MODE < 3 && lane == 0) mbar_arrive(empty0 + 8 * slot);
       }
     }
     if (MODE == 1) {
@@ -594,7 +550,6 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
       decode_epilogue<MT, NT>(acc, w_amax, w_amax_row, a_amax, out, part, M, N, nseg, nb, m0, seg, warp, lane);
     }
   }
-  if (CS > 1) cluster_sync();  // no CTA leaves while a peer may still write into its shared memory
 }
 
 // bench only: CH independent chains of 512 dependent mma.sync m16n8k16 per warp (latency floor)
