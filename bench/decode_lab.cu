@@ -216,6 +216,8 @@ int main(int argc, char** argv) {
   vs.push_back({"v7 TOK1 (chunk-major, 1 bulk)", 1, bulk_kernel<1, 2, 6, 2, true, 0, 0, 1>(b), false});
   vs.push_back({"v7 TOK1 PIPE", 1, bulk_kernel<1, 2, 6, 2, true, 0, 0, 1, true>(b), false});
   vs.push_back({"v7 TOK1 PIPE S4 CPS4", 1, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, true>(b), false});
+  vs.push_back({"v7 TOK1 S4 CPS4 (v12)", 1, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1>(b), false});
+  vs.push_back({"v10 TOK1 NT1 S4 CPS4 (v14)", 1, bulk_kernel<1, 1, 4, 4, true, 0, 0, 1>(b), false});
   vs.push_back({"NODECODE bulk NT2 S6 CPS2 SC16", 1, bulk_kernel<1, 2, 6, 2, true, 0, 2>(b), true});
   vs.push_back({"STREAM bulk NT2 S6 CPS2 SC16", 1, bulk_kernel<1, 2, 6, 2, true, 0, 1>(b), true});
   vs.push_back({"cp.async 6x2 (ref) (v0)", 16, old_kernel<1, 6, 2, 2, false>(b), false});
@@ -226,7 +228,16 @@ int main(int argc, char** argv) {
   vs.push_back({"bulk NT1 S6 CPS2 SC16 prmt (v10)", 16, bulk_kernel<1, 1, 6, 2, true, 0, 0>(b), false});
   vs.push_back({"bulk NT1 S6 CPS2 SC16 shift (v11)", 16, bulk_kernel<1, 1, 6, 2, true, 1, 0>(b), false});
   vs.push_back({"v7 TOK1 (chunk-major, 1 bulk)", 16, bulk_kernel<1, 2, 6, 2, true, 0, 0, 1>(b), false});
-  vs.push_back({"v7 TOK1 S4 CPS4", 16, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1>(b), false});
+  vs.push_back({"v7 TOK1 S4 CPS4 (v12)", 16, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1>(b), false});
+  vs.push_back({"v10 TOK1 NT1 S4 CPS4 (v14)", 16, bulk_kernel<1, 1, 4, 4, true, 0, 0, 1>(b), false});
+  vs.push_back({"v7 TOK1 S5 CPS4", 16, bulk_kernel<1, 2, 5, 4, true, 0, 0, 1>(b), false});
+  vs.push_back({"v10 TOK1 NT1 S5 CPS4", 16, bulk_kernel<1, 1, 5, 4, true, 0, 0, 1>(b), false});
+  vs.push_back({"v7 TOK1 S3 CPS8", 16, bulk_kernel<1, 2, 3, 8, true, 0, 0, 1>(b), false});
+  vs.push_back({"v10 TOK1 NT1 PIPE S4 CPS4", 16, bulk_kernel<1, 1, 4, 4, true, 0, 0, 1, true>(b), false});
+  vs.push_back({"STREAM TOK1 S4 CPS4", 16, bulk_kernel<1, 2, 4, 4, true, 0, 1, 1>(b), true});
+  vs.push_back({"COMPUTE-ONLY TOK1 S4 CPS4", 16, bulk_kernel<1, 2, 4, 4, true, 0, 3, 1>(b), true});
+  vs.push_back({"COMPUTE-ONLY TOK1 NT1 S4 CPS4", 16, bulk_kernel<1, 1, 4, 4, true, 0, 3, 1>(b), true});
+  vs.push_back({"COMPUTE-ONLY NODECODE TOK1 S4 CPS4", 16, bulk_kernel<1, 2, 4, 4, true, 0, 4, 1>(b), true});
   vs.push_back({"v8 TOK1 (shift)", 16, bulk_kernel<1, 2, 6, 2, true, 1, 0, 1>(b), false});
   vs.push_back({"v10 TOK1 (NT1)", 16, bulk_kernel<1, 1, 6, 2, true, 0, 0, 1>(b), false});
   vs.push_back({"v7 TOK1 PIPE", 16, bulk_kernel<1, 2, 6, 2, true, 0, 0, 1, true>(b), false});

@@ -45,7 +45,7 @@ NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (see VARIANTS)
 # variant 0 runs). "bulk-chunked" (12, 13): 7 with the token operand chunk-major (TOKEN_LAYOUT, made
 # by the quantizer or :func:`chunk_operand`), one bulk copy per 16-row token block and stage on the
 # weights' mbarrier, 4 stages x 4 chunks at M <= 16 when the segment's chunk count allows; 13 with
-# the software-pipelined consumer loop. All give the same bits (H200 runs of BENCHMARKS.md,
+# the software-pipelined consumer loop; 14: 8 consumer warps of one weight tile there. All give the same bits (H200 runs of BENCHMARKS.md,
 # 2026-12-01: 7 the fastest of 0-11 at 15:46; the chunk-major token copy at 18:00-18:05: M = 16
 # 21.5 -> 16.2 us in the lab). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no better
 # than 0; 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for the
@@ -55,8 +55,9 @@ VARIANTS: dict[int, tuple[str, str, str, int]] = {
     0: ("cp.async", "e4m3", "prmt", 2), 3: ("cp.async", "e4m3", "prmt", 2), 6: ("bulk", "e4m3", "prmt", 2),
     7: ("bulk", "fp16", "prmt", 2), 8: ("bulk", "fp16", "shift", 2), 9: ("bulk", "e4m3", "shift", 2),
     10: ("bulk", "fp16", "prmt", 1), 11: ("bulk", "fp16", "shift", 1),
-    12: ("bulk-chunked", "fp16", "prmt", 2), 13: ("bulk-chunked-pipelined", "fp16", "prmt", 2)}
-CHUNKED = (12, 13)  # the variants that take the chunk-major token operand
+    12: ("bulk-chunked", "fp16", "prmt", 2), 13: ("bulk-chunked-pipelined", "fp16", "prmt", 2),
+    14: ("bulk-chunked", "fp16", "prmt", 1)}  # 14: NT 1 at M <= 16 with 4 chunks per stage, else as 12
+CHUNKED = (12, 13, 14)  # the variants that take the chunk-major token operand
 DEFAULT_VARIANT = 12
 # the chunk-major token operand: [ceil(M/16) blocks][K/128 chunks][16 rows][128 + 8 halves] (fp16; the
 # 8 padding halves of a row keep ldmatrix conflict-free and are never read; rows >= M are zero)
@@ -192,6 +193,8 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
     if v >= 6 and two and m <= 64:
         pipe, sc, dec, nt = VARIANTS[v]
         cps = 4 if v in CHUNKED and mt == 1 and chunks % 4 == 0 else 2
+        if v == 14 and cps == 2:
+            nt = 2
         stages = 4 if mt == 4 or cps == 4 else 6
         rec = {"variant": v, "pipeline": pipe, "scales": sc, "decode": dec, "MT": mt, "NT": nt,
                "STAGES": stages, "CPS": cps, "MMA": "mma.sync m16n8k16"}

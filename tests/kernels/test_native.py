@@ -144,6 +144,12 @@ def test_chunked_variant_records_and_token_layout():
     w6 = SimpleNamespace(k=768, nseg=1)  # 6 chunks: 2 per stage
     assert native.decode_variant(16, w6)["CPS"] == 2 and native.chunked_tokens(16, w6)
     assert not native.chunked_tokens(1, SimpleNamespace(k=1152, nseg=1))  # odd chunk count: the cp.async kernel
+    native.NATIVE_CFG["variant"] = 14  # 8 consumer warps of one tile at M <= 16 with 4 chunks per stage only
+    try:
+        assert native.decode_variant(16, w)["NT"] == 1 and native.decode_variant(16, w6)["NT"] == 2
+        assert native.decode_variant(64, w)["NT"] == 2 and native.chunked_tokens(16, w)
+    finally:
+        native.NATIVE_CFG.clear()
     g = torch.Generator().manual_seed(3)
     for m, k in ((1, 256), (16, 384), (37, 1024)):
         op = torch.randn(m, k, generator=g).to(torch.float16)

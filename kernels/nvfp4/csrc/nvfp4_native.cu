@@ -618,27 +618,24 @@ __device__ __forceinline__ float e4m3_value(uint32_t b) {  // exact
 }
 
 // one CTA (128 threads) per row; thread t holds blocks t, t+128, ... (BPT of them) in registers
-template <int BPT, bool EMIT_OP>
+// CM: the fp16 operand (EMIT_OP) in the decode kernel's chunk-major token layout (TROW / TCH above):
+// [ceil(rows/16)][K/128][16][136]; the grid then covers ceil(rows/16)*16 rows, the rows past ``rows``
+// writing zero operand rows only (a separate instance: the row-major kernels are the measured ones)
+template <int BPT, bool EMIT_OP, bool CM = false>
 __global__ void __launch_bounds__(128) quant_rows_kernel(const uint4* __restrict__ x, float* __restrict__ amax_p,
                                                          uint2* __restrict__ codes, uint8_t* __restrict__ scales,
-                                                         uint4* __restrict__ op, int K, int amax_mode, int rows,
-                                                         int op_cm) {
-  // op_cm: the fp16 operand in the decode kernel's chunk-major token layout (TROW / TCH above):
-  // [ceil(rows/16)][K/128][16][136]; the grid then covers ceil(rows/16)*16 rows, the rows past ``rows``
-  // writing zero operand rows only
+                                                         uint4* __restrict__ op, int K, int amax_mode, int rows) {
   const int row = blockIdx.x;
   const int tid = threadIdx.x;
   const int nblk = K >> 4;
   auto op_at = [&](int b) -> uint4* {  // the 16 operand halves of block b of this row
-    if (!op_cm) return op + ((size_t)row * K + (size_t)b * 16) / 8;
+    if (!CM) return op + ((size_t)row * K + (size_t)b * 16) / 8;
     return op + ((((size_t)(row >> 4) * (K >> 7) + (b >> 3)) * 16 + (row & 15)) * TROW + (b & 7) * 32) / 16;
   };
-  if (row >= rows) {  // padding row of the last 16-row block (op_cm only)
-    if (EMIT_OP) {
-      for (int b = tid; b < nblk; b += 128) {
-        uint4* o = op_at(b);
-        o[0] = o[1] = make_uint4(0, 0, 0, 0);
-      }
+  if (CM && row >= rows) {  // padding row of the last 16-row block
+    for (int b = tid; b < nblk; b += 128) {
+      uint4* o = op_at(b);
+      o[0] = o[1] = make_uint4(0, 0, 0, 0);
     }
     return;
   }
@@ -804,10 +801,12 @@ void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& co
   uint2* cp = reinterpret_cast<uint2*>(codes.data_ptr());
   uint8_t* sp = scales.data_ptr<uint8_t>();
   uint4* opp = reinterpret_cast<uint4*>(op.data_ptr());
-  if (emit_op)
-    quant_rows_kernel<BPT, true><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows, op_cm);
+  if (op_cm)
+    quant_rows_kernel<BPT, true, true><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows);
+  else if (emit_op)
+    quant_rows_kernel<BPT, true><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows);
   else
-    quant_rows_kernel<BPT, false><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows, 0);
+    quant_rows_kernel<BPT, false><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -831,15 +830,17 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
   // variants 12, 13: 7 with the token operand chunk-major (``a`` [ceil(M/16), K/128, 16, 136], as
   // quantize_rows writes it with op_cm), one bulk copy per 16-row block and stage on the weights'
   // mbarrier; M <= 16: 4 stages x 4 chunks when the segment's chunk count allows it; 13: the
-  // software-pipelined consumer loop (consume_pipe). Same conditions as 6-11, else the cp.async kernel.
-  if ((variant == 12 || variant == 13) && two && M <= 64) {
+  // software-pipelined consumer loop (consume_pipe); 14: 12 with 8 consumer warps of one 8-row weight
+  // tile each at M <= 16 (4 stages x 4 chunks). Same conditions as 6-11, else the cp.async kernel.
+  if (variant >= 12 && variant <= 14 && two && M <= 64) {
     TORCH_CHECK(wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
     TORCH_CHECK(a.dim() == 4 && a.size(0) >= (M + 15) / 16 && a.size(1) == K / KC && a.size(2) == 16 &&
                     a.size(3) == TROW / 2,
                 "decode_gemm: variants 12, 13 take the chunk-major token operand [ceil(M/16), K/128, 16, 136]");
     const bool four = (K / KC / nseg) % 4 == 0;
 #define MP_TOK(P_)                                                                                                \
-  if (M <= 16 && four) launch_bulk<1, 2, true, 0, 1, P_, 4, 4>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); \
+  if (M <= 16 && four && variant == 14) launch_bulk<1, 1, true, 0, 1, P_, 4, 4>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); \
+  else if (M <= 16 && four) launch_bulk<1, 2, true, 0, 1, P_, 4, 4>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); \
   else if (M <= 16) launch_bulk<1, 2, true, 0, 1, P_>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); \
   else if (M <= 32) launch_bulk<2, 2, true, 0, 1, P_>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s); \
   else launch_bulk<4, 2, true, 0, 1, P_>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s);
