@@ -42,15 +42,15 @@ NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (see VARIANTS)
 # bytes; "fp16": scales as fp16 sf * 2^7 (native_layout's third tensor). "prmt" / "shift": the fp16
 # pairs made by byte permutes or by masks and shifts. NT 2: 4 consumer warps of two 8-row weight
 # tiles, 1: 8 warps of one. The bulk ones need an even chunk count per K segment and M <= 64 (else
-# variant 0 runs). "bulk-chunked" (12, 13): 7 with the token operand chunk-major (TOKEN_LAYOUT, made
-# by the quantizer or :func:`chunk_operand`), one bulk copy per 16-row token block and stage on the
+# variant 0 runs). "bulk-chunked" (12-14): 7 with the token operand chunk-major (TOKEN_ROW, made by
+# the quantizer or :func:`chunk_operand`), one bulk copy per 16-row token block and stage on the
 # weights' mbarrier, 4 stages x 4 chunks at M <= 16 when the segment's chunk count allows; 13 with
-# the software-pipelined consumer loop; 14: 8 consumer warps of one weight tile there. All give the same bits (H200 runs of BENCHMARKS.md,
-# 2026-12-01: 7 the fastest of 0-11 at 15:46; the chunk-major token copy at 18:00-18:05: M = 16
-# 21.5 -> 16.2 us in the lab). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no better
-# than 0; 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for the
-# weights (no shared memory): 0.9-1.0 TB/s, dropped; the token tile multicast over clusters of 2-4
-# CTAs (lab, 18:00): 40-70 us, dropped.
+# the software-pipelined consumer loop; 14: 8 consumer warps of one weight tile there. All give the
+# same bits (H200 runs of BENCHMARKS.md, 2026-12-01: 7 the fastest of 0-11 at 15:46; 12 at 18:10:
+# M = 16 21.0 -> 15.5 us). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no better than 0;
+# 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for the weights (no
+# shared memory): 0.9-1.0 TB/s, dropped; the token tile multicast over clusters of 2-4 CTAs (lab,
+# 18:00): 40-70 us, dropped.
 VARIANTS: dict[int, tuple[str, str, str, int]] = {
     0: ("cp.async", "e4m3", "prmt", 2), 3: ("cp.async", "e4m3", "prmt", 2), 6: ("bulk", "e4m3", "prmt", 2),
     7: ("bulk", "fp16", "prmt", 2), 8: ("bulk", "fp16", "shift", 2), 9: ("bulk", "e4m3", "shift", 2),
