@@ -14,8 +14,8 @@ Kernels (same bits as the Triton paths; the GPU checks compare them with ``torch
   output along K. Variants (``NATIVE_CFG["variant"]``, all the same bits, see :data:`VARIANTS`):
   the cp.async pipeline (0, 3) and the bulk-copy pipeline (6-9: weights by the copy engine, a
   producer warp, no CTA-wide barrier; with E4M3 scale bytes or fp16 scales, byte-permute or
-  mask/shift fragment decode; 12, 13, the default: the token operand chunk-major, one bulk copy per
-  stage);
+  mask/shift fragment decode; 12-14 (14 the default): the token operand chunk-major, one bulk copy
+  per stage);
 * ``quantize_rows``: the per-token / given-amax quantizer of :mod:`quant_fast` for bf16 rows.
 """
 
@@ -46,8 +46,8 @@ NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (see VARIANTS)
 # the quantizer or :func:`chunk_operand`), one bulk copy per 16-row token block and stage on the
 # weights' mbarrier, 4 stages x 4 chunks at M <= 16 when the segment's chunk count allows; 13 with
 # the software-pipelined consumer loop; 14: 8 consumer warps of one weight tile there. All give the
-# same bits (H200 runs of BENCHMARKS.md, 2026-12-01: 7 the fastest of 0-11 at 15:46; 12 at 18:10:
-# M = 16 21.0 -> 15.5 us). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no better than 0;
+# same bits (H200 runs of BENCHMARKS.md, 2026-12-01: 7 the fastest of 0-11 at 15:46; 12 at 18:13:
+# M = 16 21.0 -> 15.5 us; 14 at 18:21: 15.4 us, the default since). Earlier: 1 (2 tiles, 4 stages x 2), 2 (1 tile, 6 x 2): no better than 0;
 # 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for the weights (no
 # shared memory): 0.9-1.0 TB/s, dropped; the token tile multicast over clusters of 2-4 CTAs (lab,
 # 18:00): 40-70 us, dropped.
@@ -58,7 +58,7 @@ VARIANTS: dict[int, tuple[str, str, str, int]] = {
     12: ("bulk-chunked", "fp16", "prmt", 2), 13: ("bulk-chunked-pipelined", "fp16", "prmt", 2),
     14: ("bulk-chunked", "fp16", "prmt", 1)}  # 14: NT 1 at M <= 16 with 4 chunks per stage, else as 12
 CHUNKED = (12, 13, 14)  # the variants that take the chunk-major token operand
-DEFAULT_VARIANT = 12
+DEFAULT_VARIANT = 14  # H200 18:21 run: M = 1 / 16 / 64 15.1 / 15.4 / 31.1 us (12: 15.3 / 15.8 / 31.1)
 # the chunk-major token operand: [ceil(M/16) blocks][K/128 chunks][16 rows][128 + 8 halves] (fp16; the
 # 8 padding halves of a row keep ldmatrix conflict-free and are never read; rows >= M are zero)
 TOKEN_ROW = 136

@@ -137,8 +137,12 @@ def test_chunked_variant_records_and_token_layout():
     from types import SimpleNamespace
 
     w = SimpleNamespace(k=8192, nseg=1)
-    r = native.decode_variant(16, w)
-    assert (r["variant"], r["STAGES"], r["CPS"]) == (12, 4, 4) and "chunk-major" in r["tokens"]
+    native.NATIVE_CFG["variant"] = 12
+    try:
+        r = native.decode_variant(16, w)
+    finally:
+        native.NATIVE_CFG.clear()
+    assert (r["variant"], r["STAGES"], r["CPS"], r["NT"]) == (12, 4, 4, 2) and "chunk-major" in r["tokens"]
     assert native.chunked_tokens(16, w) and native.chunked_tokens(64, w) and not native.chunked_tokens(65, w)
     assert native.decode_variant(40, w)["CPS"] == 2 and native.decode_variant(40, w)["STAGES"] == 4
     w6 = SimpleNamespace(k=768, nseg=1)  # 6 chunks: 2 per stage
