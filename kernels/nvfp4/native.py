@@ -48,9 +48,9 @@ NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (see VARIANTS)
 # the software-pipelined consumer loop; 14: 8 consumer warps of one weight tile there. All give the
 # same bits (H200 runs of BENCHMARKS.md, 2026-12-01: 7 the fastest of 0-11 at 15:46; 12 at 18:13:
 # M = 16 21.0 -> 15.5 us; 14 at 18:21: 15.4 us, the default since). Earlier: 1 (2 tiles, 4 stages
-# x 2), 2 (1 tile, 6 x 2): no better than 0; 4, 5 (wgmma with register weights): 35 us at M = 16, removed; a register ring for the weights (no
-# shared memory): 0.9-1.0 TB/s, dropped; the token tile multicast over clusters of 2-4 CTAs (lab,
-# 18:00): 40-70 us, dropped.
+# x 2), 2 (1 tile, 6 x 2): no better than 0; 4, 5 (wgmma with register weights): 35 us at M = 16,
+# removed; a register ring for the weights (no shared memory): 0.9-1.0 TB/s, dropped; the token
+# tile multicast over clusters of 2-4 CTAs (lab, 18:00): 40-70 us, dropped.
 VARIANTS: dict[int, tuple[str, str, str, int]] = {
     0: ("cp.async", "e4m3", "prmt", 2), 3: ("cp.async", "e4m3", "prmt", 2), 6: ("bulk", "e4m3", "prmt", 2),
     7: ("bulk", "fp16", "prmt", 2), 8: ("bulk", "fp16", "shift", 2), 9: ("bulk", "e4m3", "shift", 2),
