@@ -11,7 +11,10 @@
 //    Weights stream in the "native layout" (native.py: native_layout), arranged once per weight
 //    version: per 64 rows x 128 K chunk, 4 KB of codes where each thread's 16 bytes are exactly its
 //    B fragments for the chunk's 8 k16 steps, then 512 B of scale bytes. A cp.async ring of
-//    STAGES chunks (codes, scales and the activation tile) keeps the weight bytes in flight.
+//    STAGES chunks (codes, scales and the activation tile) keeps the weight bytes in flight
+//    (decode_gemm_kernel), or a producer warp's cp.async.bulk copies on mbarriers
+//    (decode_bulk_kernel; with TOKC the token operand chunk-major, one bulk copy per stage: the
+//    default, variant 14 of native.py).
 //    Register decode: byte i of word w holds the k16-step-2w value of fragment slot i in bits
 //    {1,2,3,7} and the step-2w+1 value in bits {4,5,6,0}; (W & 0x8E8E8E8E) and
 //    ((W >> 3) & 0x0E0E0E0E) | ((W << 7) & 0x80808080) put each value's bits where an fp16's high
