@@ -330,6 +330,27 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
 constexpr int TROW = (KC + 8) * 2;  // bytes per token row of a chunk
 constexpr int TCH = 16 * TROW;      // bytes per (16-row block, chunk)
 
+// One k-chunk's weight words and scales of a consumer warp's NT tiles, from a stage in shared memory
+// (both consumer loops of decode_bulk_kernel).
+template <int NT, int CPS, bool SC16, int SB>
+__device__ __forceinline__ void load_wsc(const uint8_t* st, int j, int warp, int lane, int g, uint32_t (&wv)[NT][4],
+                                         uint32_t (&sc)[NT][4]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int tile = warp * NT + t;
+    const uint4 w = *reinterpret_cast<const uint4*>(st + j * W_BYTES + (tile * 32 + lane) * 16);
+    wv[t][0] = w.x; wv[t][1] = w.y; wv[t][2] = w.z; wv[t][3] = w.w;
+    const uint8_t* sp = st + CPS * W_BYTES + j * SB + (tile * 8 + g) * (SB / 64);
+    if (SC16) {
+      const uint4 v = *reinterpret_cast<const uint4*>(sp);
+      sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = v.z; sc[t][3] = v.w;
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(sp);
+      sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = sc[t][3] = 0u;
+    }
+  }
+}
+
 // The consumer loop of decode_bulk_kernel with the chunk-major token tile (TOKC == 1), software-
 // pipelined across steps, chunks and stages: the A fragments (ldmatrix) LA = 2 k16 steps ahead, the B
 // fragments decoded one step ahead, the next chunk's weight words loaded 3-4 steps before use (the
@@ -350,21 +371,7 @@ __device__ __forceinline__ void consume_pipe(float (&acc)[MT][NT][4], uint8_t* s
     for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a_lane + slot * STAGE + mt * CPS * TCH + (u / 8) * TCH + (u % 8) * 32);
   };
   auto ldw = [&](uint32_t (&wv)[NT][4], uint32_t (&sc)[NT][4], int slot, int j) {
-    const uint8_t* st = smem + slot * STAGE;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int tile = warp * NT + t;
-      const uint4 w = *reinterpret_cast<const uint4*>(st + j * W_BYTES + (tile * 32 + lane) * 16);
-      wv[t][0] = w.x; wv[t][1] = w.y; wv[t][2] = w.z; wv[t][3] = w.w;
-      const uint8_t* sp = st + CPS * W_BYTES + j * SB + (tile * 8 + g) * (SB / 64);
-      if (SC16) {
-        const uint4 v = *reinterpret_cast<const uint4*>(sp);
-        sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = v.z; sc[t][3] = v.w;
-      } else {
-        const uint2 v = *reinterpret_cast<const uint2*>(sp);
-        sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = sc[t][3] = 0u;
-      }
-    }
+    load_wsc<NT, CPS, SC16, SB>(smem + slot * STAGE, j, warp, lane, g, wv, sc);
   };
   auto decb = [&](uint32_t (&b)[NT][2], const uint32_t (&wv)[NT][4], const uint32_t (&sc)[NT][4], int s) {
 #pragma unroll
@@ -518,20 +525,7 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
 #pragma unroll
         for (int j = 0; j < CPS; ++j) {
           uint32_t wv[NT][4], sc[NT][4];
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            const int tile = warp * NT + t;
-            const uint4 w = *reinterpret_cast<const uint4*>(st + j * W_BYTES + (tile * 32 + lane) * 16);
-            wv[t][0] = w.x; wv[t][1] = w.y; wv[t][2] = w.z; wv[t][3] = w.w;
-            const uint8_t* sp = st + CPS * W_BYTES + j * SB + (tile * 8 + g) * (SB / 64);
-            if (SC16) {
-              const uint4 v = *reinterpret_cast<const uint4*>(sp);
-              sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = v.z; sc[t][3] = v.w;
-            } else {
-              const uint2 v = *reinterpret_cast<const uint2*>(sp);
-              sc[t][0] = v.x; sc[t][1] = v.y; sc[t][2] = sc[t][3] = 0u;
-            }
-          }
+          load_wsc<NT, CPS, SC16, SB>(st, j, warp, lane, g, wv, sc);
           if (MODE == 1) {
 #pragma unroll
             for (int t = 0; t < NT; ++t) sink ^= wv[t][0] ^ wv[t][3] ^ sc[t][0];
