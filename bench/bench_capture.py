@@ -147,11 +147,13 @@ def time_modes(shape: str, device: str, seq_len: int, per_mb: int, mbs: int, rep
         #   hooks    the hooks run but record nothing (hook dispatch only)
         #   qNg      the queue launches at N GiB instead of the default (4 GiB; 1 GiB before 18:00 2026-12-01)
         #   keep     no launch at each new micro-batch (only when the queue is full, and at close)
+        #   eqprio   the engine's forwards on the caller's stream (MISMATCH_PROBE_CAPTURE_STREAM=side-equal),
+        #            not on the high-priority stream of the default `side`
         base_mode, _, variant = mode.partition("@")
         recmod._QUEUE_BYTES = int(variant[1:-1]) << 30 if variant[:1] == "q" and variant[1:-1].isdigit() else orig_qbytes
         recmod.OpRecorder.launch = (lambda self: None) if variant == "keep" else orig_batch_launch
         os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
-        os.environ["MISMATCH_PROBE_CAPTURE_STREAM"] = "main" if variant == "main" else "side"
+        os.environ["MISMATCH_PROBE_CAPTURE_STREAM"] = {"main": "main", "eqprio": "side-equal"}.get(variant, "side")
         digest_triton.launch_desc = (lambda *a, **k: None) if variant == "nolaunch" else orig_launch
         recmod.OpRecorder.record = (lambda *a, **k: None) if variant == "hooks" else orig_record
         recmod.OpRecorder.record_rows = (lambda *a, **k: None) if variant == "hooks" else orig_rows

@@ -46,8 +46,9 @@ _ALL = (
     Setting("MISMATCH_PROBE_CAPTURE_WRITER", "tuning", "str", "process", "process or thread",
             "who writes captured rows to disk: a separate process or a thread of the engine's process",
             choices=("process", "thread")),
-    Setting("MISMATCH_PROBE_CAPTURE_STREAM", "tuning", "str", "side", "side or main",
-            "CUDA stream of the capture kernels: a side stream or the engine's own", choices=("side", "main")),
+    Setting("MISMATCH_PROBE_CAPTURE_STREAM", "tuning", "str", "side", "side, side-equal or main",
+            "CUDA stream of the capture kernels: a side stream (the engine's forwards on a high-priority stream; "
+            "side-equal: on their own stream) or the engine's own", choices=("side", "side-equal", "main")),
     Setting("MISMATCH_PROBE_DIGEST_BLOCK", "tuning", "int", "256", "a power of two in 16..16384",
             "elements per step of the digest kernel (read at import)", pow2=(16, 16384)),
     Setting("MISMATCH_PROBE_DIGEST_WARPS", "tuning", "int", "1", "a power of two in 1..32",

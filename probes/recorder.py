@@ -366,7 +366,7 @@ class OpRecorder:
 
         if self._stream is False:
             self._stream = None
-            if self._device.type == "cuda" and settings.get("MISMATCH_PROBE_CAPTURE_STREAM") == "side":
+            if self._device.type == "cuda" and settings.get("MISMATCH_PROBE_CAPTURE_STREAM") != "main":
                 self._stream = torch.cuda.Stream(self._device)
         return self._stream
 

@@ -74,7 +74,7 @@ def test_values_are_parsed_and_the_native_cache_follows_the_cache_root(monkeypat
     ("name", "value", "allowed"),
     [
         ("MISMATCH_PROBE_CAPTURE_WRITER", "threads", "process or thread"),
-        ("MISMATCH_PROBE_CAPTURE_STREAM", "aux", "side or main"),
+        ("MISMATCH_PROBE_CAPTURE_STREAM", "aux", "side, side-equal or main"),
         ("MISMATCH_PROBE_NATIVE", "false", "0 or 1"),
         ("MISMATCH_PROBE_DIGEST_BLOCK", "300", "a power of two in 16..16384"),
         ("MISMATCH_PROBE_DIGEST_WARPS", "two", "a power of two in 1..32"),

@@ -237,6 +237,7 @@ class HfLearner(HfModelRunner):
 
         import torch
 
+        from mismatch_probe.probes.engine_stream import engine_stream
         from mismatch_probe.probes.hf.capture import HfCapture
         from mismatch_probe.probes.recorder import OpRecorder
 
@@ -247,7 +248,10 @@ class HfLearner(HfModelRunner):
         if rec is not None:
             rec.begin(seq_ids, [len(s) for s in seqs])
         try:
-            with torch.inference_mode(), cap if cap is not None else contextlib.nullcontext():
+            with torch.inference_mode(), cap if cap is not None else contextlib.nullcontext(), \
+                    engine_stream(self.device) if rec is not None else contextlib.nullcontext() as stream_note:
+                if stream_note is not None:
+                    self.info.settings["capture_engine_stream"] = stream_note
                 for start in range(0, len(seqs), mb):
                     chunk = seqs[start : start + mb]
                     if cap is not None:

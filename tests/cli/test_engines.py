@@ -21,7 +21,7 @@ def test_engines_lists_the_stack():
 def test_a_bad_setting_is_one_line_and_exit_2():
     proc = cli("engines", env={"MISMATCH_PROBE_CAPTURE_STREAM": "aux"})
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: MISMATCH_PROBE_CAPTURE_STREAM='aux' is not valid: expected side or main"
+    assert proc.stderr.strip() == "error: MISMATCH_PROBE_CAPTURE_STREAM='aux' is not valid: expected side, side-equal or main"
 
 
 def test_a_broken_engine_is_shown_with_its_reason(tmp_path):
