@@ -70,3 +70,15 @@ def test_canonical_names():
     assert [exec_order(o, 2) for o in ops] == sorted(exec_order(o, 2) for o in ops)
     assert split_op("3.mlp.down") == (3, "mlp.down") and split_op("logits") == (-1, "logits")
     assert "0.moe.router_logits" in canonical_ops(1, moe=True) and "0.mlp.gate" not in canonical_ops(1, moe=True)
+
+
+def test_engine_stream_changes_nothing_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The high-priority engine stream is CUDA-only and only for the default `side` setting: on the
+    CPU, or with `side-equal` / `main`, the context yields None and leaves the current stream alone
+    (the CUDA path is exercised by bench/gpu_capture.sh: logprobs with capture == without)."""
+    from mismatch_probe.probes.engine_stream import engine_stream
+
+    for value in ("side", "side-equal", "main"):
+        monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_STREAM", value)
+        with engine_stream("cpu") as note:
+            assert note is None
