@@ -396,7 +396,12 @@ def e2e() -> None:
                  f"path {kern.get('path')}, config {kern.get('config')}")
 
 
-def table() -> None:
+EQ_KEYS = ("rows_eq_prefill", "rows_eq_auto", "grouped_eq_per_expert")
+
+
+def rows_table(eq_keys: tuple[str, ...] = EQ_KEYS) -> None:
+    """ROWS as a table: the median and what follows from it (bandwidth, share of the copy bandwidth,
+    speed vs cuBLAS bf16 / _grouped_mm / the bf16 forward) and the bit-equality flags ``eq_keys``."""
     print("\n| workload | median | derived |")
     print("|---|---:|---|")
     for r in ROWS:
@@ -415,15 +420,21 @@ def table() -> None:
                 d.append(f"{r[key] / ms:.2f}x speed of {lab}")
         if r.get("vs_bf16"):
             d.append(f"{r['vs_bf16']:.2f}x speed of bf16")
-        for key in ("rows_eq_prefill", "rows_eq_auto", "grouped_eq_per_expert"):
-            if key in r:
-                d.append(f"{key}={r[key]}")
+        d += [f"{key}={r[key]}" for key in eq_keys if r.get(key) is not None]
         if not r.get("graph", True) and not r.get("e2e"):
             d.append("no CUDA graph")
         print(f"| {r['name']} | {val} | {', '.join(d)} |")
+
+
+def print_notes() -> None:
     print("\nnotes:")
     for s in NOTES:
         print(" -", s[:900])
+
+
+def table() -> None:
+    rows_table()
+    print_notes()
 
 
 def main() -> int:

@@ -19,7 +19,20 @@ import torch
 import triton
 
 # the timing, recording and section helpers are the one-call bench's (same folder on sys.path)
-from bench_kernels import GRAPH, NOTES, ROWS, decode_inputs, eq, note, rec, section, sweep_paths, take_rows  # noqa: E402, F401
+from bench_kernels import (  # noqa: E402, F401
+    GRAPH,
+    NOTES,
+    ROWS,
+    decode_inputs,
+    eq,
+    note,
+    print_notes,
+    rec,
+    rows_table,
+    section,
+    sweep_paths,
+    take_rows,
+)
 
 
 @section
@@ -414,28 +427,8 @@ def nseg_table() -> None:
 
 
 def table() -> None:
-    print("\n| probe | median us | derived |")
-    print("|---|---:|---|")
-    for r in ROWS:
-        if r.get("ms") is None:
-            print(f"| {r['name']} | failed | {r.get('error', '')[:100]} |")
-            continue
-        ms = r["ms"]
-        d = []
-        if "bytes" in r:
-            d.append(f"{r['bytes'] / ms / 1e6:.0f} GB/s")
-            if r.get("copy_ms"):
-                d.append(f"{(r['bytes'] / ms) / (r['copy_bytes'] / r['copy_ms']) * 100:.0f}% of copy")
-        for key, lab in (("cublas_ms", "cuBLAS"), ("grouped_mm_ms", "_grouped_mm")):
-            if r.get(key):
-                d.append(f"{r[key] / ms:.2f}x vs {lab}")
-        for key in ("bits_ok", "rows_eq_prefill", "rows_eq", "grouped_eq_per_expert"):
-            if key in r and r[key] is not None:
-                d.append(f"{key}={r[key]}")
-        print(f"| {r['name']} | {ms * 1e3:.1f} | {', '.join(d)} |")
-    print("\nnotes:")
-    for s in NOTES:
-        print(" -", s[:600])
+    rows_table(("bits_ok", "rows_eq_prefill", "rows_eq", "grouped_eq_per_expert"))
+    print_notes()
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 import triton
-from bench_kernels import ROWS, eq, note, rec, section, sweep_cases, take_rows  # noqa: E402  (same folder on sys.path)
+from bench_kernels import NOTES, ROWS, eq, note, print_notes, rec, rows_table, section, sweep_cases, take_rows  # noqa: E402  (same folder on sys.path)
 
 SHAPES = {"q": (2048, 1024), "k/v": (1024, 1024), "o": (1024, 2048), "gate/up": (3072, 1024), "down": (1024, 3072)}
 PER_LAYER = {"q": 1, "k/v": 2, "o": 1, "gate/up": 2, "down": 1}  # linears of each shape per Qwen3 layer
@@ -347,18 +347,7 @@ def e2e_gpu() -> None:
 
 
 def table() -> None:
-    print("\n| workload | median | vs cuBLAS bf16 | bits |")
-    print("|---|---:|---:|---|")
-    for r in ROWS:
-        if r.get("ms") is None:
-            print(f"| {r['name']} | failed | | {r.get('error', '')[:80]} |")
-            continue
-        val = f"{r['ms']:.1f} ms" if r.get("e2e") else f"{r['ms'] * 1e3:.1f} us"
-        rel = f"{r['ms'] / r['cublas_ms']:.2f}x time" if r.get("cublas_ms") else ""
-        if r.get("vs_bf16"):
-            rel = f"{r['vs_bf16']:.2f}x speed of bf16"
-        bits = ", ".join(f"{key}={r[key]}" for key in ("rows_eq_new", "rows_eq_prefill") if r.get(key) is not None)
-        print(f"| {r['name']} | {val} | {rel} | {bits} |")
+    rows_table(("rows_eq_new", "rows_eq_prefill"))
     # the GEMM time of one 0.6B layer's linears at M = 4096 (7 linears), per loop vs cuBLAS
     tot: dict[str, float] = {}
     for r in ROWS:
@@ -367,11 +356,7 @@ def table() -> None:
     if "cublas" in tot:
         print("\none 0.6B layer's 7 linears at M = 4096 (sum of GEMM medians): "
               + ", ".join(f"{kind} {v * 1e3:.0f} us ({v / tot['cublas']:.2f}x)" for kind, v in tot.items()))
-    print("\nnotes:")
-    from bench_kernels import NOTES
-
-    for s in NOTES:
-        print(" -", s[:900])
+    print_notes()
 
 
 def _dry() -> None:
@@ -436,7 +421,7 @@ def main() -> int:
         fns[part]()
         with open(os.path.join(args.out, "probe_prefill.json"), "w") as f:
             json.dump({"info": info, "build": BUILD, "rows": ROWS,
-                       "notes": __import__("bench_kernels").NOTES}, f, indent=1, default=str)
+                       "notes": NOTES}, f, indent=1, default=str)
     table()
     return 0
 
