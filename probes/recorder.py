@@ -54,6 +54,11 @@ _META = {DIGEST_KEY: b"mp64"}
 _NOROWS = object()
 
 
+def _queue_cost(nbytes: int) -> int:
+    """What a queued tensor adds to the queue: its bytes, at least _QUEUE_BYTES // _QUEUE_OPS."""
+    return max(nbytes, _QUEUE_BYTES // _QUEUE_OPS)
+
+
 @dataclass(slots=True)
 class _Layout:
     """What :meth:`OpRecorder.record_rows` reuses for an op's tensor of a known dtype, shape and
@@ -67,7 +72,7 @@ class _Layout:
     row_stride: int
     nbytes: int
     qkeys: tuple[Any, Any] = ()  # queue keys (dtype, stats) for stats False / True
-    qcost: int = 0  # what it adds to the queue: its bytes, at least _QUEUE_BYTES // _QUEUE_OPS (see _enqueue)
+    qcost: int = 0  # what it adds to the queue (_queue_cost of nbytes)
 
 
 # (op, dtype, shape, strides) -> _Layout, shared by all recorders of the process: a recorder's
@@ -212,12 +217,8 @@ class OpRecorder:
                     # appends to flat lists only: no object per op that the garbage collector tracks (each
                     # one kept until the chunk ends makes the interpreter's full collections more frequent)
                     self._fast.extend((op, lay, rows, off))
-                    q = self._queue.get(lay.qkeys[rows.stats]) or self._queue_of(lay.qkeys[rows.stats])
-                    q[0].append(tensor)
-                    q[1].extend((tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0))
-                    self._qb += lay.qcost
-                    if self._qb >= _QUEUE_BYTES:
-                        self._launch()
+                    self._enqueue(tensor, lay.qkeys[rows.stats], (tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0),
+                                  lay.qcost)
                     return
         n = len(seq_ids)
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
@@ -230,7 +231,7 @@ class OpRecorder:
             _LAYOUTS[key] = _Layout(
                 n, _dtype_name(flat.dtype), list(flat.shape[1:]), int(flat.shape[1]), flat.element_size(),
                 int(flat.stride(0)), flat.numel() * flat.element_size(), ((flat.dtype, False), (flat.dtype, True)),
-                max(flat.numel() * flat.element_size(), _QUEUE_BYTES // _QUEUE_OPS))
+                _queue_cost(flat.numel() * flat.element_size()))
 
     def record(self, op: str, tensor: Any, seq_ids: Any, pos: Any) -> None:
         """Record ``tensor[i]`` as op ``op`` of token (``seq_ids[i]``, ``pos[i]``); rows whose
@@ -266,7 +267,7 @@ class OpRecorder:
         if cuda:
             if t.shape[1]:  # an empty row's digest and stats are never read
                 self._enqueue(t, (t.dtype, rows.stats), (t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), off, 0),
-                              max(t.numel() * t.element_size(), _QUEUE_BYTES // _QUEUE_OPS))
+                              _queue_cost(t.numel() * t.element_size()))
         else:
             sel = t if k == t.shape[0] else t[torch.from_numpy(rows.keep)]
             dig, st = self._arena()
@@ -340,7 +341,7 @@ class OpRecorder:
     def _enqueue(self, t: Any, key: tuple[Any, bool], desc: tuple[int, ...], cost: int) -> None:
         """Queue ``t`` (a reference) with its descriptor row (address, rows, columns, row stride,
         arena row, column offset: see digest_triton.launch_desc) for the next launch of its ``key``;
-        ``cost``: its bytes, at least _QUEUE_BYTES // _QUEUE_OPS."""
+        ``cost``: :func:`_queue_cost` of its bytes."""
         q = self._queue_of(key)
         q[0].append(t)
         q[1].extend(desc)
