@@ -130,8 +130,7 @@ class NVFP4Linear:
         x2 = x2.detach().contiguous()
         op = None
         if self.scheme.per_token and x2.shape[1] <= MAX_K:  # one pass: codes, scales, amax and the fp16 operand
-            m = x2.shape[0]  # in the layout the native decode GEMM takes, where it runs
-            chunks = choose(m, tws[0]) == "decode" and chunked_operand(m, tws[0])
+            chunks = chunked_operand(x2.shape[0], tws[0], "auto")  # the layout the native decode GEMM takes, where it runs
             codes, scales, amax_t, op = quantize_rows(x2, None, True, emit_op=OP_DTYPE, op_chunks=chunks)
             qa = NVFP4Tensor(codes, scales, amax_t, True)
         else:

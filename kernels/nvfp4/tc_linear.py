@@ -254,10 +254,12 @@ def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:
     return native.available() and native.decode_ok(w)
 
 
-def chunked_operand(m: int, w: TCWeight) -> bool:
-    """The decode GEMM of M rows runs a native kernel that takes the chunk-major token operand
-    (``native.chunked_tokens``): the quantizer should write that layout directly."""
-    if m == 0 or m > DECODE_MAX_M or w.dec is None or not use_native(w, w.codes.new_empty(0, dtype=torch.float16), w.nseg):
+def chunked_operand(m: int, w: TCWeight, path: str = "decode") -> bool:
+    """The GEMM of M rows on ``path`` (``auto``: the dispatcher's choice) is the decode path on a
+    native kernel that takes the chunk-major token operand (``native.chunked_tokens``): the quantizer
+    should write that layout directly."""
+    if (m == 0 or m > DECODE_MAX_M or w.dec is None or choose(m, w, path) != "decode"
+            or not use_native(w, w.codes.new_empty(0, dtype=torch.float16), w.nseg)):
         return False
     from . import native
 
@@ -307,8 +309,7 @@ def tc_linear(x: torch.Tensor, w: TCWeight, *, path: str = "auto") -> torch.Tens
 
     x = x.contiguous()
     if x.shape[1] <= MAX_K:
-        m = x.shape[0]
-        chunks = choose(m, w, path) == "decode" and chunked_operand(m, w)
+        chunks = chunked_operand(x.shape[0], w, path)
         codes, scales, amax, op = quantize_rows(x, None, True, emit_op=OP_DTYPE, op_chunks=chunks)
         return tc_matmul(NVFP4Tensor(codes, scales, amax, True), w, path=path, a_op=op)
     return tc_matmul(nvfp4_quantize(x, per_token=True), w, path=path)
