@@ -3,8 +3,10 @@
 
     python bench/probe_nvfp4.py --out DIR [--only checks,quantize,gemm,moe,decode,nseg]
 
-``nseg``: the K-segment rule's candidates (``tc_linear.NSEG_TARGET`` / ``NSEG_MAX``) side by side at
-N = K = 8192 and at layer shapes, with the bitwise row checks of every path (BENCHMARKS.md).
+``nseg``: the K-segment rule's candidates (``tc_linear.NSEG_TARGET`` / ``NSEG_MAX``; ``--nseg-targets``)
+side by side at N = K = 8192 and at layer shapes, with the bitwise row checks of every path
+(BENCHMARKS.md); ``--nseg-variants`` adds native decode variants per rule, ``--nseg-prefill-cfgs``
+prefill config overrides at NSEG > 1.
 
 Prints a table last; writes ``probe.json``. Timings: triton.testing.do_bench median (ms).
 """
@@ -303,6 +305,9 @@ NSEG_CANDIDATES = ((128, 8), (256, 8), (512, 8), (1024, 8))
 NSEG_SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (3072, 1024), (2048, 1024))
 NSEG_NK, NSEG_ROWS, NSEG_ROWS2, DEV = 8192, 8192, 4096, "cuda"  # (smaller on the CPU, for a dry run of the logic)
 OUT_DIR = {"path": "."}
+# --nseg-targets / --nseg-variants (native decode variants timed beside the default, per rule) /
+# --nseg-prefill-cfgs (prefill config overrides timed at NSEG > 1)
+NSEG_OPTS: dict = {"candidates": NSEG_CANDIDATES, "variants": (), "prefill_cfgs": ()}
 
 
 @section
@@ -310,9 +315,11 @@ def nseg() -> None:
     """Per candidate K-segment rule: N = K = 8192 native decode M = 1, 16, 64, Triton decode M = 16,
     prefill M = 8192, the linear at M = 16; rows identical for every M
     of the issue's list, offsets 0 and 37, every path; tolerance vs the per-block reference; then
-    the layer shapes: decode M = 16 and prefill M = 4096 vs cuBLAS, decode rows == prefill rows."""
+    the layer shapes: decode M = 16 and prefill M = 4096 vs cuBLAS, decode rows == prefill rows.
+    The native decode gets its token operand in the layout it takes (converted outside the timing)."""
     from mismatch_probe.kernels import nvfp4_quantize
     from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
+    from mismatch_probe.kernels.nvfp4 import native
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
     n = k = NSEG_NK
@@ -333,7 +340,7 @@ def nseg() -> None:
     summary: list[dict] = []
     NSEG_SUMMARY.update(cublas={str(m): v for m, v in cub.items()}, candidates=summary,
                         shapes_cublas={f"N={n2} K={k2}": [c16, c4096] for n2, k2, *_, c16, c4096 in shapes})
-    for target, cap in NSEG_CANDIDATES:
+    for target, cap in NSEG_OPTS["candidates"]:
         T.NSEG_TARGET, T.NSEG_MAX = target, cap
         tw = T.prepare(wq)
         tag = f"[target {target} max {cap}] N=K={n} nseg={tw.nseg}"
@@ -342,14 +349,29 @@ def nseg() -> None:
         row = {"target": target, "max": cap, "nseg": tw.nseg}
         row["prefill_8192"] = rec(f"{tag} M={NSEG_ROWS} prefill", lambda: T.tc_matmul(aq, tw, path="prefill", a_op=aop),
                                   cublas_ms=cub[NSEG_ROWS], nseg=tw.nseg)
+        for cfg in NSEG_OPTS["prefill_cfgs"] if tw.nseg > 1 else ():
+            T.PREFILL_CFG.update(cfg)
+            ok = eq(T.tc_matmul(aq, tw, path="prefill", a_op=aop), full)
+            row[f"prefill_8192 {cfg}"] = rec(f"{tag} M={NSEG_ROWS} prefill {cfg}",
+                                             lambda: T.tc_matmul(aq, tw, path="prefill", a_op=aop),
+                                             cublas_ms=cub[NSEG_ROWS], rows_eq=ok, nseg=tw.nseg)
+            T.PREFILL_CFG.clear()
+            if not ok:
+                bad.append((NSEG_ROWS, 0, f"prefill {cfg}"))
         for m in (1, 16, 64):
             a = take_rows(aq, 0, m)
             op = aop[:m]
-            ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
-            row[f"native decode M={m}"] = rec(f"{tag} M={m} native decode", lambda: T.tc_matmul(a, tw, path="decode", a_op=op),
-                                              cublas_ms=cub[m], rows_eq_prefill=ok, nseg=tw.nseg)
-            if not ok:
-                bad.append((m, 0, "native decode"))
+            for v in (None, *NSEG_OPTS["variants"]):  # None: the default variant
+                if v is not None:
+                    native.NATIVE_CFG["variant"] = v
+                opd = T.decode_operand(op, tw, m)
+                ok = eq(T.tc_matmul(a, tw, path="decode", a_op=opd), full[:m])
+                name = "native decode" if v is None else f"native decode v{v}"
+                row[f"{name} M={m}"] = rec(f"{tag} M={m} {name}", lambda: T.tc_matmul(a, tw, path="decode", a_op=opd),
+                                           cublas_ms=cub[m], rows_eq_prefill=ok, nseg=tw.nseg)
+                native.NATIVE_CFG.pop("variant", None)
+                if not ok:
+                    bad.append((m, 0, name))
             if m == 16:
                 T.DECODE_CFG["NATIVE"] = False
                 ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
@@ -379,7 +401,7 @@ def nseg() -> None:
                 if not eq(T.tc_matmul(sub, tp, path="decode"), f2[:m]):
                     bad2.append(m)
             a16 = type(a2)(a2.codes[:16], a2.scales[:16], a2.amax[:16], True)
-            op16 = aop2[:16]
+            op16 = T.decode_operand(aop2[:16], tp, 16)
             row[f"N={n2} K={k2}"] = {
                 "nseg": tp.nseg, "decode_eq_prefill": not bad2, "per_row_weight": tp.per_row,
                 "decode_16": rec(f"{t2} M=16 native decode", lambda: T.tc_matmul(a16, tp, path="decode", a_op=op16),
@@ -410,11 +432,13 @@ def nseg_table() -> None:
           "| prefill M=8192 | rows, tolerance |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in NSEG_SUMMARY["candidates"]:
-        d = {m: r.get(f"native decode M={m}") for m in (1, 16, 64)}
-        print(f"| {r['target']} ({r['max']}) | {r['nseg']} | {us(d[1])} | {us(d[16])} | "
-              f"{us(d[64])} | {us(r.get('triton decode M=16'))} | "
-              f"{us(r.get('linear M=16'))} | {us(r['prefill_8192'])} ({x(r['prefill_8192'], cub[big])}) | "
-              f"{r['rows'][:60]}; {r['tolerance'][:40]} |")
+        for v in (None, *NSEG_OPTS["variants"]):
+            name = "native decode" if v is None else f"native decode v{v}"
+            d = {m: r.get(f"{name} M={m}") for m in (1, 16, 64)}
+            print(f"| {r['target']} ({r['max']}){'' if v is None else f' v{v}'} | {r['nseg']} | {us(d[1])} | {us(d[16])} | "
+                  f"{us(d[64])} | {us(r.get('triton decode M=16'))} | "
+                  f"{us(r.get('linear M=16'))} | {us(r['prefill_8192'])} ({x(r['prefill_8192'], cub[big])}) | "
+                  f"{r['rows'][:60]}; {r['tolerance'][:40]} |")
     print("| target | " + " | ".join(sc) + " |  (nseg, native decode M=16 us, prefill M=4096 x cuBLAS)")
     print("|---|" + "---|" * len(sc))
     for r in NSEG_SUMMARY["candidates"]:
@@ -435,7 +459,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="checks,quantize,gemm,moe")
+    ap.add_argument("--nseg-targets", default=",".join(str(t) for t, _ in NSEG_CANDIDATES),
+                    help="NSEG_TARGET candidates of the nseg section (NSEG_MAX 8)")
+    ap.add_argument("--nseg-variants", default="", help="native decode variants timed beside the default (nseg)")
+    ap.add_argument("--nseg-prefill-cfgs", default="[]", help="JSON list of prefill config overrides timed at NSEG > 1")
     args = ap.parse_args()
+    NSEG_OPTS.update(candidates=tuple((int(t), 8) for t in args.nseg_targets.split(",") if t),
+                     variants=tuple(int(v) for v in args.nseg_variants.split(",") if v),
+                     prefill_cfgs=tuple(json.loads(args.nseg_prefill_cfgs)))
     OUT_DIR["path"] = args.out
     print(torch.cuda.get_device_name(0), torch.__version__, triton.__version__, flush=True)
     for part in args.only.split(","):
