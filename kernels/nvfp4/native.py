@@ -190,7 +190,7 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
     two = chunks % 2 == 0
     v = _variant()
     mt = 1 if m <= 16 else 2 if m <= 32 else 4
-    if v >= 6 and two and m <= 64:
+    if v >= 6 and _bulk_ok(m, w):
         pipe, sc, dec, nt = VARIANTS[v]
         cps = 4 if v in CHUNKED and mt == 1 and chunks % 4 == 0 else 2
         if v == 14 and cps == 2:
@@ -209,9 +209,15 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
             "HALF": int(m <= 8), "MMA": "mma.sync m16n8k16"}
 
 
+def _bulk_ok(m: int, w: Any) -> bool:
+    """The bulk-copy kernels (variants 6-14) run: an even chunk count per K segment and M <= 64
+    (else the cp.async kernel, as nvfp4_native.cu's decode_gemm decides)."""
+    return (w.k // 128 // w.nseg) % 2 == 0 and m <= 64
+
+
 def chunked_tokens(m: int, w: Any) -> bool:
     """Whether the native decode GEMM of M rows of this weight takes the chunk-major token operand."""
-    return _variant() in CHUNKED and (w.k // 128 // w.nseg) % 2 == 0 and m <= 64
+    return _variant() in CHUNKED and _bulk_ok(m, w)
 
 
 def chunk_operand(op: torch.Tensor) -> torch.Tensor:
