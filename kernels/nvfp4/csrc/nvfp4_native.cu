@@ -549,27 +549,6 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
   }
 }
 
-// bench only: CH independent chains of 512 dependent mma.sync m16n8k16 per warp (latency floor)
-template <int CH>
-__global__ void mma_chain_kernel(const uint32_t* __restrict__ in, float* __restrict__ out, long long* __restrict__ cyc) {
-  uint32_t a[4] = {in[0], in[1], in[2], in[3]};
-  const uint32_t b0 = in[4], b1 = in[5];
-  float acc[CH][4];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.0f;
-  const long long t0 = clock64();
-  for (int i = 0; i < 512; ++i) {
-#pragma unroll
-    for (int c = 0; c < CH; ++c) mma16816(acc[c], a, b0, b1);
-  }
-  float s = 0.0f;
-#pragma unroll
-  for (int c = 0; c < CH; ++c) s += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
-  const long long t1 = clock64();
-  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
-  if (blockIdx.x == 0 && threadIdx.x == 0) cyc[0] = t1 - t0;
-}
-
 // ------------------------------------------------------------------------------------------
 // quantizer
 
