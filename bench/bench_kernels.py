@@ -198,8 +198,8 @@ def quantize() -> None:
         bytes=qb + x.numel() * 2, **kw)
     for m in (1, 16, 64):  # decode-sized: the operand chunk-major for the native decode GEMM (tc_linear's A there)
         xm = x[:m]
-        for cm in (False, True):
-            rec(f"quantize per-token M={m} + fp16 operand, {'chunk' if cm else 'row'}-major",
+        for cm in (0, 1, 2):
+            rec(f"quantize per-token M={m} + fp16 operand, {('row-major', 'chunk-major', 'core-matrix')[cm]}",
                 lambda: qf.quantize_rows(xm, None, True, emit_op=torch.float16, op_chunks=cm))
     wt = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     rec("fused RMSNorm + per-token quantize (writes y too)", lambda: qf.rmsnorm_quantize_rows(x, wt, 1e-6),
@@ -227,7 +227,7 @@ def linear() -> None:
             m=m, cublas_ms=cub)
         p = T.choose(m, tw)
         opd = T.decode_operand(op, tw, m)  # the operand as the quantizer writes it for this path (tc_linear)
-        lay = "chunk-major" if opd.dim() == 4 else "row-major"
+        lay = {4: "chunk-major", 5: "core-matrix"}.get(opd.dim(), "row-major")
         rec(f"{tag} NVFP4 GEMM auto ({p}), A quantized ({lay} operand)", lambda: T.tc_matmul(a, tw, a_op=opd), m=m,
             cublas_ms=cub, rows_eq_prefill=eq(T.tc_matmul(a, tw, a_op=opd), full[:m]))
         rec(f"{tag} NVFP4 linear incl. per-token quantize", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub)
@@ -280,10 +280,10 @@ def linear() -> None:
 def sweep() -> None:
     from mismatch_probe.kernels.nvfp4 import native
 
-    _sweep(f"default (native decode variant {native.DEFAULT_VARIANT})")
-    _sweep(f"default (native decode variant {native.DEFAULT_VARIANT}), padded rows and K segments", 1000, 2048)
+    _sweep(f"default (native decode variant {native.default_variant()})")
+    _sweep(f"default (native decode variant {native.default_variant()}), padded rows and K segments", 1000, 2048)
     for v in variants():
-        if v not in (native.DEFAULT_VARIANT, 3):
+        if v not in (native.default_variant(), 3):
             native.NATIVE_CFG["variant"] = v
             _sweep(f"native decode variant {v} {native.VARIANTS[v]}")
             native.NATIVE_CFG.clear()
@@ -452,7 +452,7 @@ def main() -> int:
     if args.native_variant is not None:
         from mismatch_probe.kernels.nvfp4 import native
 
-        native.DEFAULT_VARIANT = args.native_variant
+        native.DEFAULT_VARIANT = native.HOPPER_VARIANT = args.native_variant
     if not torch.cuda.is_available():
         print("error: the benchmarks need a CUDA GPU (none found)", file=sys.stderr)
         return 2
@@ -462,7 +462,7 @@ def main() -> int:
     try:
         from mismatch_probe.kernels.nvfp4 import native
 
-        info["native_default_variant"] = native.DEFAULT_VARIANT
+        info["native_default_variant"] = native.default_variant()
     except ImportError:
         pass
     print(info, flush=True)

@@ -2,7 +2,7 @@
 # The H200 round of BENCHMARKS 'NVFP4 kernels' (issue #13), one call. LAB=1 first builds and runs the
 # standalone decode lab (bench/decode_lab.cu: bit equality of the native decode variants with the
 # shipped cp.async kernel, their timings, the streaming / read ceilings, the mma.sync chain latency,
-# pipe throughputs). Then bench/bench_kernels.py with the native decode default VARIANT (14: chunk-major
+# pipe throughputs). Then bench/bench_kernels.py with the native decode default VARIANT (15: wgmma, core-matrix
 # token operand) and per-variant rows / checks / sweeps for VARIANTS: the named checks, the quantizer,
 # N = K = 8192 at M = 1, 16, 64, 8192 (cuBLAS, FP8, ours), the row sweep. OUT=dir; ONLY= sections.
 set -uo pipefail
@@ -14,8 +14,8 @@ if [ "${LAB:-0}" = 1 ]; then
   tail -n 25 "$out/lab.log"
 fi
 P=$(bash bench/gpu_shim.sh /tmp/mp) && export PYTHONPATH=$P:$PWD/bench
-PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-480}" python3 bench/bench_kernels.py --native-variant "${VARIANT:-14}" \
-  --variants "${VARIANTS:-7,12,13,14}" --triton-decode default --only "${ONLY:-checks,quantize,linear,sweep}" --out "$out" \
+PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-480}" python3 bench/bench_kernels.py --native-variant "${VARIANT:-15}" \
+  --variants "${VARIANTS:-14,15}" --triton-decode default --only "${ONLY:-checks,quantize,linear,sweep}" --out "$out" \
   >"$out/bench.log" 2>&1
 echo "bench_kernels rc=$?"
 grep -E "^\[check\] (fail|err)" "$out/bench.log" | cut -c1-300

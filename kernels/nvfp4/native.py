@@ -56,12 +56,21 @@ VARIANTS: dict[int, tuple[str, str, str, int]] = {
     7: ("bulk", "fp16", "prmt", 2), 8: ("bulk", "fp16", "shift", 2), 9: ("bulk", "e4m3", "shift", 2),
     10: ("bulk", "fp16", "prmt", 1), 11: ("bulk", "fp16", "shift", 1),
     12: ("bulk-chunked", "fp16", "prmt", 2), 13: ("bulk-chunked-pipelined", "fp16", "prmt", 2),
-    14: ("bulk-chunked", "fp16", "prmt", 1)}  # 14: NT 1 at M <= 16 with 4 chunks per stage, else as 12
+    14: ("bulk-chunked", "fp16", "prmt", 1),  # 14: NT 1 at M <= 16 with 4 chunks per stage, else as 12
+    15: ("wgmma-core", "fp16", "prmt", 2)}  # sm_90a: wgmma, weights on M, tokens on N (TOKEN_CORE)
 CHUNKED = (12, 13, 14)  # the variants that take the chunk-major token operand
-DEFAULT_VARIANT = 14  # H200 18:21 run: M = 1 / 16 / 64 15.1 / 15.4 / 31.1 us (12: 15.3 / 15.8 / 31.1)
+CORE = (15,)  # the variants that take the core-matrix token operand
+# Default: 15 on sm_90 (H200 lab, 2026-12-01 21:15: M = 1 / 16 / 32 / 64 14.1 / 15.0 / 16.4 / 20.2 us
+# against 14's 15.5 / 15.4 / - / 31.1), else 14 (wgmma is sm_90a only)
+DEFAULT_VARIANT = 14
+HOPPER_VARIANT = 15
 # the chunk-major token operand: [ceil(M/16) blocks][K/128 chunks][16 rows][128 + 8 halves] (fp16; the
 # 8 padding halves of a row keep ldmatrix conflict-free and are never read; rows >= M are zero)
 TOKEN_ROW = 136
+# the core-matrix token operand of variant 15: [K/128 chunks][16 k-groups of 8][NTOK/8 row groups][8 rows]
+# [8 halves] fp16, NTOK = token_cols(M) (rows >= M zero): a stage's tokens are one contiguous copy, a k16
+# step's wgmma B operand is 2 x NTOK/8 core matrices of 128 contiguous bytes
+TOKEN_CORE = (16, 8, 8)
 _STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s": None}
 
 
@@ -101,7 +110,7 @@ def load() -> Any | None:
 
     cc = torch.cuda.get_device_capability()
     arch = f"{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")  # sm_90a: the Hopper target
-    src = SRC.read_bytes()
+    src = b"".join(f.read_bytes() for f in sorted(SRC.parent.glob("*.cu*")))  # the .cu and its headers
     tag = hashlib.sha256(src + torch.__version__.encode() + arch.encode()).hexdigest()[:16]
     build = _cache_dir(tag)
     build.mkdir(parents=True, exist_ok=True)
@@ -190,6 +199,13 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
     two = chunks % 2 == 0
     v = _variant()
     mt = 1 if m <= 16 else 2 if m <= 32 else 4
+    if v in CORE and _bulk_ok(m, w):
+        ntok = token_cols(m)
+        cps = 4 if chunks % 4 == 0 and ntok < 64 else 2
+        return {"variant": v, "pipeline": "wgmma-core", "scales": "fp16", "decode": "prmt", "NTOK": ntok,
+                "STAGES": 4 if cps == 4 or ntok == 64 else 6, "CPS": cps, "R": 4 if cps == 4 and ntok <= 16 else 2,
+                "FIRST": int(cps == 4 and ntok <= 16), "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
+                "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
     if v >= 6 and _bulk_ok(m, w):
         pipe, sc, dec, nt = VARIANTS[v]
         cps = 4 if v in CHUNKED and mt == 1 and chunks % 4 == 0 else 2
@@ -215,9 +231,23 @@ def _bulk_ok(m: int, w: Any) -> bool:
     return (w.k // 128 // w.nseg) % 2 == 0 and m <= 64
 
 
+def token_layout(m: int, w: Any) -> int:
+    """The token operand the native decode GEMM of M rows of this weight takes: 0 row-major [M, K], 1
+    chunk-major (TOKEN_ROW), 2 core-matrix (TOKEN_CORE)."""
+    if not _bulk_ok(m, w):
+        return 0
+    v = _variant()
+    return 2 if v in CORE else 1 if v in CHUNKED else 0
+
+
 def chunked_tokens(m: int, w: Any) -> bool:
     """Whether the native decode GEMM of M rows of this weight takes the chunk-major token operand."""
-    return _variant() in CHUNKED and _bulk_ok(m, w)
+    return token_layout(m, w) == 1
+
+
+def token_cols(m: int) -> int:
+    """NTOK of variant 15 for M rows: the wgmma's N, the least of 8, 16, 32, 64 >= M."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 def chunk_operand(op: torch.Tensor) -> torch.Tensor:
@@ -229,17 +259,44 @@ def chunk_operand(op: torch.Tensor) -> torch.Tensor:
     return out.view(mb, 16, k // 128, TOKEN_ROW).permute(0, 2, 1, 3).contiguous()
 
 
+def core_operand(op: torch.Tensor) -> torch.Tensor:
+    """Row-major fp16 operand [M, K] (M <= 64, K % 128 == 0) -> the core-matrix one (see TOKEN_CORE)."""
+    m, k = op.shape
+    ntok = token_cols(m)
+    full = op.new_zeros(ntok, k)
+    full[:m] = op
+    # [G, 8 rows, K/128, 16 k-groups, 8 halves] -> [K/128, 16, G, 8, 8]
+    return full.view(ntok // 8, 8, k // 128, 16, 8).permute(2, 3, 0, 1, 4).contiguous()
+
+
+def layout_operand(op: torch.Tensor, layout: int) -> torch.Tensor:
+    """Row-major operand [M, K] -> ``layout`` (token_layout's numbering)."""
+    return chunk_operand(op) if layout == 1 else core_operand(op) if layout == 2 else op
+
+
 def rows_operand(op: torch.Tensor, m: int) -> torch.Tensor:
-    """The chunk-major operand -> row-major [M, K] (a copy)."""
+    """The chunk-major or core-matrix operand -> row-major [M, K] (a copy)."""
+    if op.dim() == 5:
+        chunks, g = op.shape[0], op.shape[2]
+        return op.permute(2, 3, 0, 1, 4).reshape(g * 8, chunks * 128)[:m].contiguous()
     mb, chunks = op.shape[0], op.shape[1]
     return op[..., :128].permute(0, 2, 1, 3).reshape(mb * 16, chunks * 128)[:m].contiguous()
 
 
+def default_variant() -> int:
+    """15 (wgmma) on sm_90, else 14."""
+    if "hopper" not in _STATE:
+        _STATE["hopper"] = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    return HOPPER_VARIANT if _STATE["hopper"] else DEFAULT_VARIANT
+
+
 def _variant() -> int:
     """The variant to run: NATIVE_CFG's or the default."""
-    v = int(NATIVE_CFG.get("variant", DEFAULT_VARIANT))
+    v = int(NATIVE_CFG.get("variant", default_variant()))
     if v not in VARIANTS:
         raise ValueError(f"native decode variant {v} unknown (one of {sorted(VARIANTS)})")
+    if v in CORE and default_variant() != HOPPER_VARIANT:
+        raise ValueError(f"native decode variant {v} (wgmma) needs an sm_90 GPU")
     return v
 
 
@@ -249,10 +306,10 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
     the chosen kernel takes: :func:`chunked_tokens`)."""
     mod = load()
     wq, ws, ws16 = w.native_w
-    if chunked_tokens(m, w):
-        a = a_op if a_op.dim() == 4 else chunk_operand(a_op)
-    else:
-        a = a_op if a_op.dim() == 2 else rows_operand(a_op, m)
+    layout = token_layout(m, w)
+    if a_op.dim() != (2, 4, 5)[layout]:
+        a_op = layout_operand(a_op if a_op.dim() == 2 else rows_operand(a_op, m), layout)
+    a = a_op
     if a.data_ptr() % 16 or not a.is_contiguous():
         a = a.clone(memory_format=torch.contiguous_format)
     mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant())
@@ -268,15 +325,18 @@ def quant_ok(x: torch.Tensor) -> bool:
 
 
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
-                  emit_op: torch.dtype | None = None, op_chunks: bool = False) -> tuple[torch.Tensor, ...]:
-    """As :func:`quant_fast.quantize_rows` (bf16 x; ``emit_op`` None or fp16; ``op_chunks``: the
-    operand chunk-major, as the chunked decode variants take it; K % 128 == 0)."""
+                  emit_op: torch.dtype | None = None, op_chunks: int = 0) -> tuple[torch.Tensor, ...]:
+    """As :func:`quant_fast.quantize_rows` (bf16 x; ``emit_op`` None or fp16; ``op_chunks``: the operand's
+    layout, :func:`token_layout`'s numbering (1: chunk-major, 2: core-matrix, rows <= 64); K % 128 == 0)."""
     amax = None if amax is None else amax.float().contiguous()
-    codes, scales, mode, amax_t, op = quant_outputs(x, amax, per_token, None if (emit_op is None or op_chunks)
+    layout = int(op_chunks)
+    codes, scales, mode, amax_t, op = quant_outputs(x, amax, per_token, None if (emit_op is None or layout)
                                                     else torch.float16)
-    if op_chunks:
-        if emit_op is None or x.shape[1] % 128:
-            raise ValueError("op_chunks needs emit_op and K % 128 == 0")
-        op = torch.empty(-(-x.shape[0] // 16), x.shape[1] // 128, 16, TOKEN_ROW, dtype=torch.float16, device=x.device)
-    load().quantize_rows(x, amax_t, codes, scales, codes if op is None else op, op is not None, mode, op_chunks)
+    if layout:
+        rows, k = x.shape
+        if emit_op is None or k % 128 or (layout == 2 and rows > 64):
+            raise ValueError("op_chunks needs emit_op and K % 128 == 0 (core-matrix: at most 64 rows)")
+        shape = (-(-rows // 16), k // 128, 16, TOKEN_ROW) if layout == 1 else (k // 128, 16, token_cols(rows) // 8, 8, 8)
+        op = torch.empty(shape, dtype=torch.float16, device=x.device)
+    load().quantize_rows(x, amax_t, codes, scales, codes if op is None else op, op is not None, mode, layout)
     return codes, scales, amax_t, op

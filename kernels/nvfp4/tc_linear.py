@@ -201,7 +201,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         return out
     grouped = tiles is not None
     nseg = int(DECODE_CFG.get("NSEG", w.nseg)) if p == "decode" else w.nseg
-    if a_op.dim() == 4 and not (p == "decode" and use_native(w, a_op, nseg)):  # chunk-major operand (native decode's)
+    if a_op.dim() > 2 and not (p == "decode" and use_native(w, a_op, nseg)):  # a native decode layout
         from . import native
 
         a_op = native.rows_operand(a_op, m)
@@ -254,25 +254,26 @@ def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:
     return native.available() and native.decode_ok(w)
 
 
-def chunked_operand(m: int, w: TCWeight, path: str = "decode") -> bool:
-    """The GEMM of M rows on ``path`` (``auto``: the dispatcher's choice) is the decode path on a
-    native kernel that takes the chunk-major token operand (``native.chunked_tokens``): the quantizer
-    should write that layout directly."""
+def chunked_operand(m: int, w: TCWeight, path: str = "decode") -> int:
+    """The token-operand layout the GEMM of M rows on ``path`` (``auto``: the dispatcher's choice)
+    takes, so that the quantizer writes it directly: 0 row-major, or, on the native decode kernels,
+    ``native.token_layout`` (1 chunk-major, 2 core-matrix)."""
     if (m == 0 or m > DECODE_MAX_M or w.dec is None or choose(m, w, path) != "decode"
             or not use_native(w, w.codes.new_empty(0, dtype=torch.float16), w.nseg)):
-        return False
+        return 0
     from . import native
 
-    return native.chunked_tokens(m, w)
+    return native.token_layout(m, w)
 
 
 def decode_operand(a_op: torch.Tensor, w: TCWeight, m: int) -> torch.Tensor:
     """``a_op`` (row-major) in the layout the decode GEMM of M rows takes (bench / callers holding a
     row-major operand: convert once, outside the timed GEMM)."""
-    if a_op.dim() == 2 and chunked_operand(m, w):
+    layout = chunked_operand(m, w) if a_op.dim() == 2 else 0
+    if layout:
         from . import native
 
-        return native.chunk_operand(a_op)
+        return native.layout_operand(a_op, layout)
     return a_op
 
 

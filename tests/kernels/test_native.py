@@ -163,3 +163,63 @@ def test_chunked_variant_records_and_token_layout():
         assert torch.equal(cm[rr // 16, kk // 128, rr % 16, kk % 128], op)
         assert not cm.permute(0, 2, 1, 3).reshape(-1, k // 128, native.TOKEN_ROW)[m:].any()
         assert torch.equal(native.rows_operand(cm, m), op)
+
+
+def test_core_variant_records_and_token_layout():
+    """Variant 15 (wgmma, sm_90 only) takes the core-matrix token operand [K/128][16][NTOK/8][8][8] fp16:
+    element (r, k) at [k // 128, (k % 128) // 8, r // 8, r % 8, k % 8], rows past M zero, NTOK the least
+    of 8, 16, 32, 64 >= M; rows_operand inverts it exactly; off sm_90 asking for it is a clear error."""
+    from types import SimpleNamespace
+
+    w = SimpleNamespace(k=8192, nseg=1)
+    assert [native.token_cols(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+    native._STATE["hopper"] = True
+    native.NATIVE_CFG.clear()
+    try:
+        assert native.default_variant() == 15 and native.token_layout(16, w) == 2
+        assert not native.chunked_tokens(16, w) and native.token_layout(65, w) == 0
+        r = native.decode_variant(16, w)
+        assert (r["variant"], r["NTOK"], r["STAGES"], r["CPS"], r["R"], r["FIRST"]) == (15, 16, 4, 4, 4, 1)
+        assert "m64n16k16" in r["MMA"] and "core-matrix" in r["tokens"]
+        r = native.decode_variant(64, SimpleNamespace(k=768, nseg=1))  # 6 chunks: 2 per stage
+        assert (r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (64, 4, 2, 2)
+        assert native.decode_variant(65, w)["pipeline"] == "cp.async"
+        native._STATE["hopper"] = False
+        assert native.default_variant() == 14 and native.token_layout(16, w) == 1
+        native.NATIVE_CFG["variant"] = 15
+        with pytest.raises(ValueError, match="sm_90"):
+            native.decode_variant(16, w)
+    finally:
+        native.NATIVE_CFG.clear()
+        native._STATE.pop("hopper", None)
+    g = torch.Generator().manual_seed(4)
+    for m, k in ((1, 256), (9, 384), (16, 128), (37, 1024), (64, 256)):
+        op = torch.randn(m, k, generator=g).to(torch.float16)
+        cm = native.core_operand(op)
+        nt = native.token_cols(m)
+        assert cm.shape == (k // 128, 16, nt // 8, 8, 8) and cm.is_contiguous()
+        rr, kk = torch.meshgrid(torch.arange(m), torch.arange(k), indexing="ij")
+        assert torch.equal(cm[kk // 128, (kk % 128) // 8, rr // 8, rr % 8, kk % 8], op)
+        flat = cm.view(-1)  # the same element by the kernels' address arithmetic (halves)
+        off = (((kk // 128) * 16 + (kk % 128) // 8) * (nt // 8) + rr // 8) * 64 + (rr % 8) * 8 + kk % 8
+        assert torch.equal(flat[off], op)
+        assert not native.rows_operand(cm, nt)[m:].any()
+        assert torch.equal(native.rows_operand(cm, m), op)
+        assert torch.equal(native.layout_operand(op, 2), cm) and torch.equal(native.layout_operand(op, 0), op)
+
+
+def test_native_sources_ship_and_key_the_build_cache():
+    """Every file of csrc/ (the .cu and the headers it includes) is package data, and the build cache tag
+    hashes them all: a changed header rebuilds the extension."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    globs = data["mismatch_probe.kernels.nvfp4"]
+    files = sorted(p.name for p in native.SRC.parent.iterdir() if p.is_file())
+    assert "decode_wg.cuh" in files and "nvfp4_native.cu" in files
+    for name in files:
+        assert any(fnmatch.fnmatch(f"csrc/{name}", g) for g in globs), name
+    assert '#include "decode_wg.cuh"' in native.SRC.read_text()

@@ -549,6 +549,8 @@ __global__ void __launch_bounds__(256 / NT + 32, 1) decode_bulk_kernel(
   }
 }
 
+#include "decode_wg.cuh"  // the wgmma decode GEMM (variant 15)
+
 // ------------------------------------------------------------------------------------------
 // quantizer
 
@@ -597,21 +599,26 @@ __device__ __forceinline__ float e4m3_value(uint32_t b) {  // exact
 // CM: the fp16 operand (EMIT_OP) in the decode kernel's chunk-major token layout (TROW / TCH above):
 // [ceil(rows/16)][K/128][16][136]; the grid then covers ceil(rows/16)*16 rows, the rows past ``rows``
 // writing zero operand rows only (a separate instance: the row-major kernels are the measured ones)
-template <int BPT, bool EMIT_OP, bool CM = false>
+// CM 2: the core-matrix layout of decode_wg_kernel, [K/128][16][G][8][8] fp16 (G row groups of 8, the
+// grid covering 8 G rows, rows past ``rows`` zero); a block's two 8-value halves are G * 8 uint4 apart
+template <int BPT, bool EMIT_OP, int CM = 0>
 __global__ void __launch_bounds__(128) quant_rows_kernel(const uint4* __restrict__ x, float* __restrict__ amax_p,
                                                          uint2* __restrict__ codes, uint8_t* __restrict__ scales,
-                                                         uint4* __restrict__ op, int K, int amax_mode, int rows) {
+                                                         uint4* __restrict__ op, int K, int amax_mode, int rows,
+                                                         int groups) {
   const int row = blockIdx.x;
   const int tid = threadIdx.x;
   const int nblk = K >> 4;
-  auto op_at = [&](int b) -> uint4* {  // the 16 operand halves of block b of this row
-    if (!CM) return op + ((size_t)row * K + (size_t)b * 16) / 8;
+  const int o2 = CM == 2 ? groups * 8 : 1;  // uint4 from a block's first 8 operand halves to its last 8
+  auto op_at = [&](int b) -> uint4* {  // the first 8 operand halves of block b of this row
+    if (CM == 0) return op + ((size_t)row * K + (size_t)b * 16) / 8;
+    if (CM == 2) return op + (((size_t)(b >> 3) * 16 + 2 * (b & 7)) * groups + (row >> 3)) * 8 + (row & 7);
     return op + ((((size_t)(row >> 4) * (K >> 7) + (b >> 3)) * 16 + (row & 15)) * TROW + (b & 7) * 32) / 16;
   };
-  if (CM && row >= rows) {  // padding row of the last 16-row block
+  if (CM && row >= rows) {  // padding row of the last row block
     for (int b = tid; b < nblk; b += 128) {
       uint4* o = op_at(b);
-      o[0] = o[1] = make_uint4(0, 0, 0, 0);
+      o[0] = o[o2] = make_uint4(0, 0, 0, 0);
     }
     return;
   }
@@ -715,7 +722,7 @@ __global__ void __launch_bounds__(128) quant_rows_kernel(const uint4* __restrict
       }
       uint4* o = op_at(b);
       o[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
-      o[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
+      o[o2] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
     }
   }
 }
@@ -767,22 +774,51 @@ void launch_bulk(const torch::Tensor& wq, const torch::Tensor& wsc, const torch:
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// wgmma decode (variant 15): NTOK token columns (M <= NTOK), S stages of CPS chunks, R register sets, FIRST
+constexpr int wg_smem(int ntok, int s, int cps) {  // stages, barriers, the zero B tile
+  return s * cps * (W_BYTES + 2 * S_BYTES + 16 * (ntok / 8) * CMB) + 16 * s + 32 * ntok;
+}
+
+template <int NTOK, int S, int CPS, int R = 2, bool FIRST = false>
+void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch::Tensor& w_amax, bool w_amax_row,
+               const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
+               int N, int K, int nseg) {
+  constexpr int SMEM = wg_smem(NTOK, S, CPS);
+  auto kern = decode_wg_kernel<NTOK, S, CPS, 0, 1, R, FIRST>;
+  static bool attr = false;
+  if (!attr) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+    attr = true;
+  }
+  dim3 grid((N + 63) / 64, 1, nseg);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  kern<<<grid, 160, SMEM, stream>>>(
+      reinterpret_cast<const uint8_t*>(wq.data_ptr()), reinterpret_cast<const uint8_t*>(wsc16.data_ptr()),
+      w_amax.data_ptr<float>(), w_amax_row ? 1 : 0, reinterpret_cast<const __half*>(a.data_ptr()),
+      a_amax.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <int BPT>
 void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& codes, torch::Tensor& scales,
-                  torch::Tensor& op, bool emit_op, int amax_mode, bool op_cm) {
+                  torch::Tensor& op, bool emit_op, int amax_mode, int op_cm) {
   const int rows = x.size(0), K = x.size(1);
-  const int grid = op_cm ? (rows + 15) / 16 * 16 : rows;
+  const int groups = op_cm == 2 ? op.size(2) : 0;
+  const int grid = op_cm == 1 ? (rows + 15) / 16 * 16 : op_cm == 2 ? groups * 8 : rows;
   auto stream = c10::cuda::getCurrentCUDAStream();
   const uint4* xp = reinterpret_cast<const uint4*>(x.data_ptr());
   uint2* cp = reinterpret_cast<uint2*>(codes.data_ptr());
   uint8_t* sp = scales.data_ptr<uint8_t>();
   uint4* opp = reinterpret_cast<uint4*>(op.data_ptr());
-  if (op_cm)
-    quant_rows_kernel<BPT, true, true><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows);
+  float* ap = amax.data_ptr<float>();
+  if (op_cm == 2)
+    quant_rows_kernel<BPT, true, 2><<<grid, 128, 0, stream>>>(xp, ap, cp, sp, opp, K, amax_mode, rows, groups);
+  else if (op_cm == 1)
+    quant_rows_kernel<BPT, true, 1><<<grid, 128, 0, stream>>>(xp, ap, cp, sp, opp, K, amax_mode, rows, 0);
   else if (emit_op)
-    quant_rows_kernel<BPT, true><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows);
+    quant_rows_kernel<BPT, true><<<grid, 128, 0, stream>>>(xp, ap, cp, sp, opp, K, amax_mode, rows, 0);
   else
-    quant_rows_kernel<BPT, false><<<grid, 128, 0, stream>>>(xp, amax.data_ptr<float>(), cp, sp, opp, K, amax_mode, rows);
+    quant_rows_kernel<BPT, false><<<grid, 128, 0, stream>>>(xp, ap, cp, sp, opp, K, amax_mode, rows, 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -808,6 +844,25 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
   // mbarrier; M <= 16: 4 stages x 4 chunks when the segment's chunk count allows it; 13: the
   // software-pipelined consumer loop (consume_pipe); 14: 12 with 8 consumer warps of one 8-row weight
   // tile each at M <= 16 (4 stages x 4 chunks). Same conditions as 6-11, else the cp.async kernel.
+  // variant 15 (sm_90a): decode_wg_kernel, the token operand core-matrix ordered ([K/128][16][G][8][8]
+  // fp16, G = NTOK / 8 row groups, NTOK = 8, 16, 32 or 64: the least >= M); 4 stages x 4 chunks where
+  // the segment's chunk count allows it (M <= 16: 4 register sets, stage 0 first), else 2 chunks per
+  // stage (the lab's fastest, 2026-12-01 21:15). Same conditions as 6-14.
+  if (variant == 15 && two && M <= 64) {
+    const int ntok = M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
+    TORCH_CHECK(wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
+    TORCH_CHECK(a.dim() == 5 && a.size(0) == K / KC && a.size(1) == 16 && a.size(2) == ntok / 8 && a.size(3) == 8 &&
+                    a.size(4) == 8 && a.is_contiguous(),
+                "decode_gemm: variant 15 takes the core-matrix token operand [K/128, 16, NTOK/8, 8, 8]");
+    const bool four = (K / KC / nseg) % 4 == 0;
+#define MP_WG(...) launch_wg<__VA_ARGS__>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s)
+    if (ntok == 8) { if (four) MP_WG(8, 4, 4, 4, true); else MP_WG(8, 6, 2); }
+    else if (ntok == 16) { if (four) MP_WG(16, 4, 4, 4, true); else MP_WG(16, 6, 2); }
+    else if (ntok == 32) { if (four) MP_WG(32, 4, 4); else MP_WG(32, 6, 2); }
+    else MP_WG(64, 4, 2);
+#undef MP_WG
+    return;
+  }
   if (variant >= 12 && variant <= 14 && two && M <= 64) {
     TORCH_CHECK(wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
     TORCH_CHECK(a.dim() == 4 && a.size(0) >= (M + 15) / 16 && a.size(1) == K / KC && a.size(2) == 16 &&
@@ -868,13 +923,17 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
 }
 
 void quantize_rows(torch::Tensor x, torch::Tensor amax, torch::Tensor codes, torch::Tensor scales, torch::Tensor op,
-                   bool emit_op, int64_t amax_mode, bool op_cm) {
+                   bool emit_op, int64_t amax_mode, int64_t op_cm) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2, "quantize_rows: bf16 [rows, K]");
   const int64_t k = x.size(1);
   TORCH_CHECK(k % 16 == 0 && k <= 16384, "quantize_rows: K % 16 == 0 and K <= 16384");
-  TORCH_CHECK(!op_cm || (emit_op && k % KC == 0 && op.is_contiguous() && op.dim() == 4 && op.size(0) == (x.size(0) + 15) / 16 &&
-                         op.size(1) == k / KC && op.size(2) == 16 && op.size(3) == TROW / 2),
+  TORCH_CHECK(op_cm != 1 || (emit_op && k % KC == 0 && op.is_contiguous() && op.dim() == 4 && op.size(0) == (x.size(0) + 15) / 16 &&
+                             op.size(1) == k / KC && op.size(2) == 16 && op.size(3) == TROW / 2),
               "quantize_rows: chunk-major operand [ceil(rows/16), K/128, 16, 136]");
+  TORCH_CHECK(op_cm != 2 || (emit_op && k % KC == 0 && op.is_contiguous() && op.dim() == 5 && op.size(0) == k / KC &&
+                             op.size(1) == 16 && op.size(2) * 8 >= x.size(0) && op.size(3) == 8 && op.size(4) == 8),
+              "quantize_rows: core-matrix operand [K/128, 16, G, 8, 8] with 8 G >= rows");
+  TORCH_CHECK(op_cm >= 0 && op_cm <= 2, "quantize_rows: op_cm 0, 1 or 2");
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t nblk = k / 16;
@@ -887,7 +946,7 @@ void quantize_rows(torch::Tensor x, torch::Tensor amax, torch::Tensor codes, tor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_gemm", &decode_gemm, "NVFP4 decode GEMM (native layout weights, fp16 activation operand)");
-  m.def("quantize_rows", &quantize_rows, "NVFP4 per-token / given-amax quantizer, bf16 rows (op_cm: chunk-major operand)");
+  m.def("quantize_rows", &quantize_rows, "NVFP4 per-token / given-amax quantizer, bf16 rows (op_cm 1: chunk-major operand, 2: core-matrix operand)");
 }
 #else
 // kernels-only build (compile check): take the instances' addresses so they are compiled
@@ -897,5 +956,9 @@ void* nvfp4_instances[] = {(void*)decode_gemm_kernel<1, 6, 2, 2, false>, (void*)
                            (void*)decode_bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, false>,
                            (void*)decode_bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, true>,
                            (void*)decode_bulk_kernel<4, 2, 4, 2, true, 0, 0, 1, true>,
-                           (void*)quant_rows_kernel<4, false>, (void*)quant_rows_kernel<4, true>};
+                           (void*)decode_wg_kernel<8, 4, 4, 0, 1, 4, true>, (void*)decode_wg_kernel<8, 6, 2>,
+                           (void*)decode_wg_kernel<16, 4, 4, 0, 1, 4, true>, (void*)decode_wg_kernel<16, 6, 2>,
+                           (void*)decode_wg_kernel<32, 4, 4>, (void*)decode_wg_kernel<32, 6, 2>,
+                           (void*)decode_wg_kernel<64, 4, 2>, (void*)quant_rows_kernel<4, false>,
+                           (void*)quant_rows_kernel<4, true>, (void*)quant_rows_kernel<4, true, 2>};
 #endif

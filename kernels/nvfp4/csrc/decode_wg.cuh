@@ -1,0 +1,218 @@
+// The wgmma decode GEMM (variant 15), included by nvfp4_native.cu inside its anonymous namespace: it uses
+// that file's helpers (code_halves, frag_b, load_wsc, the mbarrier and bulk-copy wrappers, KC, W_BYTES,
+// S_BYTES, RCP_ALPHA, bf16_bits_rne). Not a standalone header.
+#pragma once
+
+// ------------------------------------------------------------------------------------------
+// decode GEMM on wgmma (sm_90a; variant 15): weights on the MMA's M side, tokens on its N side.
+// One consumer warpgroup (4 warps) per 64 weight rows decodes the weight fragments into registers
+// (the same native weight layout and register decode as above: warp w's A fragment of step s is the B
+// fragments of tiles 2w and 2w + 1: a0 = b0(2w), a1 = b0(2w+1), a2 = b1(2w), a3 = b1(2w+1)) and issues
+// one wgmma.mma_async m64nNTOKk16 (f32 += f16 * f16, A from registers, B = the stage's token tile by a
+// shared-memory descriptor) per k16 step into one accumulator in K order: per output the same
+// products and the same one fp32 chain along K as the mma.sync kernels. The token operand is
+// "core-matrix" ordered, [K/128 chunks][16 k-groups of 8][NTOK/8 row groups][8 rows][8 halves] fp16
+// (rows >= M zero), so a stage's tokens are one bulk copy and a k16 step's B operand is 2 x NTOK/8
+// core matrices of 128 contiguous bytes (no swizzle; leading-dimension offset NTOK * 16 bytes
+// between k-groups, stride offset 128 bytes between row groups). The wgmmas of one 128-wide chunk
+// are one commit group; decoding chunk j + 1 overlaps the tensor core's work on chunk j (two
+// register sets of A fragments, wait_group 1), and a stage is released once its last group is done.
+// A producer warp streams weights, scales and tokens by cp.async.bulk as in decode_bulk_kernel.
+
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// D[64 x NTOK] (+)= A (registers) * B (descriptor); NTOK in {8, 16, 32, 64}; acc == 0: D = A * B
+template <int NTOK>
+__device__ __forceinline__ void wgmma_rs(float (&d)[NTOK / 2], const uint32_t (&a)[4], uint64_t desc, int acc = 1) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (NTOK == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  } else if constexpr (NTOK == 16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, "
+        "0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  } else if constexpr (NTOK == 32) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "{%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  } else {
+    static_assert(NTOK == 64, "NTOK in {8, 16, 32, 64}");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  }
+#else
+  __trap();  // wgmma: sm_90a only (the dispatcher runs variant 15 on sm_90 only)
+#endif
+}
+
+constexpr int CMB = 128;  // bytes per core matrix (8 rows x 8 halves)
+
+// the 8 A fragments of one 128-wide chunk for warp w (tiles 2w, 2w + 1) from the stage's words and scales
+template <bool NODEC>
+__device__ __forceinline__ void wg_decode_chunk(uint32_t (&af)[8][4], const uint32_t (&wv)[2][4], const uint32_t (&sc)[2][4]) {
+#pragma unroll
+  for (int wi = 0; wi < 4; ++wi) {
+    uint32_t va[2], vb[2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) code_halves(wv[t][wi], va[t], vb[t]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int s = 2 * wi + h;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        uint32_t b0, b1;
+        frag_b<true, 0, NODEC>(h ? vb[t] : va[t], sc[t], s, b0, b1);
+        af[s][t] = b0;      // rows g (t = 0) and g + 8 (t = 1), k 2q, 2q + 1
+        af[s][2 + t] = b1;  // k 2q + 8, 2q + 9
+      }
+    }
+  }
+}
+
+// NA: accumulators of NTOK / NA token columns each (one wgmma per accumulator and k16 step, independent
+// chains); R: register sets of A fragments (one 128-wide chunk each, a commit group per chunk, R - 1
+// groups left in flight while the next chunk is decoded); FIRST: the producer waits for stage 0 to
+// land before it asks for the rest of the ring, so the first stage is not shared with the others'
+// copies. MODE (bench only): 3 = no waits, every step computes on stage 0; 4 = 3 without the decode.
+template <int NTOK, int S, int CPS, int MODE = 0, int NA = 1, int R = 2, bool FIRST = false>
+__global__ void __launch_bounds__(160, 1) decode_wg_kernel(
+    const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
+    const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
+    float* __restrict__ part, int M, int N, int K, int nseg) {
+  static_assert(CPS % R == 0 && R >= 2 && R - 2 < CPS, "register sets alternate over the chunks of a stage");
+  constexpr int NW = NTOK / NA;  // token columns per accumulator
+  static_assert(NW % 8 == 0, "wgmma N: a multiple of 8");
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int SB = 2 * S_BYTES;                  // fp16 scales per chunk
+  constexpr int TB = 16 * (NTOK / 8) * CMB;        // token bytes per chunk
+  constexpr int A_OFF = CPS * (W_BYTES + SB);
+  constexpr int STAGE = A_OFF + CPS * TB;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // full[S], empty[S], then the zero B tile
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int nb = blockIdx.x, seg = blockIdx.z;
+  const int chunks = K / KC;
+  const int steps = chunks / nseg / CPS;
+  const int c0 = seg * (chunks / nseg);
+  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + S);
+  for (int i = tid; i < 2 * NTOK; i += blockDim.x)  // the zero B tile of the accumulators' first wgmma
+    reinterpret_cast<uint4*>(bars + 2 * S)[i] = make_uint4(0, 0, 0, 0);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the wgmma (async proxy)
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 4) {  // producer warp
+    if (MODE < 3 && lane == 0) {
+      const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
+      for (int i = 0; i < steps; ++i) {
+        const int slot = i % S;
+        if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
+        if (FIRST && i == 1) mbar_wait(full0, 0);
+        const uint32_t full = full0 + 8 * slot;
+        const uint32_t st = smem_u32(smem + slot * STAGE);
+        const size_t cl = (size_t)c0 + i * CPS;
+        const size_t c = (size_t)nb * chunks + cl;
+        mbar_expect_tx(full, CPS * (W_BYTES + SB + TB));
+        bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
+        bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
+        bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
+      }
+    }
+    return;
+  }
+  // the accumulators start as +0 exactly as the mma.sync kernels' (0.0f): D = (+0 A) * (+0 B), the B
+  // operand the zeroed tile (a zero-initialised register array would serialize the wgmmas)
+  float acc[NA][NW / 2];
+  const int g = lane >> 2;
+  uint32_t af[R][8][4];
+  const uint64_t desc0 = wg_desc(smem_u32(smem) + A_OFF, NTOK * 16, CMB);
+  {
+    const uint32_t zero[4] = {0u, 0u, 0u, 0u};
+    const uint64_t dz = wg_desc(smem_u32(bars + 2 * S), NTOK * 16, CMB);
+    wg_fence();
+#pragma unroll
+    for (int x = 0; x < NA; ++x) wgmma_rs<NW>(acc[x], zero, dz, 0);
+    wg_commit();
+  }
+  for (int i = 0; i < steps; ++i) {
+    const int slot = MODE >= 3 ? 0 : i % S;
+    if (MODE < 3) mbar_wait(full0 + 8 * slot, (i / S) & 1);
+    const uint8_t* st = smem + slot * STAGE;
+#pragma unroll
+    for (int j = 0; j < CPS; ++j) {
+      uint32_t wv[2][4], sc[2][4];
+      load_wsc<2, CPS, true, SB>(st, j, warp, lane, g, wv, sc);
+      wg_decode_chunk<MODE == 4>(af[j % R], wv, sc);
+      wg_fence();
+      const uint64_t dj = desc0 + ((uint32_t)(slot * STAGE + j * TB) >> 4);
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+#pragma unroll
+        for (int x = 0; x < NA; ++x)
+          wgmma_rs<NW>(acc[x], af[j % R][s], dj + ((uint32_t)(s * 2 * NTOK * 16 + x * (NW / 8) * CMB) >> 4));
+      wg_commit();
+      wg_wait<R - 1>();  // the groups before the last R - 1 are done: their A registers and stage reads are free
+      if (MODE < 3 && j == R - 2 && i > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % S));
+    }
+  }
+  wg_wait<0>();
+#pragma unroll
+  for (int x = 0; x < NA; ++x)
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(acc[x][i])::"memory");  // reads after the wait
+  // epilogue: acc[x][4 j + 2 h + e]: weight row 16 warp + g + 8 h, token NW x + 8 j + 2 q + e
+  const int q = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int n = nb * 64 + warp * 16 + g + 8 * hh;
+    const float ba = nseg == 1 ? w_amax[w_amax_row ? (n < N ? n : N - 1) : 0] : 0.0f;
+#pragma unroll
+    for (int x = 0; x < NA; ++x)
+#pragma unroll
+      for (int j = 0; j < NW / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = NW * x + 8 * j + 2 * q + e;
+          if (m >= M || n >= N) continue;
+          const float t = acc[x][4 * j + 2 * hh + e];
+          if (nseg == 1) {
+            const float r = __fmul_rn(__fmul_rn(t, 128.0f), __fmul_rn(__fmul_rn(a_amax[m], ba), RCP_ALPHA));
+            out[(size_t)m * N + n] = bf16_bits_rne(r);
+          } else {
+            part[((size_t)seg * M + m) * N + n] = t;
+          }
+        }
+      }
+  }
+}
+
