@@ -83,15 +83,15 @@ static LaunchFn bulk_kernel(Bufs& b, int nseg = 1) {
   };
 }
 
-template <int NTOK, int S, int CPS, int MODE = 0, int NA = 1, int R = 2, bool FIRST = false>
+template <int NTOK, int S, int CPS, int MODE = 0, int NA = 1, int R = 2>
 static LaunchFn wg_kernel(Bufs& b, int nseg = 1) {
   const int smem = S * CPS * (W_BYTES + 2 * S_BYTES + 16 * (NTOK / 8) * CMB) + 16 * S + 32 * NTOK;
-  auto kern = decode_wg_kernel<NTOK, S, CPS, MODE, NA, R, FIRST>;
+  auto kern = decode_wg_kernel<NTOK, S, CPS, MODE, NA, R>;
   smem_attr(kern, smem);
   const int li = NTOK == 8 ? 0 : NTOK == 16 ? 1 : NTOK == 32 ? 2 : 3;
   return [=](cudaStream_t s, int m, int w) {
-    dim3 grid(N / 64, 1, nseg);
-    kern<<<grid, 160, smem, s>>>(b.wq[w], b.ws16[w], b.w_amax, 1, b.acore[li], b.a_amax, b.out, b.part, m, N, K, nseg);
+    kern<<<dim3(N / 64, 1, nseg), 160, smem, s>>>(b.wq[w], b.ws16[w], b.w_amax, 1, b.acore[li], b.a_amax, b.out, b.part,
+                                                   m, N, K, nseg);
   };
 }
 
@@ -261,9 +261,8 @@ int main(int argc, char** argv) {
   vs.push_back({"v7 TOK1 PIPE S4 CPS4", 1, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, true>(b), false});
   vs.push_back({"v7 TOK1 S4 CPS4 (v12)", 1, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1>(b), false});
   vs.push_back({"v10 TOK1 NT1 S4 CPS4 (v14)", 1, bulk_kernel<1, 1, 4, 4, true, 0, 0, 1>(b), false});
-  vs.push_back({"wgmma N8 S4 CPS4 (v15)", 1, wg_kernel<8, 4, 4>(b), false});
-  vs.push_back({"wgmma N8 S4 CPS4 R4 FIRST", 1, wg_kernel<8, 4, 4, 0, 1, 4, true>(b), false});
-  vs.push_back({"wgmma N8 S4 CPS4 R4", 1, wg_kernel<8, 4, 4, 0, 1, 4>(b), false});
+  vs.push_back({"wgmma N8 S4 CPS4 R2", 1, wg_kernel<8, 4, 4>(b), false});
+  vs.push_back({"wgmma N8 S4 CPS4 R4 (v15)", 1, wg_kernel<8, 4, 4, 0, 1, 4>(b), false});
   vs.push_back({"NODECODE bulk NT2 S6 CPS2 SC16", 1, bulk_kernel<1, 2, 6, 2, true, 0, 2>(b), true});
   vs.push_back({"STREAM bulk NT2 S6 CPS2 SC16", 1, bulk_kernel<1, 2, 6, 2, true, 0, 1>(b), true});
   vs.push_back({"cp.async 6x2 (ref) (v0)", 16, old_kernel<1, 6, 2, 2, false>(b), false});
@@ -276,15 +275,12 @@ int main(int argc, char** argv) {
   vs.push_back({"v7 TOK1 (chunk-major, 1 bulk)", 16, bulk_kernel<1, 2, 6, 2, true, 0, 0, 1>(b), false});
   vs.push_back({"v7 TOK1 S4 CPS4 (v12)", 16, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1>(b), false});
   vs.push_back({"v10 TOK1 NT1 S4 CPS4 (v14)", 16, bulk_kernel<1, 1, 4, 4, true, 0, 0, 1>(b), false});
-  vs.push_back({"wgmma N16 S4 CPS4 (v15)", 16, wg_kernel<16, 4, 4>(b), false});
+  vs.push_back({"wgmma N16 S4 CPS4 R2", 16, wg_kernel<16, 4, 4>(b), false});
+  vs.push_back({"wgmma N16 S3 CPS4 R4", 16, wg_kernel<16, 3, 4, 0, 1, 4>(b), false});
   vs.push_back({"wgmma N16 S6 CPS4", 16, wg_kernel<16, 6, 4>(b), false});
-  vs.push_back({"wgmma N16 S4 CPS4 FIRST", 16, wg_kernel<16, 4, 4, 0, 1, 2, true>(b), false});
-  vs.push_back({"wgmma N16 S4 CPS4 R4", 16, wg_kernel<16, 4, 4, 0, 1, 4>(b), false});
+  vs.push_back({"wgmma N16 S4 CPS4 R4 (v15)", 16, wg_kernel<16, 4, 4, 0, 1, 4>(b), false});
   vs.push_back({"wgmma N16 S4 CPS4 NA2", 16, wg_kernel<16, 4, 4, 0, 2>(b), false});
   vs.push_back({"wgmma N16 S4 CPS4 NA2 R4", 16, wg_kernel<16, 4, 4, 0, 2, 4>(b), false});
-  vs.push_back({"wgmma N16 S4 CPS4 NA2 R4 FIRST", 16, wg_kernel<16, 4, 4, 0, 2, 4, true>(b), false});
-  vs.push_back({"wgmma N16 S6 CPS4 NA2 R4 FIRST", 16, wg_kernel<16, 6, 4, 0, 2, 4, true>(b), false});
-  vs.push_back({"wgmma N16 S4 CPS4 R4 FIRST", 16, wg_kernel<16, 4, 4, 0, 1, 4, true>(b), false});
   vs.push_back({"COMPUTE-ONLY wgmma N16 S4 CPS4", 16, wg_kernel<16, 4, 4, 3>(b), true});
   vs.push_back({"COMPUTE-ONLY wgmma N16 R4", 16, wg_kernel<16, 4, 4, 3, 1, 4>(b), true});
   vs.push_back({"COMPUTE-ONLY wgmma N16 NA2", 16, wg_kernel<16, 4, 4, 3, 2>(b), true});
@@ -326,10 +322,8 @@ int main(int argc, char** argv) {
   vs.push_back({"cp.async MT2 6x2 (ref)", 32, old_kernel<2, 6, 2, 2, false>(b), false});
   vs.push_back({"bulk MT2 NT2 S6 CPS2 bytes prmt", 32, bulk_kernel<2, 2, 6, 2, false, 0, 0>(b), false});
   vs.push_back({"bulk MT2 NT2 S6 CPS2 SC16 shift", 32, bulk_kernel<2, 2, 6, 2, true, 1, 0>(b), false});
-  vs.push_back({"wgmma N32 S6 CPS2 (v15)", 32, wg_kernel<32, 6, 2>(b), false});
-  vs.push_back({"wgmma N32 S4 CPS4", 32, wg_kernel<32, 4, 4>(b), false});
-  vs.push_back({"wgmma N32 S4 CPS4 NA2 R4 FIRST", 32, wg_kernel<32, 4, 4, 0, 2, 4, true>(b), false});
-  vs.push_back({"wgmma N32 S4 CPS4 NA4 R4 FIRST", 32, wg_kernel<32, 4, 4, 0, 4, 4, true>(b), false});
+  vs.push_back({"wgmma N32 S6 CPS2", 32, wg_kernel<32, 6, 2>(b), false});
+  vs.push_back({"wgmma N32 S4 CPS4 (v15)", 32, wg_kernel<32, 4, 4>(b), false});
   vs.push_back({"MT2 v7 TOK1 PIPE", 32, bulk_kernel<2, 2, 6, 2, true, 0, 0, 1, true>(b), false});
   vs.push_back({"cp.async MT4 4x2 (ref)", 64, old_kernel<4, 4, 2, 2, false>(b), false});
   vs.push_back({"bulk MT4 NT2 S4 CPS2 bytes prmt", 64, bulk_kernel<4, 2, 4, 2, false, 0, 0>(b), false});
@@ -338,8 +332,6 @@ int main(int argc, char** argv) {
   vs.push_back({"bulk MT4 NT1 S4 CPS2 SC16 shift", 64, bulk_kernel<4, 1, 4, 2, true, 1, 0>(b), false});
   vs.push_back({"MT4 v7 TOK1", 64, bulk_kernel<4, 2, 4, 2, true, 0, 0, 1>(b), false});
   vs.push_back({"wgmma N64 S4 CPS2 (v15)", 64, wg_kernel<64, 4, 2>(b), false});
-  vs.push_back({"wgmma N64 S5 CPS2 NA2 FIRST", 64, wg_kernel<64, 5, 2, 0, 2, 2, true>(b), false});
-  vs.push_back({"wgmma N64 S4 CPS2 NA4 FIRST", 64, wg_kernel<64, 4, 2, 0, 4, 2, true>(b), false});
   vs.push_back({"MT4 v7 TOK1 PIPE", 64, bulk_kernel<4, 2, 4, 2, true, 0, 0, 1, true>(b), false});
   vs.push_back({"MT4 v7 TOK1 PIPE NT1", 64, bulk_kernel<4, 1, 4, 2, true, 0, 0, 1, true>(b), false});
   vs.push_back({"COMPUTE-ONLY bulk MT4 NT2 SC16 prmt", 64, bulk_kernel<4, 2, 4, 2, true, 0, 3>(b), true});

@@ -14,8 +14,10 @@ Kernels (same bits as the Triton paths; the GPU checks compare them with ``torch
   output along K. Variants (``NATIVE_CFG["variant"]``, all the same bits, see :data:`VARIANTS`):
   the cp.async pipeline (0, 3) and the bulk-copy pipeline (6-9: weights by the copy engine, a
   producer warp, no CTA-wide barrier; with E4M3 scale bytes or fp16 scales, byte-permute or
-  mask/shift fragment decode; 12-14 (14 the default): the token operand chunk-major, one bulk copy
-  per stage);
+  mask/shift fragment decode; 12-14 (14 the default off sm_90): the token operand chunk-major, one
+  bulk copy per stage) and, on sm_90 (the default there), variant 15: wgmma.mma_async m64nNk16 with
+  the weights on the MMA's M side, their fragments decoded into registers, and the tokens on its N
+  side from a core-matrix ordered operand (TOKEN_CORE) that the quantizer writes;
 * ``quantize_rows``: the per-token / given-amax quantizer of :mod:`quant_fast` for bf16 rows.
 """
 
@@ -60,8 +62,8 @@ VARIANTS: dict[int, tuple[str, str, str, int]] = {
     15: ("wgmma-core", "fp16", "prmt", 2)}  # sm_90a: wgmma, weights on M, tokens on N (TOKEN_CORE)
 CHUNKED = (12, 13, 14)  # the variants that take the chunk-major token operand
 CORE = (15,)  # the variants that take the core-matrix token operand
-# Default: 15 on sm_90 (H200 lab, 2026-12-01 21:15: M = 1 / 16 / 32 / 64 14.1 / 15.0 / 16.4 / 20.2 us
-# against 14's 15.5 / 15.4 / - / 31.1), else 14 (wgmma is sm_90a only)
+# Default: 15 on sm_90 (H200, 2026-12-01 21:33 bench_kernels: M = 1 / 16 / 64 14.2 / 15.0 / 20.2 us against
+# 14's 15.5 / 15.4 / 31.2; lab 21:45 with 4 register sets: 13.9 / 14.9), else 14 (wgmma is sm_90a only)
 DEFAULT_VARIANT = 14
 HOPPER_VARIANT = 15
 # the chunk-major token operand: [ceil(M/16) blocks][K/128 chunks][16 rows][128 + 8 halves] (fp16; the
@@ -204,7 +206,7 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
         cps = 4 if chunks % 4 == 0 and ntok < 64 else 2
         return {"variant": v, "pipeline": "wgmma-core", "scales": "fp16", "decode": "prmt", "NTOK": ntok,
                 "STAGES": 4 if cps == 4 or ntok == 64 else 6, "CPS": cps, "R": 4 if cps == 4 and ntok <= 16 else 2,
-                "FIRST": int(cps == 4 and ntok <= 16), "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
+                "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
                 "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
     if v >= 6 and _bulk_ok(m, w):
         pipe, sc, dec, nt = VARIANTS[v]

@@ -179,7 +179,7 @@ def test_core_variant_records_and_token_layout():
         assert native.default_variant() == 15 and native.token_layout(16, w) == 2
         assert not native.chunked_tokens(16, w) and native.token_layout(65, w) == 0
         r = native.decode_variant(16, w)
-        assert (r["variant"], r["NTOK"], r["STAGES"], r["CPS"], r["R"], r["FIRST"]) == (15, 16, 4, 4, 4, 1)
+        assert (r["variant"], r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (15, 16, 4, 4, 4)
         assert "m64n16k16" in r["MMA"] and "core-matrix" in r["tokens"]
         r = native.decode_variant(64, SimpleNamespace(k=768, nseg=1))  # 6 chunks: 2 per stage
         assert (r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (64, 4, 2, 2)

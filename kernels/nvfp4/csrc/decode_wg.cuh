@@ -97,10 +97,12 @@ __device__ __forceinline__ void wg_decode_chunk(uint32_t (&af)[8][4], const uint
 
 // NA: accumulators of NTOK / NA token columns each (one wgmma per accumulator and k16 step, independent
 // chains); R: register sets of A fragments (one 128-wide chunk each, a commit group per chunk, R - 1
-// groups left in flight while the next chunk is decoded); FIRST: the producer waits for stage 0 to
-// land before it asks for the rest of the ring, so the first stage is not shared with the others'
-// copies. MODE (bench only): 3 = no waits, every step computes on stage 0; 4 = 3 without the decode.
-template <int NTOK, int S, int CPS, int MODE = 0, int NA = 1, int R = 2, bool FIRST = false>
+// groups left in flight while the next chunk is decoded). MODE (bench only): 3 = no waits, every step
+// computes on stage 0; 4 = 3 without the decode. (Measured and dropped, H200 lab 2026-12-01 21:45: the
+// producer waiting for stage 0 before the rest of the ring, and programmatic dependent launch with the
+// first weight copies before griddepcontrol.wait: no gain with one CTA per SM, 19-20 us at M = 16 with
+// a ring small enough for two.)
+template <int NTOK, int S, int CPS, int MODE = 0, int NA = 1, int R = 2>
 __global__ void __launch_bounds__(160, 1) decode_wg_kernel(
     const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
     const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
@@ -137,7 +139,6 @@ __global__ void __launch_bounds__(160, 1) decode_wg_kernel(
       for (int i = 0; i < steps; ++i) {
         const int slot = i % S;
         if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
-        if (FIRST && i == 1) mbar_wait(full0, 0);
         const uint32_t full = full0 + 8 * slot;
         const uint32_t st = smem_u32(smem + slot * STAGE);
         const size_t cl = (size_t)c0 + i * CPS;

@@ -774,17 +774,17 @@ void launch_bulk(const torch::Tensor& wq, const torch::Tensor& wsc, const torch:
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// wgmma decode (variant 15): NTOK token columns (M <= NTOK), S stages of CPS chunks, R register sets, FIRST
+// wgmma decode (variant 15): NTOK token columns (M <= NTOK), S stages of CPS chunks, R register sets
 constexpr int wg_smem(int ntok, int s, int cps) {  // stages, barriers, the zero B tile
   return s * cps * (W_BYTES + 2 * S_BYTES + 16 * (ntok / 8) * CMB) + 16 * s + 32 * ntok;
 }
 
-template <int NTOK, int S, int CPS, int R = 2, bool FIRST = false>
+template <int NTOK, int S, int CPS, int R = 2>
 void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch::Tensor& w_amax, bool w_amax_row,
                const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
                int N, int K, int nseg) {
   constexpr int SMEM = wg_smem(NTOK, S, CPS);
-  auto kern = decode_wg_kernel<NTOK, S, CPS, 0, 1, R, FIRST>;
+  auto kern = decode_wg_kernel<NTOK, S, CPS, 0, 1, R>;
   static bool attr = false;
   if (!attr) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
@@ -846,8 +846,8 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
   // tile each at M <= 16 (4 stages x 4 chunks). Same conditions as 6-11, else the cp.async kernel.
   // variant 15 (sm_90a): decode_wg_kernel, the token operand core-matrix ordered ([K/128][16][G][8][8]
   // fp16, G = NTOK / 8 row groups, NTOK = 8, 16, 32 or 64: the least >= M); 4 stages x 4 chunks where
-  // the segment's chunk count allows it (M <= 16: 4 register sets, stage 0 first), else 2 chunks per
-  // stage (the lab's fastest, 2026-12-01 21:15). Same conditions as 6-14.
+  // the segment's chunk count allows it (M <= 16: 4 register sets), else 2 chunks per stage (the lab's
+  // fastest, 2026-12-01 21:15-21:45). Same conditions as 6-14.
   if (variant == 15 && two && M <= 64) {
     const int ntok = M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     TORCH_CHECK(wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
@@ -856,8 +856,8 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
                 "decode_gemm: variant 15 takes the core-matrix token operand [K/128, 16, NTOK/8, 8, 8]");
     const bool four = (K / KC / nseg) % 4 == 0;
 #define MP_WG(...) launch_wg<__VA_ARGS__>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s)
-    if (ntok == 8) { if (four) MP_WG(8, 4, 4, 4, true); else MP_WG(8, 6, 2); }
-    else if (ntok == 16) { if (four) MP_WG(16, 4, 4, 4, true); else MP_WG(16, 6, 2); }
+    if (ntok == 8) { if (four) MP_WG(8, 4, 4, 4); else MP_WG(8, 6, 2); }
+    else if (ntok == 16) { if (four) MP_WG(16, 4, 4, 4); else MP_WG(16, 6, 2); }
     else if (ntok == 32) { if (four) MP_WG(32, 4, 4); else MP_WG(32, 6, 2); }
     else MP_WG(64, 4, 2);
 #undef MP_WG
@@ -956,8 +956,8 @@ void* nvfp4_instances[] = {(void*)decode_gemm_kernel<1, 6, 2, 2, false>, (void*)
                            (void*)decode_bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, false>,
                            (void*)decode_bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, true>,
                            (void*)decode_bulk_kernel<4, 2, 4, 2, true, 0, 0, 1, true>,
-                           (void*)decode_wg_kernel<8, 4, 4, 0, 1, 4, true>, (void*)decode_wg_kernel<8, 6, 2>,
-                           (void*)decode_wg_kernel<16, 4, 4, 0, 1, 4, true>, (void*)decode_wg_kernel<16, 6, 2>,
+                           (void*)decode_wg_kernel<8, 4, 4, 0, 1, 4>, (void*)decode_wg_kernel<8, 6, 2>,
+                           (void*)decode_wg_kernel<16, 4, 4, 0, 1, 4>, (void*)decode_wg_kernel<16, 6, 2>,
                            (void*)decode_wg_kernel<32, 4, 4>, (void*)decode_wg_kernel<32, 6, 2>,
                            (void*)decode_wg_kernel<64, 4, 2>, (void*)quant_rows_kernel<4, false>,
                            (void*)quant_rows_kernel<4, true>, (void*)quant_rows_kernel<4, true, 2>};
