@@ -62,8 +62,8 @@ VARIANTS: dict[int, tuple[str, str, str, int]] = {
     15: ("wgmma-core", "fp16", "prmt", 2)}  # sm_90a: wgmma, weights on M, tokens on N (TOKEN_CORE)
 CHUNKED = (12, 13, 14)  # the variants that take the chunk-major token operand
 CORE = (15,)  # the variants that take the core-matrix token operand
-# Default: 15 on sm_90 (H200, 2026-12-01 21:33 bench_kernels: M = 1 / 16 / 64 14.2 / 15.0 / 20.2 us against
-# 14's 15.5 / 15.4 / 31.2; lab 21:45 with 4 register sets: 13.9 / 14.9), else 14 (wgmma is sm_90a only)
+# Default: 15 on sm_90 (H200, 2026-12-01 20:42 bench_kernels: M = 1 / 16 / 64 14.2 / 15.0 / 20.2 us against
+# 14's 15.5 / 15.4 / 31.2; lab 20:47 with 4 register sets: 13.9 / 14.9), else 14 (wgmma is sm_90a only)
 DEFAULT_VARIANT = 14
 HOPPER_VARIANT = 15
 # the chunk-major token operand: [ceil(M/16) blocks][K/128 chunks][16 rows][128 + 8 halves] (fp16; the

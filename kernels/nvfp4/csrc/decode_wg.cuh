@@ -98,7 +98,7 @@ __device__ __forceinline__ void wg_decode_chunk(uint32_t (&af)[8][4], const uint
 // NA: accumulators of NTOK / NA token columns each (one wgmma per accumulator and k16 step, independent
 // chains); R: register sets of A fragments (one 128-wide chunk each, a commit group per chunk, R - 1
 // groups left in flight while the next chunk is decoded). MODE (bench only): 3 = no waits, every step
-// computes on stage 0; 4 = 3 without the decode. (Measured and dropped, H200 lab 2026-12-01 21:45: the
+// computes on stage 0; 4 = 3 without the decode. (Measured and dropped, H200 lab 2026-12-01 20:47: the
 // producer waiting for stage 0 before the rest of the ring, and programmatic dependent launch with the
 // first weight copies before griddepcontrol.wait: no gain with one CTA per SM, 19-20 us at M = 16 with
 // a ring small enough for two.)

@@ -847,7 +847,7 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
   // variant 15 (sm_90a): decode_wg_kernel, the token operand core-matrix ordered ([K/128][16][G][8][8]
   // fp16, G = NTOK / 8 row groups, NTOK = 8, 16, 32 or 64: the least >= M); 4 stages x 4 chunks where
   // the segment's chunk count allows it (M <= 16: 4 register sets), else 2 chunks per stage (the lab's
-  // fastest, 2026-12-01 21:15-21:45). Same conditions as 6-14.
+  // fastest, 2026-12-01 20:33-20:47). Same conditions as 6-14.
   if (variant == 15 && two && M <= 64) {
     const int ntok = M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     TORCH_CHECK(wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
