@@ -444,11 +444,20 @@ def main() -> int:
     ap.add_argument("--only", default="checks,quantize,linear,sweep,moe,e2e")
     ap.add_argument("--native-variant", type=int, default=None, help="the native decode variant to use by default")
     ap.add_argument("--variants", default=None, help="native decode variants for the per-variant rows (default: all)")
+    ap.add_argument("--nseg-kseg", type=int, default=None,
+                    help="tc_linear.NSEG_KSEG: at most this K per segment (changes the bits of shapes it splits)")
+    ap.add_argument("--two-launch", action="store_true", help="tc_linear.PREFILL_TWO_LAUNCH: two-segment prefill as two launches")
     ap.add_argument("--triton-decode", choices=("all", "default"), default="all",
                     help="Triton decode configs timed in 'linear' (default: only the default config)")
     args = ap.parse_args()
     SEL["variants"] = None if args.variants is None else {int(v) for v in args.variants.split(",")}
     SEL["triton_all"] = args.triton_decode == "all"
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    if args.nseg_kseg is not None:
+        T.NSEG_KSEG = args.nseg_kseg
+    if args.two_launch:
+        T.PREFILL_TWO_LAUNCH = True
     if args.native_variant is not None:
         from mismatch_probe.kernels.nvfp4 import native
 
@@ -463,6 +472,8 @@ def main() -> int:
         from mismatch_probe.kernels.nvfp4 import native
 
         info["native_default_variant"] = native.default_variant()
+        info["nseg_kseg"] = T.NSEG_KSEG
+        info["prefill_two_launch"] = T.PREFILL_TWO_LAUNCH
     except ImportError:
         pass
     print(info, flush=True)

@@ -83,15 +83,17 @@ static LaunchFn bulk_kernel(Bufs& b, int nseg = 1) {
   };
 }
 
-template <int NTOK, int S, int CPS, int MODE = 0, int NA = 1, int R = 2>
+template <int NTOK, int S, int CPS, int MODE = 0, int R = 2, bool KS2 = false>
 static LaunchFn wg_kernel(Bufs& b, int nseg = 1) {
-  const int smem = S * CPS * (W_BYTES + 2 * S_BYTES + 16 * (NTOK / 8) * CMB) + 16 * S + 32 * NTOK;
-  auto kern = decode_wg_kernel<NTOK, S, CPS, MODE, NA, R>;
+  const int smem = S * CPS * (KS2 ? 2 : 1) * (W_BYTES + 2 * S_BYTES + 16 * (NTOK / 8) * CMB) + 16 * S + 32 * NTOK +
+                   (KS2 ? 256 * NTOK : 0);
+  auto kern = decode_wg_kernel<NTOK, S, CPS, MODE, R, KS2>;
   smem_attr(kern, smem);
   const int li = NTOK == 8 ? 0 : NTOK == 16 ? 1 : NTOK == 32 ? 2 : 3;
+  const int ns = KS2 ? 2 : nseg;
   return [=](cudaStream_t s, int m, int w) {
-    kern<<<dim3(N / 64, 1, nseg), 160, smem, s>>>(b.wq[w], b.ws16[w], b.w_amax, 1, b.acore[li], b.a_amax, b.out, b.part,
-                                                   m, N, K, nseg);
+    kern<<<dim3(N / 64, 1, KS2 ? 1 : ns), KS2 ? 288 : 160, smem, s>>>(b.wq[w], b.ws16[w], b.w_amax, 1, b.acore[li], b.a_amax, b.out, b.part,
+                                                   m, N, K, ns);
   };
 }
 
@@ -262,7 +264,8 @@ int main(int argc, char** argv) {
   vs.push_back({"v7 TOK1 S4 CPS4 (v12)", 1, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1>(b), false});
   vs.push_back({"v10 TOK1 NT1 S4 CPS4 (v14)", 1, bulk_kernel<1, 1, 4, 4, true, 0, 0, 1>(b), false});
   vs.push_back({"wgmma N8 S4 CPS4 R2", 1, wg_kernel<8, 4, 4>(b), false});
-  vs.push_back({"wgmma N8 S4 CPS4 R4 (v15)", 1, wg_kernel<8, 4, 4, 0, 1, 4>(b), false});
+  vs.push_back({"wgmma N8 S4 CPS4 R4 (v15)", 1, wg_kernel<8, 4, 4, 0, 4>(b), false});
+  vs.push_back({"wgmma N8 KS2 S4 CPS2 (NSEG 2 in CTA)", 1, wg_kernel<8, 4, 2, 0, 2, true>(b), true});
   vs.push_back({"NODECODE bulk NT2 S6 CPS2 SC16", 1, bulk_kernel<1, 2, 6, 2, true, 0, 2>(b), true});
   vs.push_back({"STREAM bulk NT2 S6 CPS2 SC16", 1, bulk_kernel<1, 2, 6, 2, true, 0, 1>(b), true});
   vs.push_back({"cp.async 6x2 (ref) (v0)", 16, old_kernel<1, 6, 2, 2, false>(b), false});
@@ -276,17 +279,16 @@ int main(int argc, char** argv) {
   vs.push_back({"v7 TOK1 S4 CPS4 (v12)", 16, bulk_kernel<1, 2, 4, 4, true, 0, 0, 1>(b), false});
   vs.push_back({"v10 TOK1 NT1 S4 CPS4 (v14)", 16, bulk_kernel<1, 1, 4, 4, true, 0, 0, 1>(b), false});
   vs.push_back({"wgmma N16 S4 CPS4 R2", 16, wg_kernel<16, 4, 4>(b), false});
-  vs.push_back({"wgmma N16 S3 CPS4 R4", 16, wg_kernel<16, 3, 4, 0, 1, 4>(b), false});
+  vs.push_back({"wgmma N16 S3 CPS4 R4", 16, wg_kernel<16, 3, 4, 0, 4>(b), false});
   vs.push_back({"wgmma N16 S6 CPS4", 16, wg_kernel<16, 6, 4>(b), false});
-  vs.push_back({"wgmma N16 S4 CPS4 R4 (v15)", 16, wg_kernel<16, 4, 4, 0, 1, 4>(b), false});
-  vs.push_back({"wgmma N16 S4 CPS4 NA2", 16, wg_kernel<16, 4, 4, 0, 2>(b), false});
-  vs.push_back({"wgmma N16 S4 CPS4 NA2 R4", 16, wg_kernel<16, 4, 4, 0, 2, 4>(b), false});
+  vs.push_back({"wgmma N16 S4 CPS4 R4 (v15)", 16, wg_kernel<16, 4, 4, 0, 4>(b), false});
+  vs.push_back({"wgmma N16 KS2 S4 CPS2 (NSEG 2 in CTA)", 16, wg_kernel<16, 4, 2, 0, 2, true>(b), true});
+  vs.push_back({"wgmma N16 KS2 S3 CPS2", 16, wg_kernel<16, 3, 2, 0, 2, true>(b), true});
+  vs.push_back({"wgmma N16 nseg 2 across CTAs (no reduce)", 16, wg_kernel<16, 6, 2>(b, 2), true});
+  vs.push_back({"COMPUTE-ONLY wgmma N16 KS2", 16, wg_kernel<16, 4, 2, 3, 2, true>(b), true});
   vs.push_back({"COMPUTE-ONLY wgmma N16 S4 CPS4", 16, wg_kernel<16, 4, 4, 3>(b), true});
-  vs.push_back({"COMPUTE-ONLY wgmma N16 R4", 16, wg_kernel<16, 4, 4, 3, 1, 4>(b), true});
-  vs.push_back({"COMPUTE-ONLY wgmma N16 NA2", 16, wg_kernel<16, 4, 4, 3, 2>(b), true});
-  vs.push_back({"COMPUTE-ONLY wgmma N16 NA2 R4", 16, wg_kernel<16, 4, 4, 3, 2, 4>(b), true});
+  vs.push_back({"COMPUTE-ONLY wgmma N16 R4", 16, wg_kernel<16, 4, 4, 3, 4>(b), true});
   vs.push_back({"COMPUTE-ONLY NODECODE wgmma N16", 16, wg_kernel<16, 4, 4, 4>(b), true});
-  vs.push_back({"COMPUTE-ONLY NODECODE wgmma NA2", 16, wg_kernel<16, 4, 4, 4, 2>(b), true});
   vs.push_back({"COMPUTE-ONLY NODECODE wgmma N8", 16, wg_kernel<8, 4, 4, 4>(b), true});
   vs.push_back({"v7 TOK1 S5 CPS4", 16, bulk_kernel<1, 2, 5, 4, true, 0, 0, 1>(b), false});
   vs.push_back({"v10 TOK1 NT1 S5 CPS4", 16, bulk_kernel<1, 1, 5, 4, true, 0, 0, 1>(b), false});
@@ -324,6 +326,7 @@ int main(int argc, char** argv) {
   vs.push_back({"bulk MT2 NT2 S6 CPS2 SC16 shift", 32, bulk_kernel<2, 2, 6, 2, true, 1, 0>(b), false});
   vs.push_back({"wgmma N32 S6 CPS2", 32, wg_kernel<32, 6, 2>(b), false});
   vs.push_back({"wgmma N32 S4 CPS4 (v15)", 32, wg_kernel<32, 4, 4>(b), false});
+  vs.push_back({"wgmma N32 KS2 S3 CPS2 (NSEG 2 in CTA)", 32, wg_kernel<32, 3, 2, 0, 2, true>(b), true});
   vs.push_back({"MT2 v7 TOK1 PIPE", 32, bulk_kernel<2, 2, 6, 2, true, 0, 0, 1, true>(b), false});
   vs.push_back({"cp.async MT4 4x2 (ref)", 64, old_kernel<4, 4, 2, 2, false>(b), false});
   vs.push_back({"bulk MT4 NT2 S4 CPS2 bytes prmt", 64, bulk_kernel<4, 2, 4, 2, false, 0, 0>(b), false});
@@ -359,6 +362,41 @@ int main(int argc, char** argv) {
         if (i) res += " " + ks[i].first + (memcmp(pr.data(), pg.data(), bytes) == 0 ? "=IDENTICAL" : "=DIFFER");
       }
       printf("nseg 4, M = %d, fp32 partials vs the cp.async kernel:%s\n", m, res.c_str());
+      fflush(stdout);
+    }
+  }
+  {  // KS2 (both K segments in the CTA) == the across-CTA nseg-2 partials summed p0 + p1 and scaled on the host
+    auto bf16 = [](float x) {
+      uint32_t u;
+      memcpy(&u, &x, 4);
+      return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    };
+    for (int m : {1, 16, 29}) {
+      std::vector<float> pp((size_t)2 * m * N);
+      std::vector<uint16_t> o((size_t)m * N);
+      LaunchFn parts = m <= 8 ? wg_kernel<8, 6, 2>(b, 2) : m <= 16 ? wg_kernel<16, 6, 2>(b, 2) : wg_kernel<32, 6, 2>(b, 2);
+      LaunchFn ks = m <= 8 ? wg_kernel<8, 4, 2, 0, 2, true>(b) : m <= 16 ? wg_kernel<16, 4, 2, 0, 2, true>(b)
+                                                                          : wg_kernel<32, 3, 2, 0, 2, true>(b);
+      parts(st, m, 0);
+      CK(cudaStreamSynchronize(st));
+      CK(cudaMemcpy(pp.data(), b.part, pp.size() * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemset(b.out, 0xFF, (size_t)64 * N * 2));
+      ks(st, m, 0);
+      CK(cudaStreamSynchronize(st));
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(o.data(), b.out, o.size() * 2, cudaMemcpyDeviceToHost));
+      size_t bad = 0;
+      for (int r = 0; r < m; ++r)
+        for (int n = 0; n < N; ++n) {
+          volatile float t = pp[(size_t)r * N + n] + pp[((size_t)m + r) * N + n];
+          volatile float ab = haa[r] * hwa[n];
+          volatile float sc = ab * RCP_ALPHA;
+          volatile float x = t * 128.0f;
+          volatile float y = x * sc;
+          bad += bf16(y) != o[(size_t)r * N + n];
+        }
+      printf("KS2 M = %d: bf16 rows vs nseg-2 partials + host p0 + p1 and epilogue: %s (%zu differ)\n", m,
+             bad ? "DIFFER" : "IDENTICAL", bad);
       fflush(stdout);
     }
   }

@@ -15,7 +15,7 @@ if [ "${LAB:-0}" = 1 ]; then
 fi
 P=$(bash bench/gpu_shim.sh /tmp/mp) && export PYTHONPATH=$P:$PWD/bench
 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-480}" python3 bench/bench_kernels.py --native-variant "${VARIANT:-15}" \
-  --variants "${VARIANTS:-14,15}" --triton-decode default --only "${ONLY:-checks,quantize,linear,sweep}" --out "$out" \
+  --variants "${VARIANTS:-14,15}" --triton-decode default --only "${ONLY:-checks,quantize,linear,sweep}" --out "$out" ${BENCH_ARGS:-} \
   >"$out/bench.log" 2>&1
 echo "bench_kernels rc=$?"
 grep -E "^\[check\] (fail|err)" "$out/bench.log" | cut -c1-300

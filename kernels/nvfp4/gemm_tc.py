@@ -258,13 +258,17 @@ def prefill_kernel(
     M, N, K, w_estride,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NSEG: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPED: tl.constexpr, W_AMAX_ROW: tl.constexpr, F32: tl.constexpr, FLAT: tl.constexpr = True,
+    p_ptr=None, PHASE: tl.constexpr = 0,
 ):
     """Prefill path. ``FLAT`` (default): one K loop over all segments, so the software pipeline
     keeps its loads in flight across segment boundaries; at the end of each segment its
     accumulator is added to the running total and restarts at 0. The total starts at -0.0, the
     identity of IEEE addition (-0 + x == x for every x, +0 included), so the first segment's sum is
     taken as is, like :func:`reduce_kernel` does: the same bits as ``FLAT=False`` (one loop per
-    segment, the pipeline drained and refilled at each segment)."""
+    segment, the pipeline drained and refilled at each segment). ``PHASE`` 1 / 2 (NSEG == 2, dense): one
+    segment per launch with one accumulator (the one-segment tile): 1 stores segment 0's fp32 sums to
+    ``p_ptr`` [M, N], 2 adds segment 1's to them (p0 + p1, as the total above) and runs the epilogue:
+    the same bits as FLAT, without a second accumulator live through the loop."""
     pid = tl.program_id(0)
     nn = (N + BN - 1) // BN
     if GROUPED:
@@ -289,7 +293,23 @@ def prefill_kernel(
         ap = a_ptr + rm[:, None] * K + kk[None, :]
         wp = w_ptr + eb * w_estride + rn[None, :] * K + kk[:, None]
         kseg = K // NSEG
-        if FLAT and NSEG > 1:
+        if PHASE > 0:
+            k0 = (PHASE - 1) * kseg
+            acc = tl.full([BM, BN], 0.0, tl.float32)
+            for i in range(0, kseg // BK):
+                a = tl.load(ap + k0 + i * BK, mask=mmask[:, None], other=0.0)
+                w = tl.load(wp + k0 + i * BK, mask=nmask[None, :], other=0.0)
+                if F32:
+                    acc = tl.dot(a, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+            pp = p_ptr + rm[:, None] * N + rn[None, :]
+            if PHASE == 1:
+                tl.store(pp, acc, mask=mmask[:, None] & nmask[None, :])
+            total = acc
+            if PHASE == 2:
+                total = tl.load(pp, mask=mmask[:, None] & nmask[None, :], other=0.0) + acc
+        elif FLAT and NSEG > 1:
             kps = kseg // BK  # K steps per segment
             total = tl.full([BM, BN], -0.0, tl.float32)
             acc = tl.full([BM, BN], 0.0, tl.float32)
@@ -318,11 +338,12 @@ def prefill_kernel(
                     total = acc
                 else:
                     total = total + acc
-        aa = tl.load(a_amax_ptr + rm, mask=mmask, other=0.0)
-        if W_AMAX_ROW:
-            ba = tl.load(w_amax_ptr + eb * N + rn, mask=nmask, other=0.0)
-        else:
-            ba = tl.load(w_amax_ptr + eb + rn * 0)
-        res = _epilogue(total, aa[:, None], ba[None, :])
-        omask = mmask[:, None] & nmask[None, :]
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], bf16_bits_rne(res).to(tl.int16), mask=omask)
+        if PHASE != 1:
+            aa = tl.load(a_amax_ptr + rm, mask=mmask, other=0.0)
+            if W_AMAX_ROW:
+                ba = tl.load(w_amax_ptr + eb * N + rn, mask=nmask, other=0.0)
+            else:
+                ba = tl.load(w_amax_ptr + eb + rn * 0)
+            res = _epilogue(total, aa[:, None], ba[None, :])
+            omask = mmask[:, None] & nmask[None, :]
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], bf16_bits_rne(res).to(tl.int16), mask=omask)

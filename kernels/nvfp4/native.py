@@ -204,6 +204,11 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
     if v in CORE and _bulk_ok(m, w):
         ntok = token_cols(m)
         cps = 4 if chunks % 4 == 0 and ntok < 64 else 2
+        if fused_segments(m, w, w.nseg):
+            return {"variant": v, "pipeline": "wgmma-core, both K segments in the CTA", "scales": "fp16",
+                    "decode": "prmt", "NTOK": ntok, "STAGES": 4 if ntok < 32 else 3, "CPS": 2, "R": 2,
+                    "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers), 2 warpgroups",
+                    "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
         return {"variant": v, "pipeline": "wgmma-core", "scales": "fp16", "decode": "prmt", "NTOK": ntok,
                 "STAGES": 4 if cps == 4 or ntok == 64 else 6, "CPS": cps, "R": 4 if cps == 4 and ntok <= 16 else 2,
                 "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
@@ -314,7 +319,15 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
     a = a_op
     if a.data_ptr() % 16 or not a.is_contiguous():
         a = a.clone(memory_format=torch.contiguous_format)
-    mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant())
+    mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant(),
+                    fused_segments(m, w, nseg))
+
+
+def fused_segments(m: int, w: Any, nseg: int) -> bool:
+    """Variant 15 adds two K segments inside the CTA (two warpgroups, one K half each, p0 + p1 in fp32
+    before the epilogue: the bits of reduce_kernel), so no partials and no reduce launch: nseg == 2,
+    M <= 32, the core-matrix operand (NATIVE_CFG["KS2"] False turns it off)."""
+    return (nseg == 2 and m <= 32 and token_layout(m, w) == 2 and bool(NATIVE_CFG.get("KS2", True)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,11 @@ def chunk_for(k: int) -> int:
 # H200 runs of BENCHMARKS.md (bench/probe_nvfp4.py --only nseg measures the candidates).
 NSEG_TARGET = 128
 NSEG_MAX = 8
+# and at most NSEG_KSEG K per segment where set (None: no such bound); see nseg_for
+NSEG_KSEG: int | None = None
+# the prefill of two-segment dense weights as two launches (two_launch); its fp32 buffer's bound
+PREFILL_TWO_LAUNCH = False
+PARTIAL_BYTES = 256 << 20
 
 
 def nseg_for(n: int, k: int, grouped: bool = False) -> int:
@@ -54,7 +59,8 @@ def nseg_for(n: int, k: int, grouped: bool = False) -> int:
     if grouped or bkc == 0:
         return 1
     tiles, s = triton.cdiv(n, 64), 1
-    while tiles * s < NSEG_TARGET and s < NSEG_MAX and (k // bkc) % (2 * s) == 0:
+    kmax = NSEG_KSEG or k
+    while (tiles * s < NSEG_TARGET or k // s > kmax) and s < NSEG_MAX and (k // bkc) % (2 * s) == 0:
         s *= 2
     return s
 
@@ -214,7 +220,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
             from . import native
 
             native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part)
-            if nseg > 1:
+            if nseg > 1 and not native.fused_segments(m, w, nseg):
                 launch(reduce_kernel, (triton.cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16),
                        m, n, nseg, 1024, w.per_row, False, num_warps=4)
             return out
@@ -234,6 +240,9 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
                    row_e if row_e is not None else a_amax, out.view(torch.int16), m, n, nseg, blk, w.per_row, grouped,
                    num_warps=4)
         return out
+    if two_launch(w):
+        _prefill_two_launch(a_amax, a_op, w, m, out)
+        return out
     cfg = prefill_config(w.nseg, k // w.nseg)
     n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
     launch(prefill_kernel, (n_m * triton.cdiv(n, cfg["BN"]),),
@@ -242,6 +251,29 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
            cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET, cfg["FLAT"],
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def two_launch(w: TCWeight) -> bool:
+    """The prefill of a dense weight with two K segments runs as two launches of the one-segment tile
+    (``prefill_kernel`` PHASE 1, 2: segment 0's fp32 sums through a buffer), where ``PREFILL_CFG``
+    asks for it (``TWO_LAUNCH``; same bits as the one-loop kernel)."""
+    return bool(PREFILL_CFG.get("TWO_LAUNCH", PREFILL_TWO_LAUNCH)) and w.nseg == 2 and not w.grouped
+
+
+def _prefill_two_launch(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, out: torch.Tensor) -> None:
+    """PHASE 1 then 2 over row blocks whose fp32 buffer stays within PARTIAL_BYTES."""
+    n, k = w.n, w.k
+    cfg = {**prefill_config(1, k // 2), "FLAT": True}
+    rows = max(cfg["BM"], PARTIAL_BYTES // (4 * n) // cfg["BM"] * cfg["BM"])
+    part = torch.empty(min(m, rows), n, dtype=torch.float32, device=a_op.device)
+    for r0 in range(0, m, rows):
+        mm = min(rows, m - r0)
+        am, ao, o = a_amax[r0:r0 + mm], a_op[r0:r0 + mm], out[r0:r0 + mm]
+        grid = (triton.cdiv(mm, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+        for phase in (1, 2):
+            launch(prefill_kernel, grid, ao, w.op(), am, w.amax, o.view(torch.int16), am, am, am, mm, n, k, 0,
+                   cfg["BM"], cfg["BN"], cfg["BK"], 2, cfg["GROUP_M"], False, w.per_row, INTERPRET, True, part, phase,
+                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:

@@ -124,3 +124,34 @@ def test_prefill_flat_loop_equals_loop_per_segment(monkeypatch, n, k, m):
     per_seg = T.tc_matmul(a, tw, path="prefill")
     assert torch.equal(flat.view(torch.int16), per_seg.view(torch.int16))
     tc_within_bound(flat, a, w)
+
+
+@pytest.mark.parametrize("n,k,m", [(48, 256, 20), (40, 256, 37)])
+def test_prefill_two_launch_equals_one_loop(monkeypatch, n, k, m):
+    """Two K segments as two launches of the one-accumulator tile (segment 0's fp32 sums through a
+    buffer, then p0 + p1 and the epilogue) give the bits of the one-loop kernel, also when the rows go
+    through the buffer in several blocks (PARTIAL_BYTES)."""
+    w = R.nvfp4_quantize_ref(torch.randn(n, k, generator=_g(14)))
+    a = R.nvfp4_quantize_ref(torch.randn(m, k, generator=_g(15)).to(torch.bfloat16), per_token=True)
+    tw = T.prepare(w)
+    assert tw.nseg == 2 and not T.two_launch(tw)
+    one = T.tc_matmul(a, tw, path="prefill")
+    monkeypatch.setattr(T, "PREFILL_CFG", {"TWO_LAUNCH": True})
+    assert T.two_launch(tw)
+    two = T.tc_matmul(a, tw, path="prefill")
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+    monkeypatch.setattr(T, "PARTIAL_BYTES", 16 * 4 * n)  # 16 rows per block: several blocks
+    assert torch.equal(one.view(torch.int16), T.tc_matmul(a, tw, path="prefill").view(torch.int16))
+    tc_within_bound(one, a, w)
+
+
+def test_nseg_kseg_bound():
+    """NSEG_KSEG caps K per segment on top of the program-count target (a function of (N, K) only)."""
+    assert T.nseg_for(8192, 8192) == 1 and T.nseg_for(1024, 1024) == 8
+    old = T.NSEG_KSEG
+    try:
+        T.NSEG_KSEG = 4096
+        assert T.nseg_for(8192, 8192) == 2 and T.nseg_for(8192, 4096) == 1 and T.nseg_for(4096, 12288) == 4
+        assert T.nseg_for(1024, 1024) == 8 and T.nseg_for(8192, 8192, grouped=True) == 1
+    finally:
+        T.NSEG_KSEG = old

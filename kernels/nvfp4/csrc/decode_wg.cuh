@@ -95,92 +95,39 @@ __device__ __forceinline__ void wg_decode_chunk(uint32_t (&af)[8][4], const uint
   }
 }
 
-// NA: accumulators of NTOK / NA token columns each (one wgmma per accumulator and k16 step, independent
-// chains); R: register sets of A fragments (one 128-wide chunk each, a commit group per chunk, R - 1
-// groups left in flight while the next chunk is decoded). MODE (bench only): 3 = no waits, every step
-// computes on stage 0; 4 = 3 without the decode. (Measured and dropped, H200 lab 2026-12-01 20:47: the
-// producer waiting for stage 0 before the rest of the ring, and programmatic dependent launch with the
-// first weight copies before griddepcontrol.wait: no gain with one CTA per SM, 19-20 us at M = 16 with
-// a ring small enough for two.)
-template <int NTOK, int S, int CPS, int MODE = 0, int NA = 1, int R = 2>
-__global__ void __launch_bounds__(160, 1) decode_wg_kernel(
-    const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
-    const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
-    float* __restrict__ part, int M, int N, int K, int nseg) {
-  static_assert(CPS % R == 0 && R >= 2 && R - 2 < CPS, "register sets alternate over the chunks of a stage");
-  constexpr int NW = NTOK / NA;  // token columns per accumulator
-  static_assert(NW % 8 == 0, "wgmma N: a multiple of 8");
-  extern __shared__ __align__(16) uint8_t smem[];
-  constexpr int SB = 2 * S_BYTES;                  // fp16 scales per chunk
-  constexpr int TB = 16 * (NTOK / 8) * CMB;        // token bytes per chunk
-  constexpr int A_OFF = CPS * (W_BYTES + SB);
-  constexpr int STAGE = A_OFF + CPS * TB;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // full[S], empty[S], then the zero B tile
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int nb = blockIdx.x, seg = blockIdx.z;
-  const int chunks = K / KC;
-  const int steps = chunks / nseg / CPS;
-  const int c0 = seg * (chunks / nseg);
+// One consumer warpgroup's K loop into its accumulator ``acc`` (in K order): R register sets of A
+// fragments (one 128-wide chunk each, a commit group per chunk, R - 1 groups left in flight while the
+// next chunk is decoded); ``hb``: the byte offset of its K half's block in each stage (KS2), ``arrive``:
+// it releases the stages. MODE (bench only): 3 = no waits, every step computes on stage 0; 4 = 3 without
+// the decode.
+template <int NTOK, int S, int CPS, int MODE, int R, int STAGE, int A_OFF, int TB, int SB>
+__device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem, uint64_t* bars, int hb, int steps,
+                                           int wl, int lane) {
   const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + S);
-  for (int i = tid; i < 2 * NTOK; i += blockDim.x)  // the zero B tile of the accumulators' first wgmma
-    reinterpret_cast<uint4*>(bars + 2 * S)[i] = make_uint4(0, 0, 0, 0);
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the wgmma (async proxy)
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, 4);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (warp == 4) {  // producer warp
-    if (MODE < 3 && lane == 0) {
-      const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
-      for (int i = 0; i < steps; ++i) {
-        const int slot = i % S;
-        if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
-        const uint32_t full = full0 + 8 * slot;
-        const uint32_t st = smem_u32(smem + slot * STAGE);
-        const size_t cl = (size_t)c0 + i * CPS;
-        const size_t c = (size_t)nb * chunks + cl;
-        mbar_expect_tx(full, CPS * (W_BYTES + SB + TB));
-        bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
-        bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
-        bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
-      }
-    }
-    return;
-  }
-  // the accumulators start as +0 exactly as the mma.sync kernels' (0.0f): D = (+0 A) * (+0 B), the B
-  // operand the zeroed tile (a zero-initialised register array would serialize the wgmmas)
-  float acc[NA][NW / 2];
   const int g = lane >> 2;
   uint32_t af[R][8][4];
-  const uint64_t desc0 = wg_desc(smem_u32(smem) + A_OFF, NTOK * 16, CMB);
-  {
+  const uint64_t desc0 = wg_desc(smem_u32(smem) + hb + A_OFF, NTOK * 16, CMB);
+  {  // acc = +0 exactly as the mma.sync kernels' (0.0f): D = (+0 A) * (+0 B), B the zeroed tile after
+     // the barriers (a zero-filled register array makes ptxas serialize the wgmmas; D = A * B of the first
+     // step alone could give -0 where the mma.sync kernels give +0)
     const uint32_t zero[4] = {0u, 0u, 0u, 0u};
-    const uint64_t dz = wg_desc(smem_u32(bars + 2 * S), NTOK * 16, CMB);
     wg_fence();
-#pragma unroll
-    for (int x = 0; x < NA; ++x) wgmma_rs<NW>(acc[x], zero, dz, 0);
+    wgmma_rs<NTOK>(acc, zero, wg_desc(smem_u32(bars + 2 * S), NTOK * 16, CMB), 0);
     wg_commit();
   }
   for (int i = 0; i < steps; ++i) {
     const int slot = MODE >= 3 ? 0 : i % S;
     if (MODE < 3) mbar_wait(full0 + 8 * slot, (i / S) & 1);
-    const uint8_t* st = smem + slot * STAGE;
+    const uint8_t* st = smem + slot * STAGE + hb;
 #pragma unroll
     for (int j = 0; j < CPS; ++j) {
       uint32_t wv[2][4], sc[2][4];
-      load_wsc<2, CPS, true, SB>(st, j, warp, lane, g, wv, sc);
+      load_wsc<2, CPS, true, SB>(st, j, wl, lane, g, wv, sc);
       wg_decode_chunk<MODE == 4>(af[j % R], wv, sc);
       wg_fence();
       const uint64_t dj = desc0 + ((uint32_t)(slot * STAGE + j * TB) >> 4);
 #pragma unroll
-      for (int s = 0; s < 8; ++s)
-#pragma unroll
-        for (int x = 0; x < NA; ++x)
-          wgmma_rs<NW>(acc[x], af[j % R][s], dj + ((uint32_t)(s * 2 * NTOK * 16 + x * (NW / 8) * CMB) >> 4));
+      for (int s = 0; s < 8; ++s) wgmma_rs<NTOK>(acc, af[j % R][s], dj + ((uint32_t)(s * 2 * NTOK * 16) >> 4));
       wg_commit();
       wg_wait<R - 1>();  // the groups before the last R - 1 are done: their A registers and stage reads are free
       if (MODE < 3 && j == R - 2 && i > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % S));
@@ -188,32 +135,105 @@ __global__ void __launch_bounds__(160, 1) decode_wg_kernel(
   }
   wg_wait<0>();
 #pragma unroll
-  for (int x = 0; x < NA; ++x)
-#pragma unroll
-    for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(acc[x][i])::"memory");  // reads after the wait
-  // epilogue: acc[x][4 j + 2 h + e]: weight row 16 warp + g + 8 h, token NW x + 8 j + 2 q + e
-  const int q = lane & 3;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int n = nb * 64 + warp * 16 + g + 8 * hh;
-    const float ba = nseg == 1 ? w_amax[w_amax_row ? (n < N ? n : N - 1) : 0] : 0.0f;
-#pragma unroll
-    for (int x = 0; x < NA; ++x)
-#pragma unroll
-      for (int j = 0; j < NW / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int m = NW * x + 8 * j + 2 * q + e;
-          if (m >= M || n >= N) continue;
-          const float t = acc[x][4 * j + 2 * hh + e];
-          if (nseg == 1) {
-            const float r = __fmul_rn(__fmul_rn(t, 128.0f), __fmul_rn(__fmul_rn(a_amax[m], ba), RCP_ALPHA));
-            out[(size_t)m * N + n] = bf16_bits_rne(r);
-          } else {
-            part[((size_t)seg * M + m) * N + n] = t;
-          }
-        }
-      }
-  }
+  for (int i = 0; i < NTOK / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // reads after the wait
 }
 
+// KS2: the weight's two K segments inside the CTA (nseg == 2): two consumer warpgroups, warpgroup h the
+// K half h, each stage holding both halves' chunks (CPS each; the producer's six bulk copies on one
+// barrier); at the end warpgroup 1 hands its fp32 sums to warpgroup 0 through shared memory, which
+// adds them to its own (p0 + p1, the order of reduce_kernel and of the prefill's segment total) and
+// writes the bf16 rows: each chain is 256 steps at K = 8192 instead of 512, with no partials in global
+// memory and no reduce launch. (Measured and dropped, H200 lab 2026-12-01 20:33-21:00: two n8
+// accumulators per warpgroup, the producer waiting for stage 0 first, programmatic dependent launch,
+// the next chunk decoded between the wgmmas of this one, two warpgroups of one tile per warp: each
+// slower.)
+template <int NTOK, int S, int CPS, int MODE = 0, int R = 2, bool KS2 = false>
+__global__ void __launch_bounds__(KS2 ? 288 : 160, 1) decode_wg_kernel(
+    const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
+    const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
+    float* __restrict__ part, int M, int N, int K, int nseg) {
+  static_assert(CPS % R == 0 && R >= 2 && R - 2 < CPS, "register sets alternate over the chunks of a stage");
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int SB = 2 * S_BYTES;                  // fp16 scales per chunk
+  constexpr int TB = 16 * (NTOK / 8) * CMB;        // token bytes per chunk
+  constexpr int A_OFF = CPS * (W_BYTES + SB);
+  constexpr int HALF = A_OFF + CPS * TB;            // one K half's block of a stage
+  constexpr int H = KS2 ? 2 : 1;
+  constexpr int STAGE = H * HALF;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // full[S], empty[S], zero B tile, exchange
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int nb = blockIdx.x, seg = KS2 ? 0 : blockIdx.z;
+  const int chunks = K / KC;
+  const int steps = chunks / nseg / CPS;
+  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + S);
+  for (int i = tid; i < 2 * NTOK; i += blockDim.x)  // the zero B tile of the accumulators' first wgmma
+    reinterpret_cast<uint4*>(bars + 2 * S)[i] = make_uint4(0, 0, 0, 0);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the wgmma (async proxy)
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 4 * H);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 4 * H) {  // producer warp
+    if (MODE < 3 && lane == 0) {
+      const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
+      for (int i = 0; i < steps; ++i) {
+        const int slot = i % S;
+        if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
+        const uint32_t full = full0 + 8 * slot;
+        mbar_expect_tx(full, H * CPS * (W_BYTES + SB + TB));
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          const uint32_t st = smem_u32(smem + slot * STAGE + h * HALF);
+          const size_t cl = (size_t)(KS2 ? h : seg) * (chunks / (KS2 ? 2 : nseg)) + i * CPS;
+          const size_t c = (size_t)nb * chunks + cl;
+          bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
+          bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
+          bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
+        }
+      }
+    }
+    return;
+  }
+  const int wg = warp >> 2, wl = warp & 3;
+  float acc[NTOK / 2];
+  wg_consume<NTOK, S, CPS, MODE, R, STAGE, A_OFF, TB, SB>(acc, smem, bars, wg * HALF, steps, wl, lane);
+  if constexpr (KS2) {  // segment 1's sums to warpgroup 0: p0 + p1
+    float* xch = reinterpret_cast<float*>(bars + 2 * S) + 8 * NTOK;  // after the zero B tile (32 NTOK bytes)
+    const int t = tid & 127;
+    if (wg == 1) {
+#pragma unroll
+      for (int i = 0; i < NTOK / 2; ++i) xch[i * 128 + t] = acc[i];
+    }
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+    if (wg == 1) return;
+#pragma unroll
+    for (int i = 0; i < NTOK / 2; ++i) acc[i] = __fadd_rn(acc[i], xch[i * 128 + t]);
+  }
+  // epilogue: acc[4 j + 2 h + e]: weight row 16 wl + g + 8 h, token 8 j + 2 q + e; KS2: nseg 2 summed here
+  const int g = lane >> 2, q = lane & 3;
+  const bool final_rows = KS2 || nseg == 1;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int n = nb * 64 + wl * 16 + g + 8 * hh;
+    const float ba = final_rows ? w_amax[w_amax_row ? (n < N ? n : N - 1) : 0] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < NTOK / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = 8 * j + 2 * q + e;
+        if (m >= M || n >= N) continue;
+        const float t = acc[4 * j + 2 * hh + e];
+        if (final_rows) {
+          const float r = __fmul_rn(__fmul_rn(t, 128.0f), __fmul_rn(__fmul_rn(a_amax[m], ba), RCP_ALPHA));
+          out[(size_t)m * N + n] = bf16_bits_rne(r);
+        } else {
+          part[((size_t)seg * M + m) * N + n] = t;
+        }
+      }
+    }
+  }
+}

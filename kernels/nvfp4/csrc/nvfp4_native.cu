@@ -775,24 +775,25 @@ void launch_bulk(const torch::Tensor& wq, const torch::Tensor& wsc, const torch:
 }
 
 // wgmma decode (variant 15): NTOK token columns (M <= NTOK), S stages of CPS chunks, R register sets
-constexpr int wg_smem(int ntok, int s, int cps) {  // stages, barriers, the zero B tile
-  return s * cps * (W_BYTES + 2 * S_BYTES + 16 * (ntok / 8) * CMB) + 16 * s + 32 * ntok;
+constexpr int wg_smem(int ntok, int s, int cps, bool ks2 = false) {  // stages, barriers, zero B tile, exchange
+  return s * cps * (ks2 ? 2 : 1) * (W_BYTES + 2 * S_BYTES + 16 * (ntok / 8) * CMB) + 16 * s + 32 * ntok +
+         (ks2 ? 256 * ntok : 0);
 }
 
-template <int NTOK, int S, int CPS, int R = 2>
+template <int NTOK, int S, int CPS, int R = 2, bool KS2 = false>
 void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch::Tensor& w_amax, bool w_amax_row,
                const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
                int N, int K, int nseg) {
-  constexpr int SMEM = wg_smem(NTOK, S, CPS);
-  auto kern = decode_wg_kernel<NTOK, S, CPS, 0, 1, R>;
+  constexpr int SMEM = wg_smem(NTOK, S, CPS, KS2);
+  auto kern = decode_wg_kernel<NTOK, S, CPS, 0, R, KS2>;
   static bool attr = false;
   if (!attr) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     attr = true;
   }
-  dim3 grid((N + 63) / 64, 1, nseg);
+  dim3 grid((N + 63) / 64, 1, KS2 ? 1 : nseg);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  kern<<<grid, 160, SMEM, stream>>>(
+  kern<<<grid, KS2 ? 288 : 160, SMEM, stream>>>(
       reinterpret_cast<const uint8_t*>(wq.data_ptr()), reinterpret_cast<const uint8_t*>(wsc16.data_ptr()),
       w_amax.data_ptr<float>(), w_amax_row ? 1 : 0, reinterpret_cast<const __half*>(a.data_ptr()),
       a_amax.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg);
@@ -826,7 +827,7 @@ void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& co
 
 void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch::Tensor w_amax, bool w_amax_row,
                  torch::Tensor a, torch::Tensor a_amax, torch::Tensor out, torch::Tensor part, int64_t M, int64_t N,
-                 int64_t K, int64_t nseg, int64_t variant) {
+                 int64_t K, int64_t nseg, int64_t variant, bool ks2) {
   TORCH_CHECK(K % KC == 0 && (K / KC) % nseg == 0, "decode_gemm: K must be a multiple of 128 * nseg");
   TORCH_CHECK(a.scalar_type() == at::kHalf && a.is_contiguous(), "decode_gemm: fp16 contiguous activations");
   TORCH_CHECK(M >= 1, "decode_gemm: M >= 1");
@@ -856,6 +857,13 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
                 "decode_gemm: variant 15 takes the core-matrix token operand [K/128, 16, NTOK/8, 8, 8]");
     const bool four = (K / KC / nseg) % 4 == 0;
 #define MP_WG(...) launch_wg<__VA_ARGS__>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s)
+    if (ks2) {  // both K segments in one CTA: the bf16 rows, no partials (native.fused_segments)
+      TORCH_CHECK(nseg == 2 && ntok <= 32, "decode_gemm: in-CTA K segments need nseg == 2 and M <= 32");
+      if (ntok == 8) MP_WG(8, 4, 2, 2, true);
+      else if (ntok == 16) MP_WG(16, 4, 2, 2, true);
+      else MP_WG(32, 3, 2, 2, true);
+      return;
+    }
     if (ntok == 8) { if (four) MP_WG(8, 4, 4, 4); else MP_WG(8, 6, 2); }
     else if (ntok == 16) { if (four) MP_WG(16, 4, 4, 4); else MP_WG(16, 6, 2); }
     else if (ntok == 32) { if (four) MP_WG(32, 4, 4); else MP_WG(32, 6, 2); }
@@ -956,8 +964,10 @@ void* nvfp4_instances[] = {(void*)decode_gemm_kernel<1, 6, 2, 2, false>, (void*)
                            (void*)decode_bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, false>,
                            (void*)decode_bulk_kernel<1, 2, 4, 4, true, 0, 0, 1, true>,
                            (void*)decode_bulk_kernel<4, 2, 4, 2, true, 0, 0, 1, true>,
-                           (void*)decode_wg_kernel<8, 4, 4, 0, 1, 4>, (void*)decode_wg_kernel<8, 6, 2>,
-                           (void*)decode_wg_kernel<16, 4, 4, 0, 1, 4>, (void*)decode_wg_kernel<16, 6, 2>,
+                           (void*)decode_wg_kernel<8, 4, 4, 0, 4>, (void*)decode_wg_kernel<8, 6, 2>,
+                           (void*)decode_wg_kernel<16, 4, 4, 0, 4>, (void*)decode_wg_kernel<16, 6, 2>,
+                           (void*)decode_wg_kernel<8, 4, 2, 0, 2, true>, (void*)decode_wg_kernel<16, 4, 2, 0, 2, true>,
+                           (void*)decode_wg_kernel<32, 3, 2, 0, 2, true>,
                            (void*)decode_wg_kernel<32, 4, 4>, (void*)decode_wg_kernel<32, 6, 2>,
                            (void*)decode_wg_kernel<64, 4, 2>, (void*)quant_rows_kernel<4, false>,
                            (void*)quant_rows_kernel<4, true>, (void*)quant_rows_kernel<4, true, 2>};
