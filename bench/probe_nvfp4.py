@@ -408,6 +408,20 @@ def nseg() -> None:
                                  cublas_ms=cub16, rows_eq_prefill=not bad2, nseg=tp.nseg),
                 "prefill_4096": rec(f"{t2} M={NSEG_ROWS2} prefill", lambda: T.tc_matmul(a2, tp, path="prefill", a_op=aop2),
                                     cublas_ms=cub4096, nseg=tp.nseg)}
+            for cfg in NSEG_OPTS["prefill_cfgs"] if tp.nseg > 1 else ():  # e.g. {"TWO_LAUNCH": true} at NSEG 2
+                T.PREFILL_CFG.update(cfg)
+                ok = eq(T.tc_matmul(a2, tp, path="prefill", a_op=aop2), f2)
+                row[f"N={n2} K={k2}"][f"prefill_4096 {cfg}"] = rec(
+                    f"{t2} M={NSEG_ROWS2} prefill {cfg}", lambda: T.tc_matmul(a2, tp, path="prefill", a_op=aop2),
+                    cublas_ms=cub4096, rows_eq=ok, nseg=tp.nseg)
+                T.PREFILL_CFG.clear()
+            if tp.nseg == 2:  # variant 15's in-CTA K segments vs the segments across CTAs + reduce_kernel
+                native.NATIVE_CFG["KS2"] = False
+                ok = eq(T.tc_matmul(a16, tp, path="decode", a_op=op16), f2[:16])
+                row[f"N={n2} K={k2}"]["decode_16 segments across CTAs"] = rec(
+                    f"{t2} M=16 native decode, K segments across CTAs + reduce",
+                    lambda: T.tc_matmul(a16, tp, path="decode", a_op=op16), cublas_ms=cub16, rows_eq_prefill=ok, nseg=tp.nseg)
+                native.NATIVE_CFG.pop("KS2", None)
             if bad2:
                 note(f"{t2}: decode rows differ from prefill at M {bad2}")
         summary.append(row)
