@@ -446,7 +446,8 @@ def main() -> int:
     ap.add_argument("--variants", default=None, help="native decode variants for the per-variant rows (default: all)")
     ap.add_argument("--nseg-kseg", type=int, default=None,
                     help="tc_linear.NSEG_KSEG: at most this K per segment (changes the bits of shapes it splits)")
-    ap.add_argument("--two-launch", action="store_true", help="tc_linear.PREFILL_TWO_LAUNCH: two-segment prefill as two launches")
+    ap.add_argument("--two-launch", action="store_true",
+                    help="tc_linear.PREFILL_TWO_LAUNCH: two-segment prefill as two launches (the default since 21:15)")
     ap.add_argument("--triton-decode", choices=("all", "default"), default="all",
                     help="Triton decode configs timed in 'linear' (default: only the default config)")
     args = ap.parse_args()

@@ -118,6 +118,7 @@ def test_prefill_flat_loop_equals_loop_per_segment(monkeypatch, n, k, m):
     a = R.nvfp4_quantize_ref(torch.randn(m, k, generator=_g(13)).to(torch.bfloat16), per_token=True)
     tw = T.prepare(w)
     assert tw.nseg > 1 and (k // tw.nseg) // T.prefill_config(tw.nseg, k // tw.nseg)["BK"] > 1
+    monkeypatch.setattr(T, "PREFILL_TWO_LAUNCH", False)  # the one-loop kernel at NSEG 2 too
     flat = T.tc_matmul(a, tw, path="prefill")
     assert T.kernel_record(m, tw, "prefill")["config"]["FLAT"] is True
     monkeypatch.setattr(T, "PREFILL_CFG", {"FLAT": False})
@@ -134,10 +135,12 @@ def test_prefill_two_launch_equals_one_loop(monkeypatch, n, k, m):
     w = R.nvfp4_quantize_ref(torch.randn(n, k, generator=_g(14)))
     a = R.nvfp4_quantize_ref(torch.randn(m, k, generator=_g(15)).to(torch.bfloat16), per_token=True)
     tw = T.prepare(w)
-    assert tw.nseg == 2 and not T.two_launch(tw)
+    assert tw.nseg == 2 and T.two_launch(tw)  # the default at NSEG 2
+    monkeypatch.setattr(T, "PREFILL_CFG", {"TWO_LAUNCH": False})
+    assert not T.two_launch(tw)
     one = T.tc_matmul(a, tw, path="prefill")
-    monkeypatch.setattr(T, "PREFILL_CFG", {"TWO_LAUNCH": True})
-    assert T.two_launch(tw)
+    monkeypatch.setattr(T, "PREFILL_CFG", {})
+    assert T.two_launch(tw) and not T.two_launch(T.prepare(R.nvfp4_quantize_ref(torch.randn(16, 1024, generator=_g(3)))))
     two = T.tc_matmul(a, tw, path="prefill")
     assert torch.equal(one.view(torch.int16), two.view(torch.int16))
     monkeypatch.setattr(T, "PARTIAL_BYTES", 16 * 4 * n)  # 16 rows per block: several blocks
