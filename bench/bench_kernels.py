@@ -447,7 +447,7 @@ def main() -> int:
     ap.add_argument("--nseg-kseg", type=int, default=None,
                     help="tc_linear.NSEG_KSEG: at most this K per segment (changes the bits of shapes it splits)")
     ap.add_argument("--two-launch", action="store_true",
-                    help="tc_linear.PREFILL_TWO_LAUNCH: two-segment prefill as two launches (the default since 21:15)")
+                    help="tc_linear.PREFILL_TWO_LAUNCH: two-segment prefill as two launches (the default since 21:11)")
     ap.add_argument("--triton-decode", choices=("all", "default"), default="all",
                     help="Triton decode configs timed in 'linear' (default: only the default config)")
     args = ap.parse_args()

@@ -327,7 +327,7 @@ def fused_segments(m: int, w: Any, nseg: int) -> bool:
     """Variant 15 adds two K segments inside the CTA (two warpgroups, one K half each, p0 + p1 in fp32
     before the epilogue: the bits of reduce_kernel), so no partials and no reduce launch: nseg == 2,
     M <= 32, the core-matrix operand, where NATIVE_CFG["KS2"] asks for it. Off by default: H200
-    2026-12-01 21:15, M = 16, (4096, 4096) 8.2 us vs 7.8 across CTAs + reduce, (4096, 12288) 19.8 vs
+    2026-12-01 21:11, M = 16, (4096, 4096) 8.2 us vs 7.8 across CTAs + reduce, (4096, 12288) 19.8 vs
     14.9 (half the CTAs), (8192, 8192) forced to NSEG 2: 14.6 vs 14.7-14.9 at NSEG 1."""
     return (nseg == 2 and m <= 32 and token_layout(m, w) == 2 and bool(NATIVE_CFG.get("KS2", False)))
 

@@ -48,7 +48,7 @@ NSEG_TARGET = 128
 NSEG_MAX = 8
 # and at most NSEG_KSEG K per segment where set (None: no such bound); see nseg_for
 NSEG_KSEG: int | None = None
-# the prefill of two-segment dense weights as two launches (two_launch; H200 2026-12-01 21:15, M = 4096:
+# the prefill of two-segment dense weights as two launches (two_launch; H200 2026-12-01 21:11, M = 4096:
 # Qwen3-8B (4096, 4096) 1.45x -> 1.26x cuBLAS, (4096, 12288) 1.44x -> 1.06x, same bits) and the bound of
 # its fp32 buffer of segment 0's sums (M x N x 4 bytes, in row blocks above it)
 PREFILL_TWO_LAUNCH = True

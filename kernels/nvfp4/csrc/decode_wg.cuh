@@ -143,7 +143,7 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
 // barrier); at the end warpgroup 1 hands its fp32 sums to warpgroup 0 through shared memory, which
 // adds them to its own (p0 + p1, the order of reduce_kernel and of the prefill's segment total) and
 // writes the bf16 rows: each chain is 256 steps at K = 8192 instead of 512, with no partials in global
-// memory and no reduce launch. (Measured and dropped, H200 lab 2026-12-01 20:33-21:00: two n8
+// memory and no reduce launch. (Measured and dropped, H200 lab 2026-12-01 20:33-21:02: two n8
 // accumulators per warpgroup, the producer waiting for stage 0 first, programmatic dependent launch,
 // the next chunk decoded between the wgmmas of this one, two warpgroups of one tile per warp: each
 // slower.)
