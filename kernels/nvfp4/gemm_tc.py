@@ -93,6 +93,20 @@ def _epilogue(total, aa, ba):
 
 
 @kjit
+def _store_rows(total, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb, N, W_AMAX_ROW: tl.constexpr):
+    """The bf16 rows of a [rows m, cols n] tile of fp32 sums: scaled by the token's and the weight
+    row's (or tensor's) amax, rounded once."""
+    aa = tl.load(a_amax_ptr + rm, mask=mmask, other=0.0)
+    if W_AMAX_ROW:
+        ba = tl.load(w_amax_ptr + eb * N + rn, mask=nmask, other=0.0)
+    else:
+        ba = tl.load(w_amax_ptr + eb + rn * 0)
+    res = _epilogue(total, aa[:, None], ba[None, :])
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], bf16_bits_rne(res).to(tl.int16),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@kjit
 def _tile_rows(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pid_m, M, BM: tl.constexpr, GROUPED: tl.constexpr):
     if GROUPED:
         e = tl.load(tile_e_ptr + pid_m)
@@ -215,17 +229,11 @@ def decode_ns_kernel(
                 else:
                     acc = tl.dot(a_lo, tl.trans(lo), acc)
                     acc = tl.dot(a_hi, tl.trans(hi), acc)
-        omask = mmask[:, None] & nmask[None, :]
         if NSEG == 1:
-            aa = tl.load(a_amax_ptr + rm, mask=mmask, other=0.0)
-            if W_AMAX_ROW:
-                ba = tl.load(w_amax_ptr + eb * N + rn, mask=nmask, other=0.0)
-            else:
-                ba = tl.load(w_amax_ptr + eb + rn * 0)
-            res = _epilogue(acc, aa[:, None], ba[None, :])
-            tl.store(out_ptr + rm[:, None] * N + rn[None, :], bf16_bits_rne(res).to(tl.int16), mask=omask)
+            _store_rows(acc, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb, N, W_AMAX_ROW)
         else:
-            tl.store(part_ptr + seg.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], acc, mask=omask)
+            tl.store(part_ptr + seg.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], acc,
+                     mask=mmask[:, None] & nmask[None, :])
 
 
 @kjit
@@ -339,11 +347,4 @@ def prefill_kernel(
                 else:
                     total = total + acc
         if PHASE != 1:
-            aa = tl.load(a_amax_ptr + rm, mask=mmask, other=0.0)
-            if W_AMAX_ROW:
-                ba = tl.load(w_amax_ptr + eb * N + rn, mask=nmask, other=0.0)
-            else:
-                ba = tl.load(w_amax_ptr + eb + rn * 0)
-            res = _epilogue(total, aa[:, None], ba[None, :])
-            omask = mmask[:, None] & nmask[None, :]
-            tl.store(out_ptr + rm[:, None] * N + rn[None, :], bf16_bits_rne(res).to(tl.int16), mask=omask)
+            _store_rows(total, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb, N, W_AMAX_ROW)
