@@ -200,7 +200,7 @@ def quantize() -> None:
         xm = x[:m]
         for cm in (0, 1, 2):
             rec(f"quantize per-token M={m} + fp16 operand, {('row-major', 'chunk-major', 'core-matrix')[cm]}",
-                lambda: qf.quantize_rows(xm, None, True, emit_op=torch.float16, op_chunks=cm))
+                lambda: qf.quantize_rows(xm, None, True, emit_op=torch.float16, op_layout=cm))
     wt = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     rec("fused RMSNorm + per-token quantize (writes y too)", lambda: qf.rmsnorm_quantize_rows(x, wt, 1e-6),
         bytes=qb + x.numel() * 2, **kw)
@@ -446,8 +446,8 @@ def main() -> int:
     ap.add_argument("--variants", default=None, help="native decode variants for the per-variant rows (default: all)")
     ap.add_argument("--nseg-kseg", type=int, default=None,
                     help="tc_linear.NSEG_KSEG: at most this K per segment (changes the bits of shapes it splits)")
-    ap.add_argument("--two-launch", action="store_true",
-                    help="tc_linear.PREFILL_TWO_LAUNCH: two-segment prefill as two launches (the default since 21:11)")
+    ap.add_argument("--two-launch", nargs="?", const="on", choices=("on", "off"), default=None,
+                    help="tc_linear.PREFILL_TWO_LAUNCH: two-segment prefill as two launches (on: the default since 21:11)")
     ap.add_argument("--triton-decode", choices=("all", "default"), default="all",
                     help="Triton decode configs timed in 'linear' (default: only the default config)")
     args = ap.parse_args()
@@ -457,8 +457,8 @@ def main() -> int:
 
     if args.nseg_kseg is not None:
         T.NSEG_KSEG = args.nseg_kseg
-    if args.two_launch:
-        T.PREFILL_TWO_LAUNCH = True
+    if args.two_launch is not None:
+        T.PREFILL_TWO_LAUNCH = args.two_launch == "on"
     if args.native_variant is not None:
         from mismatch_probe.kernels.nvfp4 import native
 

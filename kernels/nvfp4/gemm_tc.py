@@ -107,6 +107,21 @@ def _store_rows(total, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb
 
 
 @kjit
+def _seg_sum(ap, wp, k0, kseg, mmask, nmask, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             F32: tl.constexpr):
+    """One K segment's fp32 sums of a [BM, BN] tile, from 0, its BK steps in K order."""
+    acc = tl.full([BM, BN], 0.0, tl.float32)
+    for k in range(k0, k0 + kseg, BK):
+        a = tl.load(ap + k, mask=mmask[:, None], other=0.0)
+        w = tl.load(wp + k, mask=nmask[None, :], other=0.0)
+        if F32:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    return acc
+
+
+@kjit
 def _tile_rows(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pid_m, M, BM: tl.constexpr, GROUPED: tl.constexpr):
     if GROUPED:
         e = tl.load(tile_e_ptr + pid_m)
@@ -302,15 +317,7 @@ def prefill_kernel(
         wp = w_ptr + eb * w_estride + rn[None, :] * K + kk[:, None]
         kseg = K // NSEG
         if PHASE > 0:
-            k0 = (PHASE - 1) * kseg
-            acc = tl.full([BM, BN], 0.0, tl.float32)
-            for i in range(0, kseg // BK):
-                a = tl.load(ap + k0 + i * BK, mask=mmask[:, None], other=0.0)
-                w = tl.load(wp + k0 + i * BK, mask=nmask[None, :], other=0.0)
-                if F32:
-                    acc = tl.dot(a, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, w, acc)
+            acc = _seg_sum(ap, wp, (PHASE - 1) * kseg, kseg, mmask, nmask, BM, BN, BK, F32)
             pp = p_ptr + rm[:, None] * N + rn[None, :]
             if PHASE == 1:
                 tl.store(pp, acc, mask=mmask[:, None] & nmask[None, :])
@@ -334,14 +341,7 @@ def prefill_kernel(
         else:
             total = tl.full([BM, BN], 0.0, tl.float32)
             for s in tl.static_range(NSEG):
-                acc = tl.full([BM, BN], 0.0, tl.float32)
-                for k0 in range(s * kseg, s * kseg + kseg, BK):
-                    a = tl.load(ap + k0, mask=mmask[:, None], other=0.0)
-                    w = tl.load(wp + k0, mask=nmask[None, :], other=0.0)
-                    if F32:
-                        acc = tl.dot(a, w, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(a, w, acc)
+                acc = _seg_sum(ap, wp, s * kseg, kseg, mmask, nmask, BM, BN, BK, F32)
                 if s == 0:
                     total = acc
                 else:

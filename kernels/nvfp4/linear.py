@@ -123,15 +123,15 @@ class NVFP4Linear:
 
     def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any) -> torch.Tensor:
         from .quant_fast import MAX_K, quantize_rows
-        from .tc_linear import OP_DTYPE, choose, chunked_operand, tc_matmul, use_native
+        from .tc_linear import OP_DTYPE, choose, operand_layout, tc_matmul, use_native
         from .triton_quant import nvfp4_quantize
 
         tws = self.prepared(w, key)
         x2 = x2.detach().contiguous()
         op = None
         if self.scheme.per_token and x2.shape[1] <= MAX_K:  # one pass: codes, scales, amax and the fp16 operand
-            chunks = chunked_operand(x2.shape[0], tws[0], "auto")  # the layout the native decode GEMM takes, where it runs
-            codes, scales, amax_t, op = quantize_rows(x2, None, True, emit_op=OP_DTYPE, op_chunks=chunks)
+            layout = operand_layout(x2.shape[0], tws[0], "auto")  # the one the native decode GEMM takes, where it runs
+            codes, scales, amax_t, op = quantize_rows(x2, None, True, emit_op=OP_DTYPE, op_layout=layout)
             qa = NVFP4Tensor(codes, scales, amax_t, True)
         else:
             qa = nvfp4_quantize(x2, per_token=self.scheme.per_token, amax=amax)

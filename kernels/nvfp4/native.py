@@ -201,18 +201,16 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
     two = chunks % 2 == 0
     v = _variant()
     mt = 1 if m <= 16 else 2 if m <= 32 else 4
-    if v in CORE and _bulk_ok(m, w):
+    if v in CORE and _bulk_ok(m, w):  # as nvfp4_native.cu's decode_gemm picks the instance
         ntok = token_cols(m)
-        cps = 4 if chunks % 4 == 0 and ntok < 64 else 2
+        rec = {"variant": v, "pipeline": "wgmma-core", "scales": "fp16", "decode": "prmt", "NTOK": ntok,
+               "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
+               "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
         if fused_segments(m, w, w.nseg):
-            return {"variant": v, "pipeline": "wgmma-core, both K segments in the CTA", "scales": "fp16",
-                    "decode": "prmt", "NTOK": ntok, "STAGES": 4 if ntok < 32 else 3, "CPS": 2, "R": 2,
-                    "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers), 2 warpgroups",
-                    "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
-        return {"variant": v, "pipeline": "wgmma-core", "scales": "fp16", "decode": "prmt", "NTOK": ntok,
-                "STAGES": 4 if cps == 4 or ntok == 64 else 6, "CPS": cps, "R": 4 if cps == 4 and ntok <= 16 else 2,
-                "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
-                "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
+            return {**rec, "pipeline": "wgmma-core, both K segments in the CTA", "STAGES": 4 if ntok < 32 else 3,
+                    "CPS": 2, "R": 2, "MMA": rec["MMA"] + ", 2 warpgroups"}
+        cps = 4 if chunks % 4 == 0 and ntok < 64 else 2
+        return {**rec, "STAGES": 4 if cps == 4 or ntok == 64 else 6, "CPS": cps, "R": 4 if cps == 4 and ntok <= 16 else 2}
     if v >= 6 and _bulk_ok(m, w):
         pipe, sc, dec, nt = VARIANTS[v]
         cps = 4 if v in CHUNKED and mt == 1 and chunks % 4 == 0 else 2
@@ -245,11 +243,6 @@ def token_layout(m: int, w: Any) -> int:
         return 0
     v = _variant()
     return 2 if v in CORE else 1 if v in CHUNKED else 0
-
-
-def chunked_tokens(m: int, w: Any) -> bool:
-    """Whether the native decode GEMM of M rows of this weight takes the chunk-major token operand."""
-    return token_layout(m, w) == 1
 
 
 def token_cols(m: int) -> int:
@@ -310,7 +303,7 @@ def _variant() -> int:
 def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: int, out: torch.Tensor,
                 part: torch.Tensor) -> None:
     """``a_op``: the fp16 token operand, row-major [M, K] or chunk-major (either is converted to what
-    the chosen kernel takes: :func:`chunked_tokens`)."""
+    the chosen kernel takes: :func:`token_layout`)."""
     mod = load()
     wq, ws, ws16 = w.native_w
     layout = token_layout(m, w)
@@ -342,17 +335,17 @@ def quant_ok(x: torch.Tensor) -> bool:
 
 
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
-                  emit_op: torch.dtype | None = None, op_chunks: int = 0) -> tuple[torch.Tensor, ...]:
-    """As :func:`quant_fast.quantize_rows` (bf16 x; ``emit_op`` None or fp16; ``op_chunks``: the operand's
+                  emit_op: torch.dtype | None = None, op_layout: int = 0) -> tuple[torch.Tensor, ...]:
+    """As :func:`quant_fast.quantize_rows` (bf16 x; ``emit_op`` None or fp16; ``op_layout``: the operand's
     layout, :func:`token_layout`'s numbering (1: chunk-major, 2: core-matrix, rows <= 64); K % 128 == 0)."""
     amax = None if amax is None else amax.float().contiguous()
-    layout = int(op_chunks)
+    layout = int(op_layout)
     codes, scales, mode, amax_t, op = quant_outputs(x, amax, per_token, None if (emit_op is None or layout)
                                                     else torch.float16)
     if layout:
         rows, k = x.shape
         if emit_op is None or k % 128 or (layout == 2 and rows > 64):
-            raise ValueError("op_chunks needs emit_op and K % 128 == 0 (core-matrix: at most 64 rows)")
+            raise ValueError("op_layout needs emit_op and K % 128 == 0 (core-matrix: at most 64 rows)")
         shape = (-(-rows // 16), k // 128, 16, TOKEN_ROW) if layout == 1 else (k // 128, 16, token_cols(rows) // 8, 8, 8)
         op = torch.empty(shape, dtype=torch.float16, device=x.device)
     load().quantize_rows(x, amax_t, codes, scales, codes if op is None else op, op is not None, mode, layout)

@@ -169,20 +169,20 @@ def use_native_quant(x: torch.Tensor, emit_op: torch.dtype | None = None) -> boo
 
 
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
-                  emit_op: torch.dtype | None = None, op_chunks: int = 0) -> tuple[torch.Tensor, ...]:
+                  emit_op: torch.dtype | None = None, op_layout: int = 0) -> tuple[torch.Tensor, ...]:
     """The fast kernel: (codes, scales, amax, op or None). ``amax`` None computes it per row
     (``per_token`` must be True). x: contiguous [rows, K] bf16/fp16/fp32 with K <= MAX_K.
-    ``op_chunks``: the fp16 operand in a layout of the native decode GEMM (``native.token_layout``'s
+    ``op_layout``: the fp16 operand in a layout of the native decode GEMM (``native.token_layout``'s
     numbering: 1 chunk-major, 2 core-matrix; K % 128 == 0), written by the native quantizer directly."""
     if use_native_quant(x, emit_op):
         from . import native
 
-        return native.quantize_rows(x, amax, per_token, emit_op, op_chunks)
-    if op_chunks:
+        return native.quantize_rows(x, amax, per_token, emit_op, op_layout)
+    if op_layout:
         from . import native
 
         codes, scales, amax_t, op = quantize_rows(x, amax, per_token, emit_op)
-        return codes, scales, amax_t, native.layout_operand(op, int(op_chunks))
+        return codes, scales, amax_t, native.layout_operand(op, op_layout)
     rows, k = x.shape
     codes, scales, mode, amax_t, op = quant_outputs(x, amax, per_token, emit_op)
     if rows == 0:

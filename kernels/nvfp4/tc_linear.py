@@ -265,7 +265,7 @@ def two_launch(w: TCWeight) -> bool:
 def _prefill_two_launch(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, out: torch.Tensor) -> None:
     """PHASE 1 then 2 over row blocks whose fp32 buffer stays within PARTIAL_BYTES."""
     n, k = w.n, w.k
-    cfg = {**prefill_config(1, k // 2), "FLAT": True}
+    cfg = prefill_config(1, k // 2)  # the one-accumulator tile
     rows = max(cfg["BM"], PARTIAL_BYTES // (4 * n) // cfg["BM"] * cfg["BM"])
     part = torch.empty(min(m, rows), n, dtype=torch.float32, device=a_op.device)
     for r0 in range(0, m, rows):
@@ -288,7 +288,7 @@ def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:
     return native.available() and native.decode_ok(w)
 
 
-def chunked_operand(m: int, w: TCWeight, path: str = "decode") -> int:
+def operand_layout(m: int, w: TCWeight, path: str = "decode") -> int:
     """The token-operand layout the GEMM of M rows on ``path`` (``auto``: the dispatcher's choice)
     takes, so that the quantizer writes it directly: 0 row-major, or, on the native decode kernels,
     ``native.token_layout`` (1 chunk-major, 2 core-matrix)."""
@@ -303,7 +303,7 @@ def chunked_operand(m: int, w: TCWeight, path: str = "decode") -> int:
 def decode_operand(a_op: torch.Tensor, w: TCWeight, m: int) -> torch.Tensor:
     """``a_op`` (row-major) in the layout the decode GEMM of M rows takes (bench / callers holding a
     row-major operand: convert once, outside the timed GEMM)."""
-    layout = chunked_operand(m, w) if a_op.dim() == 2 else 0
+    layout = operand_layout(m, w) if a_op.dim() == 2 else 0
     if layout:
         from . import native
 
@@ -344,8 +344,8 @@ def tc_linear(x: torch.Tensor, w: TCWeight, *, path: str = "auto") -> torch.Tens
 
     x = x.contiguous()
     if x.shape[1] <= MAX_K:
-        chunks = chunked_operand(x.shape[0], w, path)
-        codes, scales, amax, op = quantize_rows(x, None, True, emit_op=OP_DTYPE, op_chunks=chunks)
+        layout = operand_layout(x.shape[0], w, path)
+        codes, scales, amax, op = quantize_rows(x, None, True, emit_op=OP_DTYPE, op_layout=layout)
         return tc_matmul(NVFP4Tensor(codes, scales, amax, True), w, path=path, a_op=op)
     return tc_matmul(nvfp4_quantize(x, per_token=True), w, path=path)
 

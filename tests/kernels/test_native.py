@@ -143,15 +143,15 @@ def test_chunked_variant_records_and_token_layout():
     finally:
         native.NATIVE_CFG.clear()
     assert (r["variant"], r["STAGES"], r["CPS"], r["NT"]) == (12, 4, 4, 2) and "chunk-major" in r["tokens"]
-    assert native.chunked_tokens(16, w) and native.chunked_tokens(64, w) and not native.chunked_tokens(65, w)
+    assert native.token_layout(16, w) == 1 and native.token_layout(64, w) == 1 and native.token_layout(65, w) == 0
     assert native.decode_variant(40, w)["CPS"] == 2 and native.decode_variant(40, w)["STAGES"] == 4
     w6 = SimpleNamespace(k=768, nseg=1)  # 6 chunks: 2 per stage
-    assert native.decode_variant(16, w6)["CPS"] == 2 and native.chunked_tokens(16, w6)
-    assert not native.chunked_tokens(1, SimpleNamespace(k=1152, nseg=1))  # odd chunk count: the cp.async kernel
+    assert native.decode_variant(16, w6)["CPS"] == 2 and native.token_layout(16, w6) == 1
+    assert native.token_layout(1, SimpleNamespace(k=1152, nseg=1)) == 0  # odd chunk count: the cp.async kernel
     native.NATIVE_CFG["variant"] = 14  # 8 consumer warps of one tile at M <= 16 with 4 chunks per stage only
     try:
         assert native.decode_variant(16, w)["NT"] == 1 and native.decode_variant(16, w6)["NT"] == 2
-        assert native.decode_variant(64, w)["NT"] == 2 and native.chunked_tokens(16, w)
+        assert native.decode_variant(64, w)["NT"] == 2 and native.token_layout(16, w) == 1
     finally:
         native.NATIVE_CFG.clear()
     g = torch.Generator().manual_seed(3)
@@ -177,13 +177,20 @@ def test_core_variant_records_and_token_layout():
     native.NATIVE_CFG.clear()
     try:
         assert native.default_variant() == 15 and native.token_layout(16, w) == 2
-        assert not native.chunked_tokens(16, w) and native.token_layout(65, w) == 0
+        assert native.token_layout(65, w) == 0
         r = native.decode_variant(16, w)
         assert (r["variant"], r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (15, 16, 4, 4, 4)
         assert "m64n16k16" in r["MMA"] and "core-matrix" in r["tokens"]
         r = native.decode_variant(64, SimpleNamespace(k=768, nseg=1))  # 6 chunks: 2 per stage
         assert (r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (64, 4, 2, 2)
         assert native.decode_variant(65, w)["pipeline"] == "cp.async"
+        w2 = SimpleNamespace(k=8192, nseg=2)  # the in-CTA K segments: an option, off by default
+        assert not native.fused_segments(16, w2, 2) and native.decode_variant(16, w2)["CPS"] == 4
+        native.NATIVE_CFG["KS2"] = True
+        assert native.fused_segments(16, w2, 2) and not native.fused_segments(33, w2, 2)
+        r = native.decode_variant(16, w2)
+        assert (r["STAGES"], r["CPS"], r["R"]) == (4, 2, 2) and "2 warpgroups" in r["MMA"] and "core-matrix" in r["tokens"]
+        native.NATIVE_CFG.pop("KS2")
         native._STATE["hopper"] = False
         assert native.default_variant() == 14 and native.token_layout(16, w) == 1
         native.NATIVE_CFG["variant"] = 15

@@ -20,10 +20,12 @@
 //    ((W >> 3) & 0x0E0E0E0E) | ((W << 7) & 0x80808080) put each value's bits where an fp16's high
 //    byte has them (fp16 = E2M1 * 2^-14 exactly), prmt moves two such bytes into an f16x2, one
 //    mul.f16x2 by sf * 2^7 (fp16 bits (b << 7) = sf * 2^-8 for every E4M3 byte b, times 2^15)
-//    gives E2M1 * sf * 2^-7 exactly.
+//    gives E2M1 * sf * 2^-7 exactly. On sm_90a variant 15 (decode_wg.cuh, included below) runs the
+//    same fragments through wgmma.mma_async with the tokens on its N side (core-matrix operand).
 // 2. quantize_rows: the per-token (or given-amax) NVFP4 quantizer of ref.py, bit for bit; one CTA
 //    of 128 threads per row, whole 16-value blocks per thread held in registers, 16-byte loads,
-//    integer E2M1 rounding, hardware E4M3 conversion, packed 8-byte code stores.
+//    integer E2M1 rounding, hardware E4M3 conversion, packed 8-byte code stores; the fp16 operand
+//    row-major, chunk-major or core-matrix ordered (CM 0, 1, 2) for the decode kernel that takes it.
 #ifndef NVFP4_KERNELS_ONLY  // (defined for a compile check of the kernels without torch)
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
