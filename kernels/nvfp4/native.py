@@ -207,8 +207,10 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
                "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
                "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
         if fused_segments(m, w, w.nseg):
-            return {**rec, "pipeline": "wgmma-core, both K segments in the CTA", "STAGES": 4 if ntok < 32 else 3,
-                    "CPS": 2, "R": 2, "MMA": rec["MMA"] + ", 2 warpgroups"}
+            return {**rec, "pipeline": "wgmma-core, both K segments in the CTA", "STAGES": 4, "CPS": 2, "R": 2,
+                    "MMA": rec["MMA"] + ", 2 warpgroups"}
+        if crowded(w, w.nseg):
+            return {**rec, "pipeline": "wgmma-core, 2 CTAs per SM", "STAGES": 2, "CPS": 2, "R": 2}
         cps = 4 if chunks % 4 == 0 and ntok < 64 else 2
         return {**rec, "STAGES": 4 if cps == 4 or ntok == 64 else 6, "CPS": cps, "R": 4 if cps == 4 and ntok <= 16 else 2}
     if v >= 6 and _bulk_ok(m, w):
@@ -316,13 +318,31 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
                     fused_segments(m, w, nseg))
 
 
+def sm_count() -> int:
+    """Multiprocessors of the current CUDA device (cached; 132 without one, for the records)."""
+    if "sms" not in _STATE:
+        _STATE["sms"] = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                         if torch.cuda.is_available() else 132)
+    return int(_STATE["sms"])
+
+
+def crowded(w: Any, nseg: int) -> bool:
+    """K segments across CTAs would not fit one wave at one CTA per SM (ceil(N/64) * nseg > SMs): the
+    across-CTA kernel then runs a ring of 2 stages x 2 chunks, two CTAs per SM (nvfp4_native.cu)."""
+    return nseg > 1 and -(-w.n // 64) * nseg > sm_count()
+
+
 def fused_segments(m: int, w: Any, nseg: int) -> bool:
     """Variant 15 adds two K segments inside the CTA (two warpgroups, one K half each, p0 + p1 in fp32
     before the epilogue: the bits of reduce_kernel), so no partials and no reduce launch: nseg == 2,
-    M <= 32, the core-matrix operand, where NATIVE_CFG["KS2"] asks for it. Off by default: H200
-    2026-12-01 21:11, M = 16, (4096, 4096) 8.2 us vs 7.8 across CTAs + reduce, (4096, 12288) 19.8 vs
-    14.9 (half the CTAs), (8192, 8192) forced to NSEG 2: 14.6 vs 14.7-14.9 at NSEG 1."""
-    return (nseg == 2 and m <= 32 and token_layout(m, w) == 2 and bool(NATIVE_CFG.get("KS2", False)))
+    M <= 32, the core-matrix operand, and the weight's 64-row tiles fill the GPU alone (segments
+    across CTAs would be crowded). NATIVE_CFG["KS2"] forces it on or off. H200 lab 2026-12-01 23:20
+    (N = K = 8192, bench/results/h200_2026-12-01_ks2_lab.log): M = 16 13.4 us in the CTA vs 15.6 at
+    NSEG 1; at (4096, 4096) and (4096, 12288) (64 tiles) half the CTAs lose: 8.2 vs 7.8 and 19.8 vs
+    14.9 us across CTAs (21:11)."""
+    if token_layout(m, w) != 2 or nseg != 2 or m > 32:
+        return False
+    return bool(NATIVE_CFG.get("KS2", crowded(w, nseg)))
 
 
 # ---------------------------------------------------------------------------------------------

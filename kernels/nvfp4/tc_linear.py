@@ -48,6 +48,12 @@ NSEG_TARGET = 128
 NSEG_MAX = 8
 # and at most NSEG_KSEG K per segment where set (None: no such bound); see nseg_for
 NSEG_KSEG: int | None = None
+# a weight whose tiles alone fill the GPU still splits a K of at least NSEG_LONG_K in two: the decode runs
+# the halves on two warpgroups of one CTA (native.fused_segments). H200 lab 2026-12-01 23:20, N = K =
+# 8192 (bench/results/h200_2026-12-01_ks2_lab.log): M = 1 / 16 / 32 13.0 / 13.4 / 15.4 us vs 14.9 / 15.6 /
+# 16.6 at one segment; M = 64 (segments across CTAs + reduce) pays: ~21.5 + reduce vs 20.5 us; the
+# prefill at M = 8192 runs as two launches (1.10x cuBLAS, 21:07 run) instead of 1.07x.
+NSEG_LONG_K = 8192
 # the prefill of two-segment dense weights as two launches (two_launch; H200 2026-12-01 21:11, M = 4096:
 # Qwen3-8B (4096, 4096) 1.45x -> 1.26x cuBLAS, (4096, 12288) 1.44x -> 1.06x, same bits) and the bound of
 # its fp32 buffer of segment 0's sums (M x N x 4 bytes, in row blocks above it)
@@ -64,6 +70,8 @@ def nseg_for(n: int, k: int, grouped: bool = False) -> int:
     kmax = NSEG_KSEG or k
     while (tiles * s < NSEG_TARGET or k // s > kmax) and s < NSEG_MAX and (k // bkc) % (2 * s) == 0:
         s *= 2
+    if s == 1 and k >= NSEG_LONG_K and (k // bkc) % 2 == 0:
+        s = 2
     return s
 
 
