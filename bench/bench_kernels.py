@@ -209,6 +209,25 @@ def quantize() -> None:
     tq.QUANT_IMPL = "fast"
 
 
+def rotation(w: torch.Tensor, tw, n: int = 3):  # noqa: ANN001, ANN201
+    """``n`` bf16 copies of ``w`` and ``n`` prepared NVFP4 weights (``tw`` first, then fresh ones of the
+    same shape), made once and cached: the rotating rows' weight sets."""
+    from mismatch_probe.kernels import nvfp4_quantize
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    if "rot" not in SEL:
+        ws = [w] + [torch.randn_like(w) for _ in range(n - 1)]
+        SEL["rot"] = (ws, [tw] + [T.prepare(nvfp4_quantize(v)) for v in ws[1:]])
+    return SEL["rot"]
+
+
+def rotating(f, n: int = 3):  # noqa: ANN001, ANN201
+    """A callable that runs ``f(i)`` for i = 0, 1, .., n - 1, 0, ... on successive calls (so each launch
+    captured in do_bench_cudagraph's graph uses the next weight set)."""
+    it = iter(range(1 << 30))
+    return lambda: f(next(it) % n)
+
+
 @section
 def linear() -> None:
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
@@ -231,6 +250,12 @@ def linear() -> None:
         rec(f"{tag} NVFP4 GEMM auto ({p}), A quantized ({lay} operand)", lambda: T.tc_matmul(a, tw, a_op=opd), m=m,
             cublas_ms=cub, rows_eq_prefill=eq(T.tc_matmul(a, tw, a_op=opd), full[:m]))
         rec(f"{tag} NVFP4 linear incl. per-token quantize", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub)
+        if m <= 64:  # weights rotating over 3 copies: every launch reads its weight from HBM (the NVFP4
+            # weight, 40 MiB, fits the 60 MB L2 when the same one repeats; the bf16 one, 128 MiB, does not)
+            rw, rtw = rotation(w, d.tw)
+            cub_r = rec(f"{tag} cuBLAS bf16, weights rotating x3", rotating(lambda i: x @ rw[i].t()), m=m, rot=3)
+            rec(f"{tag} NVFP4 GEMM auto ({p}), weights rotating x3", rotating(lambda i: T.tc_matmul(a, rtw[i], a_op=opd)),
+                m=m, cublas_ms=cub_r, rot=3)
         if m <= 64:
             bm = 16 if m <= 16 else 64
             tcfgs = (("decode Triton (default config)", {}),
@@ -446,6 +471,8 @@ def main() -> int:
     ap.add_argument("--variants", default=None, help="native decode variants for the per-variant rows (default: all)")
     ap.add_argument("--nseg-kseg", type=int, default=None,
                     help="tc_linear.NSEG_KSEG: at most this K per segment (changes the bits of shapes it splits)")
+    ap.add_argument("--nseg-long-k", type=int, default=None,
+                    help="tc_linear.NSEG_LONG_K: split a K of at least this in two where the tiles fill the GPU (changes bits)")
     ap.add_argument("--two-launch", nargs="?", const="on", choices=("on", "off"), default=None,
                     help="tc_linear.PREFILL_TWO_LAUNCH: two-segment prefill as two launches (on: the default since 21:11)")
     ap.add_argument("--triton-decode", choices=("all", "default"), default="all",
@@ -457,6 +484,8 @@ def main() -> int:
 
     if args.nseg_kseg is not None:
         T.NSEG_KSEG = args.nseg_kseg
+    if args.nseg_long_k is not None:
+        T.NSEG_LONG_K = args.nseg_long_k
     if args.two_launch is not None:
         T.PREFILL_TWO_LAUNCH = args.two_launch == "on"
     if args.native_variant is not None:
@@ -474,6 +503,7 @@ def main() -> int:
 
         info["native_default_variant"] = native.default_variant()
         info["nseg_kseg"] = T.NSEG_KSEG
+        info["nseg_long_k"] = T.NSEG_LONG_K
         info["prefill_two_launch"] = T.PREFILL_TWO_LAUNCH
     except ImportError:
         pass

@@ -48,12 +48,13 @@ NSEG_TARGET = 128
 NSEG_MAX = 8
 # and at most NSEG_KSEG K per segment where set (None: no such bound); see nseg_for
 NSEG_KSEG: int | None = None
-# a weight whose tiles alone fill the GPU still splits a K of at least NSEG_LONG_K in two: the decode runs
-# the halves on two warpgroups of one CTA (native.fused_segments). H200 lab 2026-12-01 23:20, N = K =
-# 8192 (bench/results/h200_2026-12-01_ks2_lab.log): M = 1 / 16 / 32 13.0 / 13.4 / 15.4 us vs 14.9 / 15.6 /
-# 16.6 at one segment; M = 64 (segments across CTAs + reduce) pays: ~21.5 + reduce vs 20.5 us; the
-# prefill at M = 8192 runs as two launches (1.10x cuBLAS, 21:07 run) instead of 1.07x.
-NSEG_LONG_K = 8192
+# where set, a weight whose tiles alone fill the GPU still splits a K of at least NSEG_LONG_K in two: the
+# decode runs the halves on two warpgroups of one CTA (native.fused_segments). Off by default: at N = K =
+# 8192 on the H200 (bench_kernels 2026-12-01 23:33, BENCHMARKS.md) 8192 gives decode M = 1 / 16 12.8 /
+# 13.3 us (2.72x / 2.51x cuBLAS bf16) instead of ~15 / 15.5, but M = 64 23.8 us instead of 20.7 and the
+# M = 8192 prefill (two launches) 1.23x cuBLAS instead of 1.07x: batch decode above 64 rows runs the
+# prefill path, so RL sampling and the learner would pay for the small-batch gain.
+NSEG_LONG_K: int | None = None
 # the prefill of two-segment dense weights as two launches (two_launch; H200 2026-12-01 21:11, M = 4096:
 # Qwen3-8B (4096, 4096) 1.45x -> 1.26x cuBLAS, (4096, 12288) 1.44x -> 1.06x, same bits) and the bound of
 # its fp32 buffer of segment 0's sums (M x N x 4 bytes, in row blocks above it)
@@ -70,7 +71,7 @@ def nseg_for(n: int, k: int, grouped: bool = False) -> int:
     kmax = NSEG_KSEG or k
     while (tiles * s < NSEG_TARGET or k // s > kmax) and s < NSEG_MAX and (k // bkc) % (2 * s) == 0:
         s *= 2
-    if s == 1 and k >= NSEG_LONG_K and (k // bkc) % 2 == 0:
+    if s == 1 and NSEG_LONG_K and k >= NSEG_LONG_K and (k // bkc) % 2 == 0:
         s = 2
     return s
 

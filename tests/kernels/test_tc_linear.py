@@ -35,9 +35,7 @@ def test_decode_layout_holds_every_code(n, k):
 
 
 def test_nseg_depends_on_n_k_only():
-    assert T.nseg_for(8192, 8192) == 2 and T.nseg_for(1024, 1024) == 8 and T.nseg_for(3072, 1024) == 4
-    # NSEG_LONG_K: tiles alone fill the GPU, yet a K of 8192 or more splits in two (not a shorter K)
-    assert T.nseg_for(8192, 4096) == 1 and T.nseg_for(28672, 8192) == 2 and T.nseg_for(8192, 28672) == 2
+    assert T.nseg_for(8192, 8192) == 1 and T.nseg_for(1024, 1024) == 8 and T.nseg_for(3072, 1024) == 4
     assert T.nseg_for(1536, 2048, grouped=True) == 1 and T.nseg_for(64, 48) == 1  # K % 32 != 0: no decode path
     assert T.chunk_for(48) == 0 and T.chunk_for(96) == 32 and T.chunk_for(768) == 128
 
@@ -152,7 +150,7 @@ def test_prefill_two_launch_equals_one_loop(monkeypatch, n, k, m):
 
 def test_nseg_kseg_bound():
     """NSEG_KSEG caps K per segment on top of the program-count target (a function of (N, K) only)."""
-    assert T.nseg_for(8192, 4096) == 1 and T.nseg_for(1024, 1024) == 8
+    assert T.nseg_for(8192, 8192) == 1 and T.nseg_for(1024, 1024) == 8
     old = T.NSEG_KSEG
     try:
         T.NSEG_KSEG = 4096
@@ -160,3 +158,12 @@ def test_nseg_kseg_bound():
         assert T.nseg_for(1024, 1024) == 8 and T.nseg_for(8192, 8192, grouped=True) == 1
     finally:
         T.NSEG_KSEG = old
+
+
+def test_nseg_long_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NSEG_LONG_K (off by default): where the tiles alone fill the GPU, a K of at least NSEG_LONG_K still
+    splits in two (a function of (N, K) only); shorter K, more segments already, experts: unchanged."""
+    assert T.NSEG_LONG_K is None and T.nseg_for(8192, 8192) == 1
+    monkeypatch.setattr(T, "NSEG_LONG_K", 8192)
+    assert T.nseg_for(8192, 8192) == 2 and T.nseg_for(28672, 8192) == 2 and T.nseg_for(8192, 28672) == 2
+    assert T.nseg_for(8192, 4096) == 1 and T.nseg_for(1024, 8192) == 8 and T.nseg_for(8192, 8192, grouped=True) == 1
