@@ -415,11 +415,13 @@ def nseg() -> None:
                     f"{t2} M={NSEG_ROWS2} prefill {cfg}", lambda: T.tc_matmul(a2, tp, path="prefill", a_op=aop2),
                     cublas_ms=cub4096, rows_eq=ok, nseg=tp.nseg)
                 T.PREFILL_CFG.clear()
-            if tp.nseg == 2:  # variant 15's option: the K segments inside the CTA (the default: across CTAs + reduce)
-                native.NATIVE_CFG["KS2"] = True
+            if tp.nseg == 2:  # variant 15's other choice for the two K segments (in the CTA or across CTAs)
+                inside = not native.fused_segments(16, tp, 2)
+                native.NATIVE_CFG["KS2"] = inside
                 ok = eq(T.tc_matmul(a16, tp, path="decode", a_op=op16), f2[:16])
-                row[f"N={n2} K={k2}"]["decode_16 segments in the CTA"] = rec(
-                    f"{t2} M=16 native decode, K segments inside the CTA (KS2)",
+                lab = "inside the CTA (KS2)" if inside else "across CTAs + reduce"
+                row[f"N={n2} K={k2}"][f"decode_16 segments {lab}"] = rec(
+                    f"{t2} M=16 native decode, K segments {lab}",
                     lambda: T.tc_matmul(a16, tp, path="decode", a_op=op16), cublas_ms=cub16, rows_eq_prefill=ok, nseg=tp.nseg)
                 native.NATIVE_CFG.pop("KS2", None)
             if bad2:
