@@ -261,20 +261,20 @@ int main(int argc, char** argv) {
   // (timing only); bulk kernels: SC16 = fp16 scales, DEC 1 = masks/shifts instead of byte permutes
   // This round (session 6, 2026-12-01 22:52-23:25): uniform descriptors (the slot and K-half offset
   // warp-uniform, 32-bit adds) and the epilogue's amax values loaded before the K loop, in every v15
-  // and KS2 instance; the shipped set at N = K = 8192 is now two K segments (tc_linear.NSEG_LONG_K):
-  // KS2 at M <= 32, across CTAs at 2 CTAs per SM (S2 CPS2) above. Rows: the shipped instances, the
-  // one-segment kernel beside them, the fixed cost (K = 2048 / 4096) and the launch floor. Earlier
+  // and KS2 instance; with tc_linear.NSEG_LONG_K = 8192 (an option) N = K = 8192 runs two K segments:
+  // KS2 at M <= 32, across CTAs at 2 CTAs per SM (S2 CPS2) above. Rows: those instances, the one-segment
+  // kernel (the default) beside them, the fixed cost (K = 2048 / 4096) and the launch floor. Earlier
   // rounds' rows and figures: bench/results/h200_2026-12-01_*lab.log. grp: rows are compared with the
   // first row of the same (M, grp): grp 0 = one K segment (the cp.async kernel first), 1 = two (KS2).
   smem_attr(empty_kernel, 150000);
   LaunchFn empty = [](cudaStream_t s, int, int) { empty_kernel<<<128, 160, 150000, s>>>(0); };
   vs.push_back({"EMPTY kernel 128 x 160, 150 KB smem", 16, empty, true});
   vs.push_back({"cp.async 6x2 (ref) (v0)", 1, old_kernel<1, 6, 2, 2, true>(b), false});
-  vs.push_back({"v15 N8 S4 CPS4 R4, NSEG 1", 1, wg_kernel<8, 4, 4, 0, 4>(b), false});
-  vs.push_back({"KS2 N8 S4 CPS2 (ref ks2; shipped)", 1, wg_kernel<8, 4, 2, 0, 2, true>(b), false, 1});
+  vs.push_back({"v15 N8 S4 CPS4 R4, NSEG 1 (default)", 1, wg_kernel<8, 4, 4, 0, 4>(b), false});
+  vs.push_back({"KS2 N8 S4 CPS2 (ref ks2; NSEG_LONG_K)", 1, wg_kernel<8, 4, 2, 0, 2, true>(b), false, 1});
   vs.push_back({"cp.async 6x2 (ref) (v0)", 16, old_kernel<1, 6, 2, 2, false>(b), false});
-  vs.push_back({"v15 N16 S4 CPS4 R4, NSEG 1", 16, wg_kernel<16, 4, 4, 0, 4>(b), false});
-  vs.push_back({"KS2 N16 S4 CPS2 (ref ks2; shipped)", 16, wg_kernel<16, 4, 2, 0, 2, true>(b), false, 1});
+  vs.push_back({"v15 N16 S4 CPS4 R4, NSEG 1 (default)", 16, wg_kernel<16, 4, 4, 0, 4>(b), false});
+  vs.push_back({"KS2 N16 S4 CPS2 (ref ks2; NSEG_LONG_K)", 16, wg_kernel<16, 4, 2, 0, 2, true>(b), false, 1});
   vs.push_back({"KS2 N16 S3 CPS4 R4", 16, wg_kernel<16, 3, 4, 0, 4, true>(b), false, 1});
   vs.push_back({"COMPUTE-ONLY v15 N16 R4", 16, wg_kernel<16, 4, 4, 3, 4>(b), true});
   vs.push_back({"COMPUTE-ONLY KS2 N16", 16, wg_kernel<16, 4, 2, 3, 2, true>(b), true});
@@ -285,11 +285,11 @@ int main(int argc, char** argv) {
   vs.push_back({"KS2 N16 K=2048", 16, wg_kernel<16, 4, 2, 0, 2, true>(b, 1, 2048), true});
   vs.push_back({"again: KS2 N16 S4 CPS2", 16, wg_kernel<16, 4, 2, 0, 2, true>(b), false, 1});
   vs.push_back({"cp.async MT2 6x2 (ref)", 32, old_kernel<2, 6, 2, 2, false>(b), false});
-  vs.push_back({"v15 N32 S4 CPS4, NSEG 1", 32, wg_kernel<32, 4, 4>(b), false});
-  vs.push_back({"KS2 N32 S4 CPS2 (ref ks2; shipped)", 32, wg_kernel<32, 4, 2, 0, 2, true>(b), false, 1});
+  vs.push_back({"v15 N32 S4 CPS4, NSEG 1 (default)", 32, wg_kernel<32, 4, 4>(b), false});
+  vs.push_back({"KS2 N32 S4 CPS2 (ref ks2; NSEG_LONG_K)", 32, wg_kernel<32, 4, 2, 0, 2, true>(b), false, 1});
   vs.push_back({"cp.async MT4 4x2 (ref)", 64, old_kernel<4, 4, 2, 2, false>(b), false});
-  vs.push_back({"v15 N64 S4 CPS2, NSEG 1", 64, wg_kernel<64, 4, 2>(b), false});
-  vs.push_back({"v15 N64 NSEG 2 across, S2 CPS2 (shipped, no reduce)", 64, wg_kernel<64, 2, 2>(b, 2), true});
+  vs.push_back({"v15 N64 S4 CPS2, NSEG 1 (default)", 64, wg_kernel<64, 4, 2>(b), false});
+  vs.push_back({"v15 N64 NSEG 2 across, S2 CPS2 (NSEG_LONG_K; no reduce)", 64, wg_kernel<64, 2, 2>(b, 2), true});
   vs.push_back({"KS2 N64 S2 CPS2", 64, wg_kernel<64, 2, 2, 0, 2, true>(b), true});
 
   if (const char* only = getenv("LAB_NCU")) {  // one launch of each row whose name holds LAB_NCU (for ncu)

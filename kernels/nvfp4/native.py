@@ -209,7 +209,7 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
         if fused_segments(m, w, w.nseg):
             return {**rec, "pipeline": "wgmma-core, both K segments in the CTA", "STAGES": 4, "CPS": 2, "R": 2,
                     "MMA": rec["MMA"] + ", 2 warpgroups"}
-        if crowded(w, w.nseg):
+        if ntok == 64 and crowded(w, w.nseg):
             return {**rec, "pipeline": "wgmma-core, 2 CTAs per SM", "STAGES": 2, "CPS": 2, "R": 2}
         cps = 4 if chunks % 4 == 0 and ntok < 64 else 2
         return {**rec, "STAGES": 4 if cps == 4 or ntok == 64 else 6, "CPS": cps, "R": 4 if cps == 4 and ntok <= 16 else 2}
@@ -327,22 +327,29 @@ def sm_count() -> int:
 
 
 def crowded(w: Any, nseg: int) -> bool:
-    """K segments across CTAs would not fit one wave at one CTA per SM (ceil(N/64) * nseg > SMs): the
-    across-CTA kernel then runs a ring of 2 stages x 2 chunks, two CTAs per SM (nvfp4_native.cu)."""
+    """K segments across CTAs would not fit one wave at one CTA per SM (ceil(N/64) * nseg > SMs): at
+    M > 32 the across-CTA kernel then runs a ring of 2 stages x 2 chunks, two CTAs per SM (H200 lab
+    2026-12-01 23:20, N = K = 8192, NSEG 2, M = 64: 21.5 us before the reduce vs 23.4 in two waves)."""
     return nseg > 1 and -(-w.n // 64) * nseg > sm_count()
+
+
+def fills_gpu(w: Any) -> bool:
+    """The weight's 64-row tiles alone occupy at least 7/8 of the SMs."""
+    return -(-w.n // 64) * 8 >= 7 * sm_count()
 
 
 def fused_segments(m: int, w: Any, nseg: int) -> bool:
     """Variant 15 adds two K segments inside the CTA (two warpgroups, one K half each, p0 + p1 in fp32
     before the epilogue: the bits of reduce_kernel), so no partials and no reduce launch: nseg == 2,
-    M <= 32, the core-matrix operand, and the weight's 64-row tiles fill the GPU alone (segments
-    across CTAs would be crowded). NATIVE_CFG["KS2"] forces it on or off. H200 lab 2026-12-01 23:20
-    (N = K = 8192, bench/results/h200_2026-12-01_ks2_lab.log): M = 16 13.4 us in the CTA vs 15.6 at
-    NSEG 1; at (4096, 4096) and (4096, 12288) (64 tiles) half the CTAs lose: 8.2 vs 7.8 and 19.8 vs
-    14.9 us across CTAs (21:11)."""
+    M <= 32, the core-matrix operand, and the weight's 64-row tiles alone fill the GPU (fills_gpu;
+    only tc_linear.NSEG_LONG_K gives such a weight two segments). NATIVE_CFG["KS2"] forces it on or
+    off. H200 2026-12-01: at N = K = 8192 (128 tiles) M = 16 13.2-13.4 us in the CTA (lab 23:20,
+    bench 23:22; bench/results/h200_2026-12-01_s6_*) vs 15.6 across CTAs in two waves' worth; at
+    (4096, 4096) and (4096, 12288) (64 tiles: half the CTAs) in the CTA loses, 8.2 vs 7.8 and 19.8
+    vs 14.9 us (21:11); between 64 and 116 tiles not measured (across CTAs, as before)."""
     if token_layout(m, w) != 2 or nseg != 2 or m > 32:
         return False
-    return bool(NATIVE_CFG.get("KS2", crowded(w, nseg)))
+    return bool(NATIVE_CFG.get("KS2", fills_gpu(w)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ NSEG_MAX = 8
 NSEG_KSEG: int | None = None
 # where set, a weight whose tiles alone fill the GPU still splits a K of at least NSEG_LONG_K in two: the
 # decode runs the halves on two warpgroups of one CTA (native.fused_segments). Off by default: at N = K =
-# 8192 on the H200 (bench_kernels 2026-12-01 23:33, BENCHMARKS.md) 8192 gives decode M = 1 / 16 12.8 /
-# 13.3 us (2.72x / 2.51x cuBLAS bf16) instead of ~15 / 15.5, but M = 64 23.8 us instead of 20.7 and the
+# 8192 on the H200 (bench_kernels 2026-12-01 23:22 vs 23:30, BENCHMARKS.md) 8192 gives decode M = 1 / 16 12.8 /
+# 13.3 us (2.72x / 2.51x cuBLAS bf16) instead of 14.7 / 15.3, but M = 64 23.8 us instead of 20.2 and the
 # M = 8192 prefill (two launches) 1.23x cuBLAS instead of 1.07x: batch decode above 64 rows runs the
 # prefill path, so RL sampling and the learner would pay for the small-batch gain.
 NSEG_LONG_K: int | None = None

@@ -184,9 +184,9 @@ def test_core_variant_records_and_token_layout():
         r = native.decode_variant(64, SimpleNamespace(k=768, nseg=1))  # 6 chunks: 2 per stage
         assert (r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (64, 4, 2, 2)
         assert native.decode_variant(65, w)["pipeline"] == "cp.async"
-        # two K segments: inside the CTA where across CTAs they would crowd the GPU (N = 8192: 256
-        # programs > 132 SMs) and M <= 32; across CTAs at two CTAs per SM above M = 32; at N = 4096 (128
-        # programs) across CTAs with the one-segment ring; NATIVE_CFG["KS2"] forces either way
+        # two K segments: inside the CTA where the tiles alone fill the GPU (N = 8192: 128 tiles, 132
+        # SMs) and M <= 32; across CTAs at two CTAs per SM above M = 32 (256 programs > 132 SMs); at
+        # N = 4096 across CTAs with the one-segment ring; NATIVE_CFG["KS2"] forces either way
         native._STATE["sms"] = 132
         w2, w3 = SimpleNamespace(n=8192, k=8192, nseg=2), SimpleNamespace(n=4096, k=8192, nseg=2)
         assert native.fused_segments(16, w2, 2) and not native.fused_segments(33, w2, 2)
@@ -195,8 +195,9 @@ def test_core_variant_records_and_token_layout():
         r = native.decode_variant(64, w2)
         assert (r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (64, 2, 2, 2) and "2 CTAs per SM" in r["pipeline"]
         assert not native.fused_segments(16, w3, 2) and native.decode_variant(16, w3)["CPS"] == 4
+        assert native.crowded(w2, 2) and not native.crowded(w3, 2) and native.decode_variant(64, w3)["STAGES"] == 4
         native.NATIVE_CFG["KS2"] = False
-        assert not native.fused_segments(16, w2, 2) and native.decode_variant(16, w2)["STAGES"] == 2
+        assert not native.fused_segments(16, w2, 2) and native.decode_variant(16, w2)["CPS"] == 4
         native.NATIVE_CFG["KS2"] = True
         assert native.fused_segments(16, w3, 2) and not native.fused_segments(16, SimpleNamespace(n=8192, k=8192, nseg=1), 1)
         native.NATIVE_CFG.pop("KS2")

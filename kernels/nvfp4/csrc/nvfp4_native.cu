@@ -866,15 +866,12 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
       else MP_WG(32, 4, 2, 2, true);
       return;
     }
-    // K segments across CTAs that would not fit one wave at one CTA per SM: a ring of 2 stages x 2
-    // chunks (at most 86 KB), two CTAs per SM (native.decode_variant says the same)
+    // M > 32 with K segments across CTAs that would not fit one wave at one CTA per SM: a ring of 2
+    // stages x 2 chunks (86 KB), two CTAs per SM (native.crowded; decode_variant says the same)
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device().index()));
-    if (nseg > 1 && (long)((N + 63) / 64) * nseg > sms) {
-      if (ntok == 8) MP_WG(8, 2, 2);
-      else if (ntok == 16) MP_WG(16, 2, 2);
-      else if (ntok == 32) MP_WG(32, 2, 2);
-      else MP_WG(64, 2, 2);
+    if (ntok == 64 && nseg > 1 && (long)((N + 63) / 64) * nseg > sms) {
+      MP_WG(64, 2, 2);
       return;
     }
     if (ntok == 8) { if (four) MP_WG(8, 4, 4, 4); else MP_WG(8, 6, 2); }
