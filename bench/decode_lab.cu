@@ -2,6 +2,8 @@
 // the shipped mma.sync kernel, CUDA-graph timings at N = K = 8192, the weight-streaming ceiling of
 // the same access pattern, an HBM read ceiling and the mma.sync dependent-chain latency.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o decode_lab bench/decode_lab.cu && ./decode_lab
+// For Nsight Compute, LAB_NCU=<substring> runs each row whose name holds it once and exits, e.g.
+//   LAB_NCU="KS2 N16" ncu --clock-control none --kernel-name regex:decode_wg --section WarpStateStats ./decode_lab
 #define NVFP4_KERNELS_ONLY
 #include "../kernels/nvfp4/csrc/nvfp4_native.cu"
 
