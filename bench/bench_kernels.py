@@ -8,7 +8,9 @@
 2. ``quantize``: bf16 8192x8192 per-token 1x16 vs a device copy (bandwidth share).
 3. ``linear``: N = K = 8192, M = 1, 16, 64, 8192: cuBLAS bf16, FP8 ``torch._scaled_mm`` (per-tensor
    scales), the tensor-core NVFP4 GEMM (auto path, A pre-quantized), decode-path variants, the
-   linear with its per-token quantize; each variant's rows compared with the prefill path's.
+   linear with its per-token quantize; each variant's rows compared with the prefill path's; at
+   M <= 64 also cuBLAS and the auto path with the weights rotating over 3 copies (the NVFP4 weight,
+   40 MiB, fits the L2 when one repeats).
    The default decode path on CUDA is the native (CUDA C++) kernel when it builds; the Triton
    decode variants run with ``DECODE_CFG["NATIVE"] = False``.
 4. ``sweep``: rows identical for M in {1..3, 7..9, ..., 1000, 4096, 8192} at two row offsets, decode
@@ -28,6 +30,7 @@ CUDA graphs in a serving engine); a few rows also without graphs. The HF forward
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -210,21 +213,19 @@ def quantize() -> None:
 
 
 def rotation(w: torch.Tensor, tw, n: int = 3):  # noqa: ANN001, ANN201
-    """``n`` bf16 copies of ``w`` and ``n`` prepared NVFP4 weights (``tw`` first, then fresh ones of the
-    same shape), made once and cached: the rotating rows' weight sets."""
+    """``n`` bf16 weights like ``w`` (``w`` first) and their prepared NVFP4 weights (``tw`` first): the
+    weight sets of the rotating rows."""
     from mismatch_probe.kernels import nvfp4_quantize
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
-    if "rot" not in SEL:
-        ws = [w] + [torch.randn_like(w) for _ in range(n - 1)]
-        SEL["rot"] = (ws, [tw] + [T.prepare(nvfp4_quantize(v)) for v in ws[1:]])
-    return SEL["rot"]
+    ws = [w] + [torch.randn_like(w) for _ in range(n - 1)]
+    return ws, [tw] + [T.prepare(nvfp4_quantize(v)) for v in ws[1:]]
 
 
 def rotating(f, n: int = 3):  # noqa: ANN001, ANN201
     """A callable that runs ``f(i)`` for i = 0, 1, .., n - 1, 0, ... on successive calls (so each launch
     captured in do_bench_cudagraph's graph uses the next weight set)."""
-    it = iter(range(1 << 30))
+    it = itertools.count()
     return lambda: f(next(it) % n)
 
 
@@ -235,6 +236,7 @@ def linear() -> None:
     d = decode_inputs(8192, 8192, 8192)
     w, tw, X, aq, aop = d.w, d.tw, d.x, d.aq, d.aop
     full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
+    rw, rtw = rotation(w, tw)  # the weight sets of the decode rows with rotating weights
     w8 = w.to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
     for m in (1, 16, 64, 8192):
@@ -252,7 +254,6 @@ def linear() -> None:
         rec(f"{tag} NVFP4 linear incl. per-token quantize", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub)
         if m <= 64:  # weights rotating over 3 copies: every launch reads its weight from HBM (the NVFP4
             # weight, 40 MiB, fits the 60 MB L2 when the same one repeats; the bf16 one, 128 MiB, does not)
-            rw, rtw = rotation(w, d.tw)
             cub_r = rec(f"{tag} cuBLAS bf16, weights rotating x3", rotating(lambda i: x @ rw[i].t()), m=m, rot=3)
             rec(f"{tag} NVFP4 GEMM auto ({p}), weights rotating x3", rotating(lambda i: T.tc_matmul(a, rtw[i], a_op=opd)),
                 m=m, cublas_ms=cub_r, rot=3)
@@ -469,8 +470,6 @@ def main() -> int:
     ap.add_argument("--only", default="checks,quantize,linear,sweep,moe,e2e")
     ap.add_argument("--native-variant", type=int, default=None, help="the native decode variant to use by default")
     ap.add_argument("--variants", default=None, help="native decode variants for the per-variant rows (default: all)")
-    ap.add_argument("--nseg-kseg", type=int, default=None,
-                    help="tc_linear.NSEG_KSEG: at most this K per segment (changes the bits of shapes it splits)")
     ap.add_argument("--nseg-long-k", type=int, default=None,
                     help="tc_linear.NSEG_LONG_K: split a K of at least this in two where the tiles fill the GPU (changes bits)")
     ap.add_argument("--two-launch", nargs="?", const="on", choices=("on", "off"), default=None,
@@ -482,8 +481,6 @@ def main() -> int:
     SEL["triton_all"] = args.triton_decode == "all"
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
-    if args.nseg_kseg is not None:
-        T.NSEG_KSEG = args.nseg_kseg
     if args.nseg_long_k is not None:
         T.NSEG_LONG_K = args.nseg_long_k
     if args.two_launch is not None:
@@ -502,7 +499,6 @@ def main() -> int:
         from mismatch_probe.kernels.nvfp4 import native
 
         info["native_default_variant"] = native.default_variant()
-        info["nseg_kseg"] = T.NSEG_KSEG
         info["nseg_long_k"] = T.NSEG_LONG_K
         info["prefill_two_launch"] = T.PREFILL_TWO_LAUNCH
     except ImportError:

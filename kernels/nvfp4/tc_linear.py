@@ -46,8 +46,6 @@ def chunk_for(k: int) -> int:
 # H200 runs of BENCHMARKS.md (bench/probe_nvfp4.py --only nseg measures the candidates).
 NSEG_TARGET = 128
 NSEG_MAX = 8
-# and at most NSEG_KSEG K per segment where set (None: no such bound); see nseg_for
-NSEG_KSEG: int | None = None
 # where set, a weight whose tiles alone fill the GPU still splits a K of at least NSEG_LONG_K in two: the
 # decode runs the halves on two warpgroups of one CTA (native.fused_segments). Off by default: at N = K =
 # 8192 on the H200 (bench_kernels 2026-12-01 23:22 vs 23:30, BENCHMARKS.md) 8192 gives decode M = 1 / 16 12.8 /
@@ -68,8 +66,7 @@ def nseg_for(n: int, k: int, grouped: bool = False) -> int:
     if grouped or bkc == 0:
         return 1
     tiles, s = triton.cdiv(n, 64), 1
-    kmax = NSEG_KSEG or k
-    while (tiles * s < NSEG_TARGET or k // s > kmax) and s < NSEG_MAX and (k // bkc) % (2 * s) == 0:
+    while tiles * s < NSEG_TARGET and s < NSEG_MAX and (k // bkc) % (2 * s) == 0:
         s *= 2
     if s == 1 and NSEG_LONG_K and k >= NSEG_LONG_K and (k // bkc) % 2 == 0:
         s = 2

@@ -148,18 +148,6 @@ def test_prefill_two_launch_equals_one_loop(monkeypatch, n, k, m):
     tc_within_bound(one, a, w)
 
 
-def test_nseg_kseg_bound():
-    """NSEG_KSEG caps K per segment on top of the program-count target (a function of (N, K) only)."""
-    assert T.nseg_for(8192, 8192) == 1 and T.nseg_for(1024, 1024) == 8
-    old = T.NSEG_KSEG
-    try:
-        T.NSEG_KSEG = 4096
-        assert T.nseg_for(8192, 8192) == 2 and T.nseg_for(8192, 4096) == 1 and T.nseg_for(4096, 12288) == 4
-        assert T.nseg_for(1024, 1024) == 8 and T.nseg_for(8192, 8192, grouped=True) == 1
-    finally:
-        T.NSEG_KSEG = old
-
-
 def test_nseg_long_k(monkeypatch: pytest.MonkeyPatch) -> None:
     """NSEG_LONG_K (off by default): where the tiles alone fill the GPU, a K of at least NSEG_LONG_K still
     splits in two (a function of (N, K) only); shorter K, more segments already, experts: unchanged."""
