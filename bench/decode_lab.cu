@@ -166,6 +166,54 @@ __global__ void read_kernel(const uint4* __restrict__ p, size_t n, uint16_t* out
   if (s == 0x9E3779B9u) out[0] = 1;
 }
 
+
+// wgmma m64nNk16 f16 throughput per SM: NWG warpgroups, each 64 commit groups of 8 wgmmas into NACC
+// accumulators (round robin), wait_group 1 between groups, as the decode kernel; A from registers (RS) or
+// from shared memory (SS); zero operands (the A registers not provably zero, so ptxas keeps the overlap)
+template <int NTOK>
+__device__ __forceinline__ void wgmma_ss(float (&d)[NTOK / 2], uint64_t da, uint64_t db) {
+  static_assert(NTOK == 16, "n16 only");
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, 1, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(da), "l"(db));
+}
+template <int NTOK, int NWG, int NACC, bool SS>
+__global__ void __launch_bounds__(NWG * 128, 1) wg_tput_kernel(float* out, long long* cyc) {
+  __shared__ __align__(128) uint8_t z[8192];
+  for (int i = threadIdx.x; i < 512; i += blockDim.x) reinterpret_cast<uint4*>(z)[i] = make_uint4(0, 0, 0, 0);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  const uint32_t nz = threadIdx.x > 100000u ? 1u : 0u;
+  const uint32_t a[4] = {nz, nz, nz, nz};
+  const uint64_t db = wg_desc(smem_u32(z), NTOK * 16, CMB), da = wg_desc(smem_u32(z) + 4096, 128, 256);
+  float acc[NACC][NTOK / 2];
+  wg_fence();
+#pragma unroll
+  for (int c = 0; c < NACC; ++c) wgmma_rs<NTOK>(acc[c], a, db, 0);
+  wg_commit();
+  const long long t0 = clock64();
+  for (int it = 0; it < 64; ++it) {
+    wg_fence();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (SS) wgmma_ss<NTOK>(acc[j % NACC], da, db);
+      else wgmma_rs<NTOK>(acc[j % NACC], a, db);
+    }
+    wg_commit();
+    wg_wait<1>();
+  }
+  wg_wait<0>();
+  const long long t1 = clock64();
+  float sum = 0.0f;
+#pragma unroll
+  for (int c = 0; c < NACC; ++c)
+#pragma unroll
+    for (int i = 0; i < NTOK / 2; ++i) sum += acc[c][i];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+  if (blockIdx.x == 0 && threadIdx.x == 0) cyc[0] = t1 - t0;
+}
+
 // median microseconds per launch: a graph of R launches (weights rotating over `rot` copies)
 static double time_us(const LaunchFn& f, int m, int rot, cudaStream_t st) {
   const int R = 30;
@@ -271,28 +319,24 @@ int main(int argc, char** argv) {
   smem_attr(empty_kernel, 150000);
   LaunchFn empty = [](cudaStream_t s, int, int) { empty_kernel<<<128, 160, 150000, s>>>(0); };
   vs.push_back({"EMPTY kernel 128 x 160, 150 KB smem", 16, empty, true});
-  vs.push_back({"cp.async 6x2 (ref) (v0)", 1, old_kernel<1, 6, 2, 2, true>(b), false});
+  // This round (session 7, 2026-12-02): where KS2's time goes with the weights rotating: deeper rings,
+  // the copies alone (MODE 5), the kernel without its token copies (MODE 6: the bound of sharing the token
+  // tile across a CTA pair), compute alone (MODE 3); wgmma throughput RS vs SS at the end.
   vs.push_back({"v15 N8 S4 CPS4 R4, NSEG 1 (default)", 1, wg_kernel<8, 4, 4, 0, 4>(b), false});
   vs.push_back({"KS2 N8 S4 CPS2 (ref ks2; NSEG_LONG_K)", 1, wg_kernel<8, 4, 2, 0, 2, true>(b), false, 1});
   vs.push_back({"cp.async 6x2 (ref) (v0)", 16, old_kernel<1, 6, 2, 2, false>(b), false});
   vs.push_back({"v15 N16 S4 CPS4 R4, NSEG 1 (default)", 16, wg_kernel<16, 4, 4, 0, 4>(b), false});
   vs.push_back({"KS2 N16 S4 CPS2 (ref ks2; NSEG_LONG_K)", 16, wg_kernel<16, 4, 2, 0, 2, true>(b), false, 1});
-  vs.push_back({"KS2 N16 S3 CPS4 R4", 16, wg_kernel<16, 3, 4, 0, 4, true>(b), false, 1});
-  vs.push_back({"COMPUTE-ONLY v15 N16 R4", 16, wg_kernel<16, 4, 4, 3, 4>(b), true});
+  vs.push_back({"KS2 N16 S5 CPS2", 16, wg_kernel<16, 5, 2, 0, 2, true>(b), false, 1});
+  vs.push_back({"KS2 N16 S6 CPS2", 16, wg_kernel<16, 6, 2, 0, 2, true>(b), false, 1});
+  vs.push_back({"KS2 N16 S4 CPS2 no token copies", 16, wg_kernel<16, 4, 2, 6, 2, true>(b), true});
+  vs.push_back({"KS2 N16 S6 CPS2 no token copies", 16, wg_kernel<16, 6, 2, 6, 2, true>(b), true});
+  vs.push_back({"COPIES-ONLY KS2 N16 S4 CPS2", 16, wg_kernel<16, 4, 2, 5, 2, true>(b), true});
+  vs.push_back({"COPIES-ONLY v15 N16 S4 CPS4", 16, wg_kernel<16, 4, 4, 5, 4>(b), true});
   vs.push_back({"COMPUTE-ONLY KS2 N16", 16, wg_kernel<16, 4, 2, 3, 2, true>(b), true});
-  vs.push_back({"COMPUTE-ONLY NODECODE KS2 N16", 16, wg_kernel<16, 4, 2, 4, 2, true>(b), true});
-  vs.push_back({"v15 N16 R4 K=4096", 16, wg_kernel<16, 4, 4, 0, 4>(b, 1, 4096), true});
-  vs.push_back({"v15 N16 R4 K=2048", 16, wg_kernel<16, 4, 4, 0, 4>(b, 1, 2048), true});
-  vs.push_back({"KS2 N16 K=4096", 16, wg_kernel<16, 4, 2, 0, 2, true>(b, 1, 4096), true});
-  vs.push_back({"KS2 N16 K=2048", 16, wg_kernel<16, 4, 2, 0, 2, true>(b, 1, 2048), true});
+  vs.push_back({"COMPUTE-ONLY v15 N16 R4", 16, wg_kernel<16, 4, 4, 3, 4>(b), true});
   vs.push_back({"again: KS2 N16 S4 CPS2", 16, wg_kernel<16, 4, 2, 0, 2, true>(b), false, 1});
-  vs.push_back({"cp.async MT2 6x2 (ref)", 32, old_kernel<2, 6, 2, 2, false>(b), false});
-  vs.push_back({"v15 N32 S4 CPS4, NSEG 1 (default)", 32, wg_kernel<32, 4, 4>(b), false});
-  vs.push_back({"KS2 N32 S4 CPS2 (ref ks2; NSEG_LONG_K)", 32, wg_kernel<32, 4, 2, 0, 2, true>(b), false, 1});
-  vs.push_back({"cp.async MT4 4x2 (ref)", 64, old_kernel<4, 4, 2, 2, false>(b), false});
   vs.push_back({"v15 N64 S4 CPS2, NSEG 1 (default)", 64, wg_kernel<64, 4, 2>(b), false});
-  vs.push_back({"v15 N64 NSEG 2 across, S2 CPS2 (NSEG_LONG_K; no reduce)", 64, wg_kernel<64, 2, 2>(b, 2), true});
-  vs.push_back({"KS2 N64 S2 CPS2", 64, wg_kernel<64, 2, 2, 0, 2, true>(b), true});
 
   if (const char* only = getenv("LAB_NCU")) {  // one launch of each row whose name holds LAB_NCU (for ncu)
     for (auto& v : vs)
@@ -418,6 +462,20 @@ int main(int argc, char** argv) {
   chain(mma_chain_kernel<4>, 4, 4);
   chain(mma_chain_kernel<2>, 2, 8);
   chain(mma_chain_kernel<8>, 8, 4);
+  auto tput = [&](auto kern, int nwg, const char* name) {
+    LaunchFn f = [&, kern, nwg](cudaStream_t s, int, int) { kern<<<128, 128 * nwg, 0, s>>>(dout, dcyc); };
+    const double t = time_us(f, 0, 1, st);
+    long long cyc;
+    CK(cudaMemcpy(&cyc, dcyc, 8, cudaMemcpyDeviceToHost));
+    printf("wgmma tput %-22s: %.2f us, %.1f cycles per wgmma per warpgroup (512 each), per SM %.1f\n", name, t,
+           cyc / 512.0, cyc / 512.0 / nwg);
+  };
+  tput(wg_tput_kernel<16, 1, 1, false>, 1, "RS n16 1 WG 1 acc");
+  tput(wg_tput_kernel<16, 2, 1, false>, 2, "RS n16 2 WG 1 acc");
+  tput(wg_tput_kernel<16, 1, 1, true>, 1, "SS n16 1 WG 1 acc");
+  tput(wg_tput_kernel<16, 2, 1, true>, 2, "SS n16 2 WG 1 acc");
+  tput(wg_tput_kernel<64, 1, 1, false>, 1, "RS n64 1 WG 1 acc");
+  tput(wg_tput_kernel<8, 1, 1, false>, 1, "RS n8 1 WG 1 acc");
   auto pipe = [&](auto kern, const char* name) {
     LaunchFn f = [&, kern](cudaStream_t s, int, int) { kern<<<132, 128, 0, s>>>(3u, (uint32_t*)dout, dcyc); };
     time_us(f, 0, 1, st);

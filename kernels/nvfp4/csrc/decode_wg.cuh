@@ -99,7 +99,7 @@ __device__ __forceinline__ void wg_decode_chunk(uint32_t (&af)[8][4], const uint
 // fragments (one 128-wide chunk each, a commit group per chunk, R - 1 groups left in flight while the
 // next chunk is decoded); ``hb``: the byte offset of its K half's block in each stage (KS2), ``arrive``:
 // it releases the stages. MODE (bench only): 3 = no waits, every step computes on stage 0; 4 = 3 without
-// the decode. The descriptors are warp-uniform values (the slot and the K-half offset through a shuffle
+// the decode; 5 = the copies only (each stage released once it has landed); 6 = no token copies. The descriptors are warp-uniform values (the slot and the K-half offset through a shuffle
 // from lane 0) and only their low word changes (32-bit adds): they live in uniform registers, with no
 // per-wgmma 64-bit arithmetic and register-to-uniform moves on the issue path (H200 lab 2026-12-01
 // 22:58: M = 16 17.3 -> 15.9 us).
@@ -121,7 +121,11 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
   }
   for (int i = 0; i < steps; ++i) {
     const int slot = MODE >= 3 ? 0 : __shfl_sync(0xFFFFFFFFu, i % S, 0);  // warp-uniform
-    if (MODE < 3) mbar_wait(full0 + 8 * slot, (i / S) & 1);
+    if (MODE < 3 || MODE >= 5) mbar_wait(full0 + 8 * slot, (i / S) & 1);
+    if constexpr (MODE == 5) {
+      if (lane == 0) mbar_arrive(empty0 + 8 * slot);
+      continue;
+    }
     const uint8_t* st = smem + slot * STAGE + hb;
 #pragma unroll
     for (int j = 0; j < CPS; ++j) {
@@ -136,7 +140,7 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
         wgmma_rs<NTOK>(acc, af[j % R][s], ((uint64_t)hi0 << 32) | (lj + ((uint32_t)(s * 2 * NTOK * 16) >> 4)));
       wg_commit();
       wg_wait<R - 1>();  // the groups before the last R - 1 are done: their A registers and stage reads are free
-      if (MODE < 3 && j == R - 2 && i > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % S));
+      if ((MODE < 3 || MODE == 6) && j == R - 2 && i > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % S));
     }
   }
   wg_wait<0>();
@@ -184,13 +188,13 @@ __global__ void __launch_bounds__(KS2 ? 288 : 160, 1) decode_wg_kernel(
   }
   __syncthreads();
   if (warp == 4 * H) {  // producer warp
-    if (MODE < 3 && lane == 0) {
+    if ((MODE < 3 || MODE >= 5) && lane == 0) {
       const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
       for (int i = 0; i < steps; ++i) {
         const int slot = i % S;
         if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
         const uint32_t full = full0 + 8 * slot;
-        mbar_expect_tx(full, H * CPS * (W_BYTES + SB + TB));
+        mbar_expect_tx(full, H * CPS * (W_BYTES + SB + (MODE == 6 ? 0 : TB)));
 #pragma unroll
         for (int h = 0; h < H; ++h) {
           const uint32_t st = smem_u32(smem + slot * STAGE + h * HALF);
@@ -198,7 +202,7 @@ __global__ void __launch_bounds__(KS2 ? 288 : 160, 1) decode_wg_kernel(
           const size_t c = (size_t)nb * chunks + cl;
           bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
           bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
-          bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
+          if (MODE != 6) bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
         }
       }
     }
