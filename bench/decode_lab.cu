@@ -85,19 +85,17 @@ static LaunchFn bulk_kernel(Bufs& b, int nseg = 1) {
   };
 }
 
-template <int NTOK, int S, int CPS, int MODE = 0, int R = 2, bool KS2 = false, int DEC = 0, bool SCB = false,
-          bool P2 = false, int PF = 0>
+template <int NTOK, int S, int CPS, int MODE = 0, int R = 2, bool KS2 = false>
 static LaunchFn wg_kernel(Bufs& b, int nseg = 1, int kk = K) {
-  const int smem = S * CPS * (KS2 ? 2 : 1) * (W_BYTES + (SCB ? 1 : 2) * S_BYTES + 16 * (NTOK / 8) * CMB) +
-                   16 * S * (P2 ? 2 : 1) + 32 * NTOK +
-                   (KS2 ? 256 * NTOK : 0);
-  auto kern = decode_wg_kernel<NTOK, S, CPS, MODE, R, KS2, DEC, SCB, P2, PF>;
+  const int smem = S * CPS * (KS2 ? 2 : 1) * (W_BYTES + 2 * S_BYTES + 16 * (NTOK / 8) * CMB) +
+                   16 * S * (KS2 ? 2 : 1) + 32 * NTOK + (KS2 ? 256 * NTOK : 0);
+  auto kern = decode_wg_kernel<NTOK, S, CPS, MODE, R, KS2>;
   smem_attr(kern, smem);
   const int li = NTOK == 8 ? 0 : NTOK == 16 ? 1 : NTOK == 32 ? 2 : 3;
   const int ns = KS2 ? 2 : nseg;
   return [=](cudaStream_t s, int m, int w) {
-    kern<<<dim3(N / 64, 1, KS2 ? 1 : ns), KS2 ? (P2 ? 320 : 288) : 160, smem, s>>>(b.wq[w], SCB ? b.ws[w] : b.ws16[w], b.w_amax, 1, b.acore[li], b.a_amax, b.out, b.part,
-                                                   m, N, kk, ns);
+    kern<<<dim3(N / 64, 1, KS2 ? 1 : ns), KS2 ? 320 : 160, smem, s>>>(b.wq[w], b.ws16[w], b.w_amax, 1, b.acore[li],
+                                                                       b.a_amax, b.out, b.part, m, N, kk, ns);
   };
 }
 
@@ -321,34 +319,29 @@ int main(int argc, char** argv) {
   smem_attr(empty_kernel, 150000);
   LaunchFn empty = [](cudaStream_t s, int, int) { empty_kernel<<<128, 160, 150000, s>>>(0); };
   vs.push_back({"EMPTY kernel 128 x 160, 150 KB smem", 16, empty, true});
-  // This round (session 7, 2026-12-02): the copies alone (MODE 5) rotating: 12.07 us, the kernel
-  // without its token copies (MODE 6): no faster, deeper rings: slower (bench/results/
-  // h200_2026-12-02_s7_lab.log). Now the decode's instruction mix (DEC): the byte permutes, masks and
-  // shifts all run on the half-rate ALU pipe; DEC 1 / 2 / 3 move work to the integer multiply-add pipe.
+  // This round (session 7, 2026-12-02 00:35-01:20; logs bench/results/h200_2026-12-02_s7_*lab.log): the
+  // copies alone (MODE 5) with the weights rotating take 12.1 us, compute alone (MODE 3) 11.4 (KS2), so the
+  // two are balanced; shipped since: the fragments by masks and shifts (frag_b DEC 1) instead of byte
+  // permutes (the integer ALU pipe bounds the consumer), and one ring per K half in KS2 (each half's
+  // warpgroup fed by its own producer warp). Rows: the shipped instances, their copies and compute alone,
+  // the cp.async kernel first of each M for the bits; then wgmma RS / SS throughput (14 / 20 cycles per
+  // m64n16k16 per SM: the tensor core is not the bound).
+  vs.push_back({"v15 N8 S4 CPS4 R4, NSEG 1 (default)", 1, wg_kernel<8, 4, 4, 0, 4>(b), false});
+  vs.push_back({"KS2 N8 S4 CPS2 (ref ks2; NSEG_LONG_K)", 1, wg_kernel<8, 4, 2, 0, 2, true>(b), false, 1});
   vs.push_back({"cp.async 6x2 (ref) (v0)", 16, old_kernel<1, 6, 2, 2, false>(b), false});
   vs.push_back({"v15 N16 S4 CPS4 R4, NSEG 1 (default)", 16, wg_kernel<16, 4, 4, 0, 4>(b), false});
-  vs.push_back({"v15 N16 R4 DEC1", 16, wg_kernel<16, 4, 4, 0, 4, false, 1>(b), false});
-  vs.push_back({"v15 N16 R4 DEC1 PF6", 16, wg_kernel<16, 4, 4, 0, 4, false, 1, false, false, 6>(b), false});
   vs.push_back({"KS2 N16 S4 CPS2 (ref ks2; NSEG_LONG_K)", 16, wg_kernel<16, 4, 2, 0, 2, true>(b), false, 1});
-  vs.push_back({"KS2 N16 DEC1 P2", 16, wg_kernel<16, 4, 2, 0, 2, true, 1, false, true>(b), false, 1});
-  vs.push_back({"KS2 N16 DEC1 P2 PF5", 16, wg_kernel<16, 4, 2, 0, 2, true, 1, false, true, 5>(b), false, 1});
-  vs.push_back({"KS2 N16 DEC1 P2 PF6", 16, wg_kernel<16, 4, 2, 0, 2, true, 1, false, true, 6>(b), false, 1});
-  vs.push_back({"KS2 N16 DEC1 P2 PF8", 16, wg_kernel<16, 4, 2, 0, 2, true, 1, false, true, 8>(b), false, 1});
-  vs.push_back({"KS2 N16 DEC1 P2 S3 PF6", 16, wg_kernel<16, 3, 2, 0, 2, true, 1, false, true, 6>(b), false, 1});
-  vs.push_back({"KS2 N16 DEC0 P2", 16, wg_kernel<16, 4, 2, 0, 2, true, 0, false, true>(b), false, 1});
-  vs.push_back({"again: KS2 N16 DEC1 P2", 16, wg_kernel<16, 4, 2, 0, 2, true, 1, false, true>(b), false, 1});
-  vs.push_back({"again: KS2 N16 DEC1 P2 PF6", 16, wg_kernel<16, 4, 2, 0, 2, true, 1, false, true, 6>(b), false, 1});
+  vs.push_back({"COPIES-ONLY KS2 N16", 16, wg_kernel<16, 4, 2, 5, 2, true>(b), true});
+  vs.push_back({"COMPUTE-ONLY KS2 N16", 16, wg_kernel<16, 4, 2, 3, 2, true>(b), true});
+  vs.push_back({"COMPUTE-ONLY v15 N16 R4", 16, wg_kernel<16, 4, 4, 3, 4>(b), true});
+  vs.push_back({"again: v15 N16 R4", 16, wg_kernel<16, 4, 4, 0, 4>(b), false});
   vs.push_back({"again: KS2 N16 S4 CPS2", 16, wg_kernel<16, 4, 2, 0, 2, true>(b), false, 1});
-  vs.push_back({"KS2 N8 DEC1 P2", 1, wg_kernel<8, 4, 2, 0, 2, true, 1, false, true>(b), false, 1});
-  vs.push_back({"KS2 N8 DEC1 P2 PF6", 1, wg_kernel<8, 4, 2, 0, 2, true, 1, false, true, 6>(b), false, 1});
-  vs.push_back({"v15 N8 S4 CPS4 R4 (default)", 1, wg_kernel<8, 4, 4, 0, 4>(b), false});
-  vs.push_back({"v15 N8 R4 DEC1", 1, wg_kernel<8, 4, 4, 0, 4, false, 1>(b), false});
-  vs.push_back({"KS2 N32 DEC1 P2", 32, wg_kernel<32, 4, 2, 0, 2, true, 1, false, true>(b), false, 1});
-  vs.push_back({"v15 N32 S4 CPS4 (default)", 32, wg_kernel<32, 4, 4>(b), false});
-  vs.push_back({"v15 N32 DEC1", 32, wg_kernel<32, 4, 4, 0, 2, false, 1>(b), false});
-  vs.push_back({"v15 N64 S4 CPS2 (default)", 64, wg_kernel<64, 4, 2>(b), false});
-  vs.push_back({"v15 N64 DEC1", 64, wg_kernel<64, 4, 2, 0, 2, false, 1>(b), false});
-  vs.push_back({"v15 N64 DEC1 PF6", 64, wg_kernel<64, 4, 2, 0, 2, false, 1, false, false, 6>(b), false});
+  vs.push_back({"cp.async MT2 6x2 (ref)", 32, old_kernel<2, 6, 2, 2, false>(b), false});
+  vs.push_back({"v15 N32 S4 CPS4, NSEG 1 (default)", 32, wg_kernel<32, 4, 4>(b), false});
+  vs.push_back({"KS2 N32 S4 CPS2 (ref ks2; NSEG_LONG_K)", 32, wg_kernel<32, 4, 2, 0, 2, true>(b), false, 1});
+  vs.push_back({"cp.async MT4 4x2 (ref)", 64, old_kernel<4, 4, 2, 2, false>(b), false});
+  vs.push_back({"v15 N64 S4 CPS2, NSEG 1 (default)", 64, wg_kernel<64, 4, 2>(b), false});
+  vs.push_back({"v15 N64 NSEG 2 across, S2 CPS2 (NSEG_LONG_K; no reduce)", 64, wg_kernel<64, 2, 2>(b, 2), true});
 
   if (const char* only = getenv("LAB_NCU")) {  // one launch of each row whose name holds LAB_NCU (for ncu)
     for (auto& v : vs)
@@ -482,12 +475,12 @@ int main(int argc, char** argv) {
     printf("wgmma tput %-22s: %.2f us, %.1f cycles per wgmma per warpgroup (512 each), per SM %.1f\n", name, t,
            cyc / 512.0, cyc / 512.0 / nwg);
   };
-  if (0) tput(wg_tput_kernel<16, 1, 1, false>, 1, "RS n16 1 WG 1 acc");
-  if (0) tput(wg_tput_kernel<16, 2, 1, false>, 2, "RS n16 2 WG 1 acc");
-  if (0) tput(wg_tput_kernel<16, 1, 1, true>, 1, "SS n16 1 WG 1 acc");
-  if (0) tput(wg_tput_kernel<16, 2, 1, true>, 2, "SS n16 2 WG 1 acc");
-  if (0) tput(wg_tput_kernel<64, 1, 1, false>, 1, "RS n64 1 WG 1 acc");
-  if (0) tput(wg_tput_kernel<8, 1, 1, false>, 1, "RS n8 1 WG 1 acc");
+  tput(wg_tput_kernel<16, 1, 1, false>, 1, "RS n16 1 WG 1 acc");
+  tput(wg_tput_kernel<16, 2, 1, false>, 2, "RS n16 2 WG 1 acc");
+  tput(wg_tput_kernel<16, 1, 1, true>, 1, "SS n16 1 WG 1 acc");
+  tput(wg_tput_kernel<16, 2, 1, true>, 2, "SS n16 2 WG 1 acc");
+  tput(wg_tput_kernel<64, 1, 1, false>, 1, "RS n64 1 WG 1 acc");
+  tput(wg_tput_kernel<8, 1, 1, false>, 1, "RS n8 1 WG 1 acc");
   auto pipe = [&](auto kern, const char* name) {
     LaunchFn f = [&, kern](cudaStream_t s, int, int) { kern<<<132, 128, 0, s>>>(3u, (uint32_t*)dout, dcyc); };
     time_us(f, 0, 1, st);

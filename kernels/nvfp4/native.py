@@ -59,7 +59,7 @@ VARIANTS: dict[int, tuple[str, str, str, int]] = {
     10: ("bulk", "fp16", "prmt", 1), 11: ("bulk", "fp16", "shift", 1),
     12: ("bulk-chunked", "fp16", "prmt", 2), 13: ("bulk-chunked-pipelined", "fp16", "prmt", 2),
     14: ("bulk-chunked", "fp16", "prmt", 1),  # 14: NT 1 at M <= 16 with 4 chunks per stage, else as 12
-    15: ("wgmma-core", "fp16", "prmt", 2)}  # sm_90a: wgmma, weights on M, tokens on N (TOKEN_CORE)
+    15: ("wgmma-core", "fp16", "shift", 2)}  # sm_90a: wgmma, weights on M, tokens on N (TOKEN_CORE)
 CHUNKED = (12, 13, 14)  # the variants that take the chunk-major token operand
 CORE = (15,)  # the variants that take the core-matrix token operand
 # Default: 15 on sm_90 (H200, 2026-12-01 20:42 bench_kernels: M = 1 / 16 / 64 14.2 / 15.0 / 20.2 us against
@@ -203,12 +203,12 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
     mt = 1 if m <= 16 else 2 if m <= 32 else 4
     if v in CORE and _bulk_ok(m, w):  # as nvfp4_native.cu's decode_gemm picks the instance
         ntok = token_cols(m)
-        rec = {"variant": v, "pipeline": "wgmma-core", "scales": "fp16", "decode": "prmt", "NTOK": ntok,
+        rec = {"variant": v, "pipeline": "wgmma-core", "scales": "fp16", "decode": "shift", "NTOK": ntok,
                "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
                "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
         if fused_segments(m, w, w.nseg):
-            return {**rec, "pipeline": "wgmma-core, both K segments in the CTA", "STAGES": 4, "CPS": 2, "R": 2,
-                    "MMA": rec["MMA"] + ", 2 warpgroups"}
+            return {**rec, "pipeline": "wgmma-core, both K segments in the CTA, a ring per segment", "STAGES": 4,
+                    "CPS": 2, "R": 2, "MMA": rec["MMA"] + ", 2 warpgroups"}
         if ntok == 64 and crowded(w, w.nseg):
             return {**rec, "pipeline": "wgmma-core, 2 CTAs per SM", "STAGES": 2, "CPS": 2, "R": 2}
         cps = 4 if chunks % 4 == 0 and ntok < 64 else 2

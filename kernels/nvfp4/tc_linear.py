@@ -46,13 +46,15 @@ def chunk_for(k: int) -> int:
 # H200 runs of BENCHMARKS.md (bench/probe_nvfp4.py --only nseg measures the candidates).
 NSEG_TARGET = 128
 NSEG_MAX = 8
-# where set, a weight whose tiles alone fill the GPU still splits a K of at least NSEG_LONG_K in two: the
-# decode runs the halves on two warpgroups of one CTA (native.fused_segments). Off by default: at N = K =
-# 8192 on the H200 (bench_kernels 2026-12-01 23:22 vs 23:30, BENCHMARKS.md) 8192 gives decode M = 1 / 16 12.8 /
-# 13.3 us (2.72x / 2.51x cuBLAS bf16) instead of 14.7 / 15.3, but M = 64 23.8 us instead of 20.2 and the
-# M = 8192 prefill (two launches) 1.23x cuBLAS instead of 1.07x: batch decode above 64 rows runs the
-# prefill path, so RL sampling and the learner would pay for the small-batch gain.
-NSEG_LONG_K: int | None = None
+# A weight whose tiles alone fill the GPU still splits a K of at least NSEG_LONG_K in two (None: off): the
+# decode runs the halves on two warpgroups of one CTA, each fed by its own ring (native.fused_segments).
+# H200, N = K = 8192 (BENCHMARKS.md, 2026-12-02): decode M = 16 ~2.6x cuBLAS bf16 (one segment: ~2.2x),
+# at the cost of M = 33-64 (two segments across CTAs + reduce, ~20% slower than one segment, still ~1.5x
+# faster than bf16) and of the M = 8192 prefill (two launches, ~1.1-1.2x cuBLAS instead of ~1.07x). It
+# changes only shapes with N >= ~7.4k and K >= 8192 (70B-class projections: in Qwen3 up to 32B and Llama-3-8B
+# every weight with K >= 8192 has N <= 5120, hence two segments by NSEG_TARGET already); a sampler that decodes more than 32 rows per step at such
+# shapes can set it to None (both engines must use the same rule: it decides the bits).
+NSEG_LONG_K: int | None = 8192
 # the prefill of two-segment dense weights as two launches (two_launch; H200 2026-12-01 21:11, M = 4096:
 # Qwen3-8B (4096, 4096) 1.45x -> 1.26x cuBLAS, (4096, 12288) 1.44x -> 1.06x, same bits) and the bound of
 # its fp32 buffer of segment 0's sums (M x N x 4 bytes, in row blocks above it)

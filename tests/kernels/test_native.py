@@ -180,7 +180,7 @@ def test_core_variant_records_and_token_layout():
         assert native.token_layout(65, w) == 0
         r = native.decode_variant(16, w)
         assert (r["variant"], r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (15, 16, 4, 4, 4)
-        assert "m64n16k16" in r["MMA"] and "core-matrix" in r["tokens"]
+        assert "m64n16k16" in r["MMA"] and "core-matrix" in r["tokens"] and r["decode"] == "shift"
         r = native.decode_variant(64, SimpleNamespace(k=768, nseg=1))  # 6 chunks: 2 per stage
         assert (r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (64, 4, 2, 2)
         assert native.decode_variant(65, w)["pipeline"] == "cp.async"
@@ -192,6 +192,7 @@ def test_core_variant_records_and_token_layout():
         assert native.fused_segments(16, w2, 2) and not native.fused_segments(33, w2, 2)
         r = native.decode_variant(16, w2)
         assert (r["STAGES"], r["CPS"], r["R"]) == (4, 2, 2) and "2 warpgroups" in r["MMA"] and "core-matrix" in r["tokens"]
+        assert "a ring per segment" in r["pipeline"]
         r = native.decode_variant(64, w2)
         assert (r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (64, 2, 2, 2) and "2 CTAs per SM" in r["pipeline"]
         assert not native.fused_segments(16, w3, 2) and native.decode_variant(16, w3)["CPS"] == 4

@@ -35,7 +35,7 @@ def test_decode_layout_holds_every_code(n, k):
 
 
 def test_nseg_depends_on_n_k_only():
-    assert T.nseg_for(8192, 8192) == 1 and T.nseg_for(1024, 1024) == 8 and T.nseg_for(3072, 1024) == 4
+    assert T.nseg_for(8192, 4096) == 1 and T.nseg_for(1024, 1024) == 8 and T.nseg_for(3072, 1024) == 4
     assert T.nseg_for(1536, 2048, grouped=True) == 1 and T.nseg_for(64, 48) == 1  # K % 32 != 0: no decode path
     assert T.chunk_for(48) == 0 and T.chunk_for(96) == 32 and T.chunk_for(768) == 128
 
@@ -149,9 +149,11 @@ def test_prefill_two_launch_equals_one_loop(monkeypatch, n, k, m):
 
 
 def test_nseg_long_k(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NSEG_LONG_K (off by default): where the tiles alone fill the GPU, a K of at least NSEG_LONG_K still
-    splits in two (a function of (N, K) only); shorter K, more segments already, experts: unchanged."""
-    assert T.NSEG_LONG_K is None and T.nseg_for(8192, 8192) == 1
-    monkeypatch.setattr(T, "NSEG_LONG_K", 8192)
+    """NSEG_LONG_K (8192 by default): where the tiles alone fill the GPU, a K of at least NSEG_LONG_K still
+    splits in two (a function of (N, K) only); shorter K, more segments already, experts: unchanged;
+    None turns it off."""
+    assert T.NSEG_LONG_K == 8192
     assert T.nseg_for(8192, 8192) == 2 and T.nseg_for(28672, 8192) == 2 and T.nseg_for(8192, 28672) == 2
     assert T.nseg_for(8192, 4096) == 1 and T.nseg_for(1024, 8192) == 8 and T.nseg_for(8192, 8192, grouped=True) == 1
+    monkeypatch.setattr(T, "NSEG_LONG_K", None)
+    assert T.nseg_for(8192, 8192) == 1 and T.nseg_for(28672, 8192) == 1

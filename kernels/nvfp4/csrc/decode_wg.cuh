@@ -74,31 +74,24 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NTOK / 2], const uint32_t (&
 constexpr int CMB = 128;  // bytes per core matrix (8 rows x 8 halves)
 
 // the 8 A fragments of one 128-wide chunk for warp w (tiles 2w, 2w + 1) from the stage's words and scales
-// DEC (bench): 0 byte permutes; 1 masks and shifts (frag_b's DEC 1); 2 = 1 with the code halves' shifts
-// as multiplies (integer multiply-add pipe instead of the ALU pipe that the permutes and masks load); 3 = 0
-// with those multiplies
-template <bool NODEC, int DEC = 0>
+// The fragments by masks and shifts (frag_b's DEC 1: the shift is an IMAD on the multiply-add pipe) rather
+// than byte permutes: the permutes, masks and shifts of the decode all load the half-rate integer ALU pipe,
+// which bounds the consumer (H200 lab 2026-12-02 00:55-01:15, same bits: M = 16 15.9 -> 15.5 us, the in-CTA
+// halves 13.3 -> 12.9; moving the code halves' shifts to multiplies too was slower).
+template <bool NODEC>
 __device__ __forceinline__ void wg_decode_chunk(uint32_t (&af)[8][4], const uint32_t (&wv)[2][4], const uint32_t (&sc)[2][4]) {
 #pragma unroll
   for (int wi = 0; wi < 4; ++wi) {
     uint32_t va[2], vb[2];
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      if constexpr (DEC >= 2) {
-        const uint32_t w = wv[t][wi];
-        va[t] = w & 0x8E8E8E8Eu;
-        vb[t] = (__umulhi(w, 1u << 29) & 0x0E0E0E0Eu) | ((w * 128u) & 0x80808080u);
-      } else {
-        code_halves(wv[t][wi], va[t], vb[t]);
-      }
-    }
+    for (int t = 0; t < 2; ++t) code_halves(wv[t][wi], va[t], vb[t]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int s = 2 * wi + h;
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         uint32_t b0, b1;
-        frag_b<true, DEC == 1 || DEC == 2 ? 1 : 0, NODEC>(h ? vb[t] : va[t], sc[t], s, b0, b1);
+        frag_b<true, 1, NODEC>(h ? vb[t] : va[t], sc[t], s, b0, b1);
         af[s][t] = b0;      // rows g (t = 0) and g + 8 (t = 1), k 2q, 2q + 1
         af[s][2 + t] = b1;  // k 2q + 8, 2q + 9
       }
@@ -110,23 +103,11 @@ __device__ __forceinline__ void wg_decode_chunk(uint32_t (&af)[8][4], const uint
 // fragments (one 128-wide chunk each, a commit group per chunk, R - 1 groups left in flight while the
 // next chunk is decoded); ``hb``: the byte offset of its K half's block in each stage (KS2), ``arrive``:
 // it releases the stages. MODE (bench only): 3 = no waits, every step computes on stage 0; 4 = 3 without
-// the decode; 5 = the copies only (each stage released once it has landed); 6 = no token copies. The descriptors are warp-uniform values (the slot and the K-half offset through a shuffle
-// from lane 0) and only their low word changes (32-bit adds): they live in uniform registers, with no
+// the decode; 5 = the copies only (each stage released once it has landed). The descriptors are
+// warp-uniform values (the slot and the K-half offset through a shuffle from lane 0) and only their low word changes (32-bit adds): they live in uniform registers, with no
 // per-wgmma 64-bit arithmetic and register-to-uniform moves on the issue path (H200 lab 2026-12-01
 // 22:58: M = 16 17.3 -> 15.9 us).
-// E4M3 scale bytes (SCB, bench): the 8 bytes of a row's chunk to the fp16 pairs sf * 2^7 of the SC16 layout
-__device__ __forceinline__ void wg_scales16(uint32_t (&sc)[4]) {
-  const uint32_t w0 = sc[0], w1 = sc[1];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint16_t b = (uint16_t)(((i < 2 ? w0 : w1) >> (16 * (i & 1))) & 0xFFFFu);
-    uint32_t d;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(b));
-    sc[i] = hmul2(d, 0x58005800u);  // * 2^7, exact
-  }
-}
-
-template <int NTOK, int S, int CPS, int MODE, int R, int STAGE, int A_OFF, int TB, int SB, int DEC, bool SCB>
+template <int NTOK, int S, int CPS, int MODE, int R, int STAGE, int A_OFF, int TB, int SB>
 __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem, uint64_t* bars, const uint64_t* zt,
                                            int hb, int steps, int wl, int lane) {
   const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + S);
@@ -144,7 +125,7 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
   }
   for (int i = 0; i < steps; ++i) {
     const int slot = MODE == 3 || MODE == 4 ? 0 : __shfl_sync(0xFFFFFFFFu, i % S, 0);  // warp-uniform
-    if (MODE < 3 || MODE >= 5) mbar_wait(full0 + 8 * slot, (i / S) & 1);
+    if (MODE < 3 || MODE == 5) mbar_wait(full0 + 8 * slot, (i / S) & 1);
     if constexpr (MODE == 5) {
       if (lane == 0) mbar_arrive(empty0 + 8 * slot);
       continue;
@@ -153,12 +134,8 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
 #pragma unroll
     for (int j = 0; j < CPS; ++j) {
       uint32_t wv[2][4], sc[2][4];
-      load_wsc<2, CPS, !SCB, SB>(st, j, wl, lane, g, wv, sc);
-      if constexpr (SCB) {
-        wg_scales16(sc[0]);
-        wg_scales16(sc[1]);
-      }
-      wg_decode_chunk<MODE == 4, DEC>(af[j % R], wv, sc);
+      load_wsc<2, CPS, true, SB>(st, j, wl, lane, g, wv, sc);
+      wg_decode_chunk<MODE == 4>(af[j % R], wv, sc);
       wg_fence();
       // the start-address field is the low 14 bits (shared memory < 256 KB): 32-bit adds, no carry
       const uint32_t lj = lo0 + ((uint32_t)(slot * STAGE + j * TB) >> 4);
@@ -167,7 +144,7 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
         wgmma_rs<NTOK>(acc, af[j % R][s], ((uint64_t)hi0 << 32) | (lj + ((uint32_t)(s * 2 * NTOK * 16) >> 4)));
       wg_commit();
       wg_wait<R - 1>();  // the groups before the last R - 1 are done: their A registers and stage reads are free
-      if ((MODE < 3 || MODE == 6) && j == R - 2 && i > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % S));
+      if (MODE < 3 && j == R - 2 && i > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % S));
     }
   }
   wg_wait<0>();
@@ -176,30 +153,33 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
 }
 
 // KS2: the weight's two K segments inside the CTA (nseg == 2): two consumer warpgroups, warpgroup h the
-// K half h, each stage holding both halves' chunks (CPS each; the producer's six bulk copies on one
-// barrier); at the end warpgroup 1 hands its fp32 sums to warpgroup 0 through shared memory, which
+// K half h fed by producer warp h through its own ring (a stage's block of each half: CPS chunks, three
+// bulk copies on that ring's barrier); at the end warpgroup 1 hands its fp32 sums to warpgroup 0 through shared memory, which
 // adds them to its own (p0 + p1, the order of reduce_kernel and of the prefill's segment total) and
 // writes the bf16 rows: each chain is 256 steps at K = 8192 instead of 512, with no partials in global
 // memory and no reduce launch. (Measured and dropped, H200 lab 2026-12-01 20:33-21:02: two n8
 // accumulators per warpgroup, the producer waiting for stage 0 first, programmatic dependent launch,
 // the next chunk decoded between the wgmmas of this one, two warpgroups of one tile per warp: each
-// slower.)
-template <int NTOK, int S, int CPS, int MODE = 0, int R = 2, bool KS2 = false, int DEC = 0, bool SCB = false,
-          bool P2 = false, int PF = 0>
-__global__ void __launch_bounds__(KS2 ? (P2 ? 320 : 288) : 160, 1) decode_wg_kernel(
+// slower; 2026-12-02 00:40-01:20: E4M3 scale bytes again, deeper rings, the copies of stage i + 5..8
+// prefetched into the L2, no token copies at all (the bound of sharing them across a CTA pair): none
+// faster with the weights rotating past the L2.)
+template <int NTOK, int S, int CPS, int MODE = 0, int R = 2, bool KS2 = false>
+__global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
     const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
     const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
     float* __restrict__ part, int M, int N, int K, int nseg) {
   static_assert(CPS % R == 0 && R >= 2 && R - 2 < CPS, "register sets alternate over the chunks of a stage");
   extern __shared__ __align__(16) uint8_t smem[];
-  constexpr int SB = (SCB ? 1 : 2) * S_BYTES;      // fp16 scales (E4M3 bytes: SCB) per chunk
+  constexpr int SB = 2 * S_BYTES;                  // fp16 scales per chunk
   constexpr int TB = 16 * (NTOK / 8) * CMB;        // token bytes per chunk
   constexpr int A_OFF = CPS * (W_BYTES + SB);
   constexpr int HALF = A_OFF + CPS * TB;            // one K half's block of a stage
   constexpr int H = KS2 ? 2 : 1;
   constexpr int STAGE = H * HALF;
-  // P2 (KS2, bench): one ring per K half, each with its own producer warp and barriers (full[S], empty[S])
-  constexpr int NR = KS2 && P2 ? 2 : 1;
+  // KS2: one ring per K half, each with its own producer warp and barriers (full[S], empty[S]), so that
+  // neither warpgroup waits for the other's stage release (H200 lab 2026-12-02: M = 16 with the weights
+  // rotating past the L2 14.1 -> 13.6 us; one shared ring: the slower half gated both)
+  constexpr int NR = KS2 ? 2 : 1;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // NR x (full[S], empty[S]), zero B tile, exchange
   uint64_t* zt = bars + 2 * S * NR;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -213,35 +193,27 @@ __global__ void __launch_bounds__(KS2 ? (P2 ? 320 : 288) : 160, 1) decode_wg_ker
     for (int r = 0; r < NR; ++r)
       for (int s = 0; s < S; ++s) {
         mbar_init(smem_u32(bars + 2 * S * r + s), 1);
-        mbar_init(smem_u32(bars + 2 * S * r + S + s), 4 * H / NR);
+        mbar_init(smem_u32(bars + 2 * S * r + S + s), 4);
       }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp >= 4 * H) {  // producer warp(s): warp 4 H + r fills ring r
-    const int r = warp - 4 * H;
-    const uint32_t full0 = smem_u32(bars + 2 * S * r), empty0 = full0 + 8 * S;
-    if ((MODE < 3 || MODE >= 5) && lane == 0) {
+  if (warp >= 4 * H) {  // producer warp(s): warp 4 H + h fills ring h (the K half h with KS2)
+    const int h = warp - 4 * H;
+    const uint32_t full0 = smem_u32(bars + 2 * S * h), empty0 = full0 + 8 * S;
+    if ((MODE < 3 || MODE == 5) && lane == 0) {
       const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
       for (int i = 0; i < steps; ++i) {
         const int slot = i % S;
         if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
         const uint32_t full = full0 + 8 * slot;
-        mbar_expect_tx(full, H / NR * CPS * (W_BYTES + SB + (MODE == 6 ? 0 : TB)));
-#pragma unroll
-        for (int h = NR > 1 ? r : 0; h < (NR > 1 ? r + 1 : H); ++h) {
-          const uint32_t st = smem_u32(smem + slot * STAGE + h * HALF);
-          const size_t cl = (size_t)(KS2 ? h : seg) * (chunks / (KS2 ? 2 : nseg)) + i * CPS;
-          const size_t c = (size_t)nb * chunks + cl;
-          bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
-          bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
-          if (MODE != 6) bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
-          if (PF > 0 && i + PF < steps) {  // (bench) the weights of step i + PF into the L2
-            const size_t cp = c + (size_t)PF * CPS;
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wq + cp * W_BYTES), "r"(CPS * W_BYTES) : "memory");
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wsc + cp * SB), "r"(CPS * SB) : "memory");
-          }
-        }
+        mbar_expect_tx(full, CPS * (W_BYTES + SB + TB));
+        const uint32_t st = smem_u32(smem + slot * STAGE + h * HALF);
+        const size_t cl = (size_t)(KS2 ? h : seg) * (chunks / (KS2 ? 2 : nseg)) + i * CPS;
+        const size_t c = (size_t)nb * chunks + cl;
+        bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
+        bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
+        bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
       }
     }
     return;
@@ -263,8 +235,7 @@ __global__ void __launch_bounds__(KS2 ? (P2 ? 320 : 288) : 160, 1) decode_wg_ker
     am[i] = final_rows && m < M ? a_amax[m] : 0.0f;
   }
   float acc[NTOK / 2];
-  wg_consume<NTOK, S, CPS, MODE, R, STAGE, A_OFF, TB, SB, DEC, SCB>(acc, smem, bars + 2 * S * (NR > 1 ? wg : 0), zt,
-                                                                   wg * HALF, steps, wl, lane);
+  wg_consume<NTOK, S, CPS, MODE, R, STAGE, A_OFF, TB, SB>(acc, smem, bars + 2 * S * wg, zt, wg * HALF, steps, wl, lane);
   if constexpr (KS2) {  // segment 1's sums to warpgroup 0: p0 + p1
     float* xch = reinterpret_cast<float*>(zt) + 8 * NTOK;  // after the zero B tile (32 NTOK bytes)
     const int t = tid & 127;

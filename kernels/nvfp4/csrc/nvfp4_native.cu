@@ -777,9 +777,10 @@ void launch_bulk(const torch::Tensor& wq, const torch::Tensor& wsc, const torch:
 }
 
 // wgmma decode (variant 15): NTOK token columns (M <= NTOK), S stages of CPS chunks, R register sets
-constexpr int wg_smem(int ntok, int s, int cps, bool ks2 = false) {  // stages, barriers, zero B tile, exchange
-  return s * cps * (ks2 ? 2 : 1) * (W_BYTES + 2 * S_BYTES + 16 * (ntok / 8) * CMB) + 16 * s + 32 * ntok +
-         (ks2 ? 256 * ntok : 0);
+constexpr int wg_smem(int ntok, int s, int cps, bool ks2 = false) {  // stages, barriers (a ring per K half
+  // with ks2), zero B tile, exchange
+  return s * cps * (ks2 ? 2 : 1) * (W_BYTES + 2 * S_BYTES + 16 * (ntok / 8) * CMB) + 16 * s * (ks2 ? 2 : 1) +
+         32 * ntok + (ks2 ? 256 * ntok : 0);
 }
 
 template <int NTOK, int S, int CPS, int R = 2, bool KS2 = false>
@@ -795,7 +796,7 @@ void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch:
   }
   dim3 grid((N + 63) / 64, 1, KS2 ? 1 : nseg);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  kern<<<grid, KS2 ? 288 : 160, SMEM, stream>>>(
+  kern<<<grid, KS2 ? 320 : 160, SMEM, stream>>>(
       reinterpret_cast<const uint8_t*>(wq.data_ptr()), reinterpret_cast<const uint8_t*>(wsc16.data_ptr()),
       w_amax.data_ptr<float>(), w_amax_row ? 1 : 0, reinterpret_cast<const __half*>(a.data_ptr()),
       a_amax.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg);
