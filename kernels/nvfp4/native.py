@@ -315,7 +315,7 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
     if a.data_ptr() % 16 or not a.is_contiguous():
         a = a.clone(memory_format=torch.contiguous_format)
     mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant(),
-                    fused_segments(m, w, nseg))
+                    fused_segments(m, w, nseg), crowded(w, nseg))
 
 
 def sm_count() -> int:
@@ -329,7 +329,8 @@ def sm_count() -> int:
 def crowded(w: Any, nseg: int) -> bool:
     """K segments across CTAs would not fit one wave at one CTA per SM (ceil(N/64) * nseg > SMs): at
     M > 32 the across-CTA kernel then runs a ring of 2 stages x 2 chunks, two CTAs per SM (H200 lab
-    2026-12-01 23:20, N = K = 8192, NSEG 2, M = 64: 21.5 us before the reduce vs 23.4 in two waves)."""
+    2026-12-01 23:20, N = K = 8192, NSEG 2, M = 64: 21.5 us before the reduce vs 23.4 in two waves).
+    Decided here only: decode_gemm passes it to the extension, decode_variant records it."""
     return nseg > 1 and -(-w.n // 64) * nseg > sm_count()
 
 
@@ -344,7 +345,8 @@ def fused_segments(m: int, w: Any, nseg: int) -> bool:
     M <= 32, the core-matrix operand, and the weight's 64-row tiles alone fill the GPU (fills_gpu;
     only tc_linear.NSEG_LONG_K gives such a weight two segments). NATIVE_CFG["KS2"] forces it on or
     off. H200 2026-12-01: at N = K = 8192 (128 tiles) M = 16 13.2-13.4 us in the CTA (lab 23:20,
-    bench 23:22; bench/results/h200_2026-12-01_s6_*) vs 15.6 across CTAs in two waves' worth; at
+    bench 23:22; bench/results/h200_2026-12-01_s6_*) vs 15.6 across CTAs in two waves' worth (2026-12-02,
+    a ring per segment and the masks-and-shifts decode: 12.4-12.6 us); at
     (4096, 4096) and (4096, 12288) (64 tiles: half the CTAs) in the CTA loses, 8.2 vs 7.8 and 19.8
     vs 14.9 us (21:11); between 64 and 116 tiles not measured (across CTAs, as before)."""
     if token_layout(m, w) != 2 or nseg != 2 or m > 32:

@@ -830,7 +830,7 @@ void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& co
 
 void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch::Tensor w_amax, bool w_amax_row,
                  torch::Tensor a, torch::Tensor a_amax, torch::Tensor out, torch::Tensor part, int64_t M, int64_t N,
-                 int64_t K, int64_t nseg, int64_t variant, bool ks2) {
+                 int64_t K, int64_t nseg, int64_t variant, bool ks2, bool crowded) {
   TORCH_CHECK(K % KC == 0 && (K / KC) % nseg == 0, "decode_gemm: K must be a multiple of 128 * nseg");
   TORCH_CHECK(a.scalar_type() == at::kHalf && a.is_contiguous(), "decode_gemm: fp16 contiguous activations");
   TORCH_CHECK(M >= 1, "decode_gemm: M >= 1");
@@ -867,11 +867,9 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
       else MP_WG(32, 4, 2, 2, true);
       return;
     }
-    // M > 32 with K segments across CTAs that would not fit one wave at one CTA per SM: a ring of 2
-    // stages x 2 chunks (86 KB), two CTAs per SM (native.crowded; decode_variant says the same)
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device().index()));
-    if (ntok == 64 && nseg > 1 && (long)((N + 63) / 64) * nseg > sms) {
+    // M > 32 with K segments across CTAs that would not fit one wave at one CTA per SM (``crowded``, decided
+    // by native.crowded, which decode_variant records): a ring of 2 stages x 2 chunks (86 KB), two CTAs per SM
+    if (ntok == 64 && crowded) {
       MP_WG(64, 2, 2);
       return;
     }
