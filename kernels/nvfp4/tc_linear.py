@@ -48,9 +48,9 @@ NSEG_TARGET = 128
 NSEG_MAX = 8
 # A weight whose tiles alone fill the GPU still splits a K of at least NSEG_LONG_K in two (None: off): the
 # decode runs the halves on two warpgroups of one CTA, each fed by its own ring (native.fused_segments).
-# H200, N = K = 8192 (BENCHMARKS.md, 2026-12-02): decode M = 16 ~2.6x cuBLAS bf16 (one segment: ~2.2x),
+# H200, N = K = 8192 (BENCHMARKS.md, 2026-12-02): decode M = 16 ~2.7x cuBLAS bf16 (one segment: ~2.3x),
 # at the cost of M = 33-64 (two segments across CTAs + reduce, ~20% slower than one segment, still ~1.5x
-# faster than bf16) and of the M = 8192 prefill (two launches, ~1.1-1.2x cuBLAS instead of ~1.07x). It
+# faster than bf16) and of the M = 8192 prefill (two launches, ~1.2x cuBLAS instead of ~1.07x). It
 # changes only shapes with N >= ~7.4k and K >= 8192 (70B-class projections: in Qwen3 up to 32B and Llama-3-8B
 # every weight with K >= 8192 has N <= 5120, hence two segments by NSEG_TARGET already); a sampler that
 # decodes more than 32 rows per step at such shapes can set it to None (both engines alike: it decides the bits).

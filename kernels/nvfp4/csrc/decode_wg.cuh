@@ -73,11 +73,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NTOK / 2], const uint32_t (&
 
 constexpr int CMB = 128;  // bytes per core matrix (8 rows x 8 halves)
 
-// the 8 A fragments of one 128-wide chunk for warp w (tiles 2w, 2w + 1) from the stage's words and scales
-// The fragments by masks and shifts (frag_b's DEC 1: the shift is an IMAD on the multiply-add pipe) rather
-// than byte permutes: the permutes, masks and shifts of the decode all load the half-rate integer ALU pipe,
-// which bounds the consumer (H200 lab 2026-12-02 00:55-01:15, same bits: M = 16 15.9 -> 15.5 us, the in-CTA
-// halves 13.3 -> 12.9; moving the code halves' shifts to multiplies too was slower).
+// the 8 A fragments of one 128-wide chunk for warp w (tiles 2w, 2w + 1) from the stage's words and scales,
+// by masks and shifts (frag_b's DEC 1: the shift is an IMAD on the multiply-add pipe) rather than byte
+// permutes: the permutes, masks and shifts of the decode all load the half-rate integer ALU pipe, which
+// bounds the consumer (H200 lab 2026-12-02 00:41 and 00:43, same bits: M = 16 15.7 -> 15.4 us, the in-CTA
+// halves 13.3 -> 12.9-13.0; the code halves' shifts as multiplies too: no faster).
 template <bool NODEC>
 __device__ __forceinline__ void wg_decode_chunk(uint32_t (&af)[8][4], const uint32_t (&wv)[2][4], const uint32_t (&sc)[2][4]) {
 #pragma unroll
@@ -104,9 +104,9 @@ __device__ __forceinline__ void wg_decode_chunk(uint32_t (&af)[8][4], const uint
 // next chunk is decoded); ``hb``: the byte offset of its K half's block in each stage (KS2), ``arrive``:
 // it releases the stages. MODE (bench only): 3 = no waits, every step computes on stage 0; 4 = 3 without
 // the decode; 5 = the copies only (each stage released once it has landed). The descriptors are
-// warp-uniform values (the slot and the K-half offset through a shuffle from lane 0) and only their low word changes (32-bit adds): they live in uniform registers, with no
-// per-wgmma 64-bit arithmetic and register-to-uniform moves on the issue path (H200 lab 2026-12-01
-// 22:58: M = 16 17.3 -> 15.9 us).
+// warp-uniform values (the slot and the K-half offset through a shuffle from lane 0) and only their low
+// word changes (32-bit adds): they live in uniform registers, with no per-wgmma 64-bit arithmetic and
+// register-to-uniform moves on the issue path (H200 lab 2026-12-01 22:58: M = 16 17.3 -> 15.9 us).
 template <int NTOK, int S, int CPS, int MODE, int R, int STAGE, int A_OFF, int TB, int SB>
 __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem, uint64_t* bars, const uint64_t* zt,
                                            int hb, int steps, int wl, int lane) {
@@ -154,13 +154,13 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
 
 // KS2: the weight's two K segments inside the CTA (nseg == 2): two consumer warpgroups, warpgroup h the
 // K half h fed by producer warp h through its own ring (a stage's block of each half: CPS chunks, three
-// bulk copies on that ring's barrier); at the end warpgroup 1 hands its fp32 sums to warpgroup 0 through shared memory, which
-// adds them to its own (p0 + p1, the order of reduce_kernel and of the prefill's segment total) and
-// writes the bf16 rows: each chain is 256 steps at K = 8192 instead of 512, with no partials in global
+// bulk copies on that ring's barrier); at the end warpgroup 1 hands its fp32 sums to warpgroup 0 through
+// shared memory, which adds them to its own (p0 + p1, the order of reduce_kernel and of the prefill's
+// segment total) and writes the bf16 rows: each chain is 256 steps at K = 8192 instead of 512, with no partials in global
 // memory and no reduce launch. (Measured and dropped, H200 lab 2026-12-01 20:33-21:02: two n8
 // accumulators per warpgroup, the producer waiting for stage 0 first, programmatic dependent launch,
 // the next chunk decoded between the wgmmas of this one, two warpgroups of one tile per warp: each
-// slower; 2026-12-02 00:40-01:20: E4M3 scale bytes again, deeper rings, the copies of stage i + 5..8
+// slower; 2026-12-02 00:33-00:49: E4M3 scale bytes again, deeper rings, the copies of stage i + 5..8
 // prefetched into the L2, no token copies at all (the bound of sharing them across a CTA pair): none
 // faster with the weights rotating past the L2.)
 template <int NTOK, int S, int CPS, int MODE = 0, int R = 2, bool KS2 = false>
@@ -177,10 +177,10 @@ __global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
   constexpr int H = KS2 ? 2 : 1;
   constexpr int STAGE = H * HALF;
   // KS2: one ring per K half, each with its own producer warp and barriers (full[S], empty[S]), so that
-  // neither warpgroup waits for the other's stage release (H200 lab 2026-12-02: M = 16 with the weights
-  // rotating past the L2 14.1 -> 13.6 us; one shared ring: the slower half gated both)
+  // neither warpgroup waits for the other's stage release (H200 lab 2026-12-02 00:46: M = 16 with the
+  // weights rotating past the L2 14.1 -> 13.7 us; one shared ring: the slower half gated both)
   constexpr int NR = KS2 ? 2 : 1;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // NR x (full[S], empty[S]), zero B tile, exchange
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // NR x (full[S], empty[S]), zero B, exchange
   uint64_t* zt = bars + 2 * S * NR;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int nb = blockIdx.x, seg = KS2 ? 0 : blockIdx.z;
