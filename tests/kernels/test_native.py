@@ -241,3 +241,24 @@ def test_native_sources_ship_and_key_the_build_cache():
     for name in files:
         assert any(fnmatch.fnmatch(f"csrc/{name}", g) for g in globs), name
     assert '#include "decode_wg.cuh"' in native.SRC.read_text()
+
+
+def test_decode_gemm_passes_the_instance_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-CTA segments and the two-CTAs-per-SM ring are decided once, in Python (fused_segments,
+    crowded: what decode_variant records), and handed to the extension, which no longer derives them."""
+    from types import SimpleNamespace
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(native, "load", lambda: SimpleNamespace(decode_gemm=lambda *a: calls.append(a)))
+    monkeypatch.setitem(native._STATE, "hopper", True)
+    monkeypatch.setitem(native._STATE, "sms", 132)
+    monkeypatch.setattr(native, "NATIVE_CFG", {})
+    t = torch.zeros(1)
+    for n, m, ks2, crowd in ((8192, 16, True, True), (8192, 64, False, True), (4096, 64, False, False),
+                             (4096, 16, False, False)):
+        w = SimpleNamespace(n=n, k=8192, nseg=2, native_w=(t, t, t), amax=t, per_row=True)
+        native.decode_gemm(t, torch.zeros(m, 8192, dtype=torch.float16), w, m, 2, t, t)
+        rec = native.decode_variant(m, w)
+        assert calls[-1][-2:] == (ks2, crowd) and calls[-1][5].dim() == 5  # the core-matrix operand
+        assert ("both K segments in the CTA" in rec["pipeline"]) == ks2
+        assert ("2 CTAs per SM" in rec["pipeline"]) == (crowd and m > 32)
