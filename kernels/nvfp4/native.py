@@ -331,12 +331,17 @@ def crowded(w: Any, nseg: int) -> bool:
     M > 32 the across-CTA kernel then runs a ring of 2 stages x 2 chunks, two CTAs per SM (H200 lab
     2026-12-01 23:20, N = K = 8192, NSEG 2, M = 64: 21.5 us before the reduce vs 23.4 in two waves).
     Decided here only: decode_gemm passes it to the extension, decode_variant records it."""
-    return nseg > 1 and -(-w.n // 64) * nseg > sm_count()
+    return nseg > 1 and tiles(w) * nseg > sm_count()
+
+
+def tiles(w: Any) -> int:
+    """The weight's 64-row tiles (the decode kernels' CTAs per K segment)."""
+    return -(-w.n // 64)
 
 
 def fills_gpu(w: Any) -> bool:
     """The weight's 64-row tiles alone occupy at least 7/8 of the SMs."""
-    return -(-w.n // 64) * 8 >= 7 * sm_count()
+    return tiles(w) * 8 >= 7 * sm_count()
 
 
 def fused_segments(m: int, w: Any, nseg: int) -> bool:

@@ -51,9 +51,10 @@ NSEG_MAX = 8
 # H200, N = K = 8192 (BENCHMARKS.md, 2026-12-02): decode M = 16 ~2.7x cuBLAS bf16 (one segment: ~2.3x),
 # at the cost of M = 33-64 (two segments across CTAs + reduce, ~20% slower than one segment, still ~1.5x
 # faster than bf16) and of the M = 8192 prefill (two launches, ~1.2x cuBLAS instead of ~1.07x). It
-# changes only shapes with N >= ~7.4k and K >= 8192 (70B-class projections: in Qwen3 up to 32B and Llama-3-8B
-# every weight with K >= 8192 has N <= 5120, hence two segments by NSEG_TARGET already); a sampler that
-# decodes more than 32 rows per step at such shapes can set it to None (both engines alike: it decides the bits).
+# changes only shapes with at least NSEG_TARGET tiles (N > 8128) and K >= 8192 (70B-class projections: in
+# Qwen3 up to 32B and Llama-3-8B every weight with K >= 8192 has N <= 5120, hence two segments by NSEG_TARGET
+# already); a sampler that decodes more than 32 rows per step at such shapes can set it to None (both
+# engines alike: it decides the bits).
 NSEG_LONG_K: int | None = 8192
 # the prefill of two-segment dense weights as two launches (two_launch; H200 2026-12-01 21:11, M = 4096:
 # Qwen3-8B (4096, 4096) 1.45x -> 1.26x cuBLAS, (4096, 12288) 1.44x -> 1.06x, same bits) and the bound of
