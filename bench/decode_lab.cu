@@ -167,8 +167,8 @@ __global__ void read_kernel(const uint4* __restrict__ p, size_t n, uint16_t* out
 }
 
 
-// wgmma m64nNk16 f16 throughput per SM: NWG warpgroups, each 64 commit groups of 8 wgmmas into NACC
-// accumulators (round robin), wait_group 1 between groups, as the decode kernel; A from registers (RS) or
+// wgmma m64nNk16 f16 throughput per SM: NWG warpgroups, each 64 commit groups of 8 wgmmas into one
+// accumulator, wait_group 1 between groups, as the decode kernel; A from registers (RS) or
 // from shared memory (SS); zero operands (the A registers not provably zero, so ptxas keeps the overlap)
 template <int NTOK>
 __device__ __forceinline__ void wgmma_ss(float (&d)[NTOK / 2], uint64_t da, uint64_t db) {
@@ -178,7 +178,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[NTOK / 2], uint64_t da, uint
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "l"(da), "l"(db));
 }
-template <int NTOK, int NWG, int NACC, bool SS>
+template <int NTOK, int NWG, bool SS>
 __global__ void __launch_bounds__(NWG * 128, 1) wg_tput_kernel(float* out, long long* cyc) {
   __shared__ __align__(128) uint8_t z[8192];
   for (int i = threadIdx.x; i < 512; i += blockDim.x) reinterpret_cast<uint4*>(z)[i] = make_uint4(0, 0, 0, 0);
@@ -187,18 +187,17 @@ __global__ void __launch_bounds__(NWG * 128, 1) wg_tput_kernel(float* out, long 
   const uint32_t nz = threadIdx.x > 100000u ? 1u : 0u;
   const uint32_t a[4] = {nz, nz, nz, nz};
   const uint64_t db = wg_desc(smem_u32(z), NTOK * 16, CMB), da = wg_desc(smem_u32(z) + 4096, 128, 256);
-  float acc[NACC][NTOK / 2];
+  float acc[NTOK / 2];
   wg_fence();
-#pragma unroll
-  for (int c = 0; c < NACC; ++c) wgmma_rs<NTOK>(acc[c], a, db, 0);
+  wgmma_rs<NTOK>(acc, a, db, 0);
   wg_commit();
   const long long t0 = clock64();
   for (int it = 0; it < 64; ++it) {
     wg_fence();
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      if constexpr (SS) wgmma_ss<NTOK>(acc[j % NACC], da, db);
-      else wgmma_rs<NTOK>(acc[j % NACC], a, db);
+      if constexpr (SS) wgmma_ss<NTOK>(acc, da, db);
+      else wgmma_rs<NTOK>(acc, a, db);
     }
     wg_commit();
     wg_wait<1>();
@@ -207,9 +206,7 @@ __global__ void __launch_bounds__(NWG * 128, 1) wg_tput_kernel(float* out, long 
   const long long t1 = clock64();
   float sum = 0.0f;
 #pragma unroll
-  for (int c = 0; c < NACC; ++c)
-#pragma unroll
-    for (int i = 0; i < NTOK / 2; ++i) sum += acc[c][i];
+  for (int i = 0; i < NTOK / 2; ++i) sum += acc[i];
   out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
   if (blockIdx.x == 0 && threadIdx.x == 0) cyc[0] = t1 - t0;
 }
@@ -309,17 +306,12 @@ int main(int argc, char** argv) {
   std::vector<V> vs;
   // reference = the mma.sync cp.async kernel (first of each M); MODE 1 = stream only, 2 = no decode
   // (timing only); bulk kernels: SC16 = fp16 scales, DEC 1 = masks/shifts instead of byte permutes
-  // This round (session 6, 2026-12-01 22:52-23:25): uniform descriptors (the slot and K-half offset
-  // warp-uniform, 32-bit adds) and the epilogue's amax values loaded before the K loop, in every v15
-  // and KS2 instance; with tc_linear.NSEG_LONG_K = 8192 (an option) N = K = 8192 runs two K segments:
-  // KS2 at M <= 32, across CTAs at 2 CTAs per SM (S2 CPS2) above. Rows: those instances, the one-segment
-  // kernel (the default) beside them, the fixed cost (K = 2048 / 4096) and the launch floor. Earlier
-  // rounds' rows and figures: bench/results/h200_2026-12-01_*lab.log. grp: rows are compared with the
-  // first row of the same (M, grp): grp 0 = one K segment (the cp.async kernel first), 1 = two (KS2).
+  // grp: rows are compared with the first row of the same (M, grp): grp 0 = one K segment (the cp.async
+  // kernel first), 1 = two (KS2). Earlier rounds' rows and figures: bench/results/h200_2026-12-01_*lab.log.
   smem_attr(empty_kernel, 150000);
   LaunchFn empty = [](cudaStream_t s, int, int) { empty_kernel<<<128, 160, 150000, s>>>(0); };
   vs.push_back({"EMPTY kernel 128 x 160, 150 KB smem", 16, empty, true});
-  // This round (session 7, 2026-12-02 00:35-01:20; logs bench/results/h200_2026-12-02_s7_*lab.log): the
+  // This round (session 7, 2026-12-02 00:33-00:53; logs bench/results/h200_2026-12-02_s7_*lab.log): the
   // copies alone (MODE 5) with the weights rotating take 12.1 us, compute alone (MODE 3) 11.4 (KS2), so the
   // two are balanced; shipped since: the fragments by masks and shifts (frag_b DEC 1) instead of byte
   // permutes (the integer ALU pipe bounds the consumer), and one ring per K half in KS2 (each half's
@@ -475,12 +467,12 @@ int main(int argc, char** argv) {
     printf("wgmma tput %-22s: %.2f us, %.1f cycles per wgmma per warpgroup (512 each), per SM %.1f\n", name, t,
            cyc / 512.0, cyc / 512.0 / nwg);
   };
-  tput(wg_tput_kernel<16, 1, 1, false>, 1, "RS n16 1 WG 1 acc");
-  tput(wg_tput_kernel<16, 2, 1, false>, 2, "RS n16 2 WG 1 acc");
-  tput(wg_tput_kernel<16, 1, 1, true>, 1, "SS n16 1 WG 1 acc");
-  tput(wg_tput_kernel<16, 2, 1, true>, 2, "SS n16 2 WG 1 acc");
-  tput(wg_tput_kernel<64, 1, 1, false>, 1, "RS n64 1 WG 1 acc");
-  tput(wg_tput_kernel<8, 1, 1, false>, 1, "RS n8 1 WG 1 acc");
+  tput(wg_tput_kernel<16, 1, false>, 1, "RS n16 1 WG");
+  tput(wg_tput_kernel<16, 2, false>, 2, "RS n16 2 WG");
+  tput(wg_tput_kernel<16, 1, true>, 1, "SS n16 1 WG");
+  tput(wg_tput_kernel<16, 2, true>, 2, "SS n16 2 WG");
+  tput(wg_tput_kernel<64, 1, false>, 1, "RS n64 1 WG");
+  tput(wg_tput_kernel<8, 1, false>, 1, "RS n8 1 WG");
   auto pipe = [&](auto kern, const char* name) {
     LaunchFn f = [&, kern](cudaStream_t s, int, int) { kern<<<132, 128, 0, s>>>(3u, (uint32_t*)dout, dcyc); };
     time_us(f, 0, 1, st);

@@ -976,8 +976,8 @@ void* nvfp4_instances[] = {(void*)decode_gemm_kernel<1, 6, 2, 2, false>, (void*)
                            (void*)decode_wg_kernel<8, 4, 4, 0, 4>, (void*)decode_wg_kernel<8, 6, 2>,
                            (void*)decode_wg_kernel<16, 4, 4, 0, 4>, (void*)decode_wg_kernel<16, 6, 2>,
                            (void*)decode_wg_kernel<8, 4, 2, 0, 2, true>, (void*)decode_wg_kernel<16, 4, 2, 0, 2, true>,
-                           (void*)decode_wg_kernel<32, 3, 2, 0, 2, true>,
+                           (void*)decode_wg_kernel<32, 4, 2, 0, 2, true>,
                            (void*)decode_wg_kernel<32, 4, 4>, (void*)decode_wg_kernel<32, 6, 2>,
-                           (void*)decode_wg_kernel<64, 4, 2>, (void*)quant_rows_kernel<4, false>,
+                           (void*)decode_wg_kernel<64, 4, 2>, (void*)decode_wg_kernel<64, 2, 2>, (void*)quant_rows_kernel<4, false>,
                            (void*)quant_rows_kernel<4, true>, (void*)quant_rows_kernel<4, true, 2>};
 #endif
