@@ -1,8 +1,9 @@
 """The import contract: layers import only downward, ``kernels`` imports no engine wiring, no cycles.
 
 Reads every module of the package with ``ast`` (no import, no engine needed, < 1 s). Every
-``import`` counts, also the ones inside functions (a deferred import is still a dependency);
-``if TYPE_CHECKING:`` blocks do not. ``from pkg import sub`` depends on ``pkg.sub``, not on
+``import`` counts, also the ones inside functions (a deferred import is still a dependency) and
+the ones under ``if TYPE_CHECKING:`` (a type-only import is a dependency of the reader: a cycle
+through one is still a cycle). ``from pkg import sub`` depends on ``pkg.sub``, not on
 ``pkg/__init__``. The layer order is declared in pyproject.toml (``[tool.mismatch_probe]
 layers``, top first) and documented in the README ("Design").
 """
@@ -33,23 +34,20 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
+def type_checking_imports(tree: ast.AST) -> int:
+    """How many imports sit under ``if TYPE_CHECKING:`` (counted like every other import)."""
+    n = 0
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for sub in node.body:
-                skip.update(id(n) for n in ast.walk(sub))
-    return skip
+            n += sum(isinstance(x, ast.Import | ast.ImportFrom) for sub in node.body for x in ast.walk(sub))
+    return n
 
 
 def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
     is_pkg = path.name == "__init__.py"
     out: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -71,8 +69,8 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
+def _graph(mods: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    mods = _modules() if mods is None else mods
     return {m: _imports(m, p, mods) for m, p in mods.items()}
 
 
@@ -105,8 +103,8 @@ def test_kernels_import_no_engine_wiring_steps_or_cli() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_no_import_cycles() -> None:
-    graph = _graph()
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one module."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -139,7 +137,39 @@ def test_no_import_cycles() -> None:
     for v in sorted(graph):
         if v not in index:
             strongconnect(v)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_type_checking_imports_are_counted() -> None:
+    """The package has type-only imports, and each of them is an edge of the graph above."""
+    mods = _modules()
+    n = sum(type_checking_imports(ast.parse(p.read_text())) for p in mods.values())
+    assert n > 0
+    stages = _imports("mismatch_probe.steps.compare_stages", mods["mismatch_probe.steps.compare_stages"], mods)
+    assert "mismatch_probe.steps.compare_types" in stages  # imported under TYPE_CHECKING only
+
+
+def test_the_checker_fails_on_a_planted_cycle(tmp_path: Path) -> None:
+    """A cycle closed by a ``TYPE_CHECKING`` import (the shape issue 29 found in steps/compare) is
+    reported, through a relative import and a deferred one."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "orchestrator.py").write_text("def run():\n    from . import stages\n    return stages\n")
+    (pkg / "stages.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from mismatch_probe.steps.orchestrator import Config\n"
+    )
+    (pkg / "types_.py").write_text("X = 1\n")
+    mods = {f"mismatch_probe.steps.{f.stem}": f for f in pkg.glob("*.py") if f.stem != "__init__"}
+    cycles = find_cycles(_graph(mods))
+    assert cycles == [["mismatch_probe.steps.orchestrator", "mismatch_probe.steps.stages"]]
+    (pkg / "stages.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .types_ import X\n")
+    assert find_cycles(_graph(mods)) == []  # the types in their own module below both: no cycle
 
 
 def test_the_checker_sees_a_planted_violation(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from mismatch_probe.steps.progress import step
 
 if TYPE_CHECKING:
     from mismatch_probe.run.rundir import RunWriter
-    from mismatch_probe.steps.compare import CompareConfig, Prepared
+    from mismatch_probe.steps.compare_types import CompareConfig, Prepared
 
 
 def _record(run: RunWriter, side: str, runner: Any) -> None:
@@ -79,7 +79,7 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
         if short:
             run.manifest["notes"].append(f"{len(short)} sequences of a single token were left out (nothing to score)")
             rollouts = [r for r in rollouts if len(r.token_ids) >= 2]
-        sampler.capture = ops_stage.capture_plan(cfg)
+        sampler.capture = cfg.capture_plan()
         sampler.ops_dest = run.path("sampler/ops.parquet")  # streamed while the engine runs
         run.manifest["capture"] = ops_stage.describe_capture(sampler.capture)
         with step(progress, f"rescoring {len(rollouts)} sequences as a prefill"):
@@ -216,7 +216,7 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
     try:
         _tp_row_split(cfg, prep, learner)
         ops_stage.learner_preflight(prep, run, learner)
-        learner.capture = ops_stage.capture_plan(cfg)
+        learner.capture = cfg.capture_plan()
         if cfg.resolved_topk() and cfg.learner == "hf":
             learner.topk = cfg.resolved_topk()
             learner.topk_support = topk_support(run)

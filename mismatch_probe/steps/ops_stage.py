@@ -14,17 +14,7 @@ from mismatch_probe.run.schema import atomic_write_json, read_table, write_table
 
 if TYPE_CHECKING:
     from mismatch_probe.run.rundir import RunWriter
-    from mismatch_probe.steps.compare import CompareConfig, Prepared
-
-
-def capture_plan(cfg: CompareConfig) -> Any:
-    """The CapturePlan of ``--capture`` / ``--capture-rule`` / ``--capture-full-rows`` /
-    ``--capture-topk`` / ``--full-logits`` (None when capture is off)."""
-    from mismatch_probe.probes.capture import build_plan
-
-    if (cfg.capture_full_rows or 0) < 0 or cfg.capture_topk < 0:
-        raise UsageError("--capture-full-rows and --capture-topk must be >= 0")
-    return build_plan(cfg.capture, cfg.capture_rules, cfg.capture_full_rows, cfg.capture_topk, cfg.full_logits)
+    from mismatch_probe.steps.compare_types import Prepared
 
 
 def describe_capture(plan: Any) -> dict[str, Any]:

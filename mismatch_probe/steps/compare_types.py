@@ -1,0 +1,131 @@
+"""``compare``'s data types: the resolved configuration and what ``prepare`` hands the stages.
+
+Below the orchestrator (:mod:`.compare`) and its stages (:mod:`.compare_stages`, :mod:`.ops_stage`):
+they import this module, it imports none of them (no cycle, type-only imports included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe.errors import UsageError
+from mismatch_probe.probes.models import ModelInfo
+from mismatch_probe.steps.prompts import PromptSpec
+
+LEARNERS = ("hf", "fsdp")
+SAMPLERS = ("vllm",)
+
+
+@dataclass
+class CompareConfig:
+    """The resolved configuration of one ``compare`` run (recorded whole in the manifest)."""
+
+    out: Path
+    model: str = "tiny-qwen3"
+    sampler_model: str | None = None
+    learner: str = "hf"
+    sampler: str = "vllm"
+    prompts: Path | None = None
+    rollouts: Path | None = None  # --rollouts: a training run's recorded rollouts (decode view from the file)
+    n: int = 2
+    max_tokens: int = 16
+    temperature: float = 1.0
+    seed: int = 0
+    micro_batch_size: int = 8
+    dtype: str = "bfloat16"
+    overwrite: bool = False
+    nproc: int = 2  # --learner fsdp: ranks
+    fsdp_timeout_s: float = 300.0  # --learner fsdp: a rank that dies or hangs ends the run within this
+    fsdp_param_dtype: str | None = None  # FSDP MixedPrecisionPolicy param dtype (None: --dtype)
+    fsdp_reduce_dtype: str = "float32"  # FSDP MixedPrecisionPolicy reduce dtype
+    capture: str = "stats"  # off | digest | stats | full: default op-capture mode
+    capture_rules: list[str] = field(default_factory=list)  # GLOB=MODE[@START:END], last match wins
+    capture_full_rows: int | None = None  # raw values for the first N tokens (seq_id, pos order); None: 256 under stats
+    capture_topk: int = 8  # logits rows: keep the top-k values and ids
+    full_logits: bool = False  # keep the vocabulary-wide logits rows where the plan says full
+    align: str = "engine"  # --align: engine | strict (every op batch-invariant, identical in both engines)
+    recipe: str | None = None  # --recipe (both sides): engine | strict | nvfp4-dynamic-tensor | nvfp4-static | nvfp4-per-token
+    learner_recipe: str | None = None  # --learner-recipe: overrides --recipe for the learner
+    sampler_recipe: str | None = None  # --sampler-recipe: overrides --recipe for the sampler
+    sampler_args: list[str] = field(default_factory=list)  # --sampler-arg KEY=VALUE: vLLM engine arguments
+    learner_args: list[str] = field(default_factory=list)  # --learner-arg KEY=VALUE: HF from_pretrained kwargs
+    topk: int | None = None  # --topk K: top-K logprobs of every position (None: 20 when capture is on, HF learner)
+
+    def side_recipe(self, side: str) -> str:
+        """The resolved recipe name of ``side`` ('learner' | 'sampler'): --align combined with
+        --learner-recipe / --sampler-recipe, else --recipe (see mismatch_probe.kernels.recipes)."""
+        from mismatch_probe.kernels.recipes import resolve
+
+        own = self.learner_recipe if side == "learner" else self.sampler_recipe
+        try:
+            return resolve(self.align, own or self.recipe).name
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    def resolved_topk(self) -> int:
+        """--topk, or its default: 20 when op capture is on and the learner is HF, else 0 (off)."""
+        if self.topk is not None:
+            return self.topk
+        return 20 if self.capture != "off" and self.learner == "hf" else 0
+
+    def capture_plan(self) -> Any:
+        """The CapturePlan of ``--capture`` / ``--capture-rule`` / ``--capture-full-rows`` /
+        ``--capture-topk`` / ``--full-logits`` (None when capture is off)."""
+        from mismatch_probe.probes.capture import build_plan
+
+        if (self.capture_full_rows or 0) < 0 or self.capture_topk < 0:
+            raise UsageError("--capture-full-rows and --capture-topk must be >= 0")
+        return build_plan(self.capture, self.capture_rules, self.capture_full_rows, self.capture_topk, self.full_logits)
+
+    def validate(self) -> None:
+        if self.rollouts is not None and self.prompts is not None:
+            raise UsageError("give either --prompts or --rollouts, not both")
+        if self.learner not in LEARNERS:
+            raise UsageError(f"--learner must be one of {', '.join(LEARNERS)}, got {self.learner!r}")
+        if self.topk is not None and self.topk < 0:
+            raise UsageError("--topk must be >= 0 (0: off)")
+        if self.topk and self.learner == "fsdp":
+            raise UsageError("--topk needs --learner hf (the FSDP learner does not record top-K yet)")
+        if self.nproc < 1:
+            raise UsageError("--nproc must be >= 1")
+        if self.fsdp_timeout_s <= 0:
+            raise UsageError("--fsdp-timeout must be > 0 seconds")
+        fsdp_dtypes = (("--fsdp-param-dtype", self.fsdp_param_dtype), ("--fsdp-reduce-dtype", self.fsdp_reduce_dtype))
+        for flag, v in fsdp_dtypes:
+            if v is not None and v not in ("bfloat16", "float16", "float32"):
+                raise UsageError(f"{flag} must be bfloat16, float16 or float32")
+        self.capture_plan()  # validates --capture and --capture-rule
+        if self.sampler not in SAMPLERS:
+            raise UsageError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.n < 1:
+            raise UsageError("--n must be >= 1")
+        if self.max_tokens < 1:
+            raise UsageError("--max-tokens must be >= 1")
+        if self.temperature < 0:
+            raise UsageError("--temperature must be >= 0")
+        if self.micro_batch_size < 1:
+            raise UsageError("--micro-batch-size must be >= 1")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise UsageError("--dtype must be bfloat16, float16 or float32")
+        recipes = {side: self.side_recipe(side) for side in ("learner", "sampler")}
+        if recipes["learner"] != "engine" and self.dtype != "bfloat16":
+            raise UsageError("recipes other than 'engine' are defined for --dtype bfloat16")
+        from mismatch_probe.probes.engine_args import split_pairs
+
+        split_pairs(self.sampler_args, "--sampler-arg")
+        split_pairs(self.learner_args, "--learner-arg")
+
+
+@dataclass
+class Prepared:
+    model: ModelInfo
+    sampler_model: ModelInfo
+    specs: list[PromptSpec]
+    prompt_ids: list[list[int]]
+    recorded: list[Any] | None = None  # RecordedRollout of --rollouts
+    rollouts_naming: str | None = None
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)  # typed --sampler-arg
+    sampler_auto: dict[str, dict] = field(default_factory=dict)  # settings the tool needs, with reasons
+    learner_kwargs: dict[str, Any] = field(default_factory=dict)  # typed --learner-arg
