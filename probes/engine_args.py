@@ -40,6 +40,29 @@ PREFIX_WHY = (
     "prefill view would depend on which requests ran before"
 )
 
+STRICT_ATTN_WHY = (
+    "the recipe's attention runs the learner's strict kernel over vLLM's paged KV cache through an override "
+    "of vLLM's FLASH_ATTN backend (probes/vllm/plugin.py), so the sampler is held to that backend on CUDA"
+)
+
+
+def strict_attention_on_cuda(recipe: str) -> bool:
+    """True where the recipe replaces attention and vLLM will run on CUDA (FLASH_ATTN override)."""
+    if recipe == "engine":
+        return False
+    from mismatch_probe.kernels.recipes import parse
+
+    try:
+        ops = parse(recipe).ops()
+    except Exception:  # an unknown recipe is refused elsewhere, with its own message
+        return False
+    if "attention" not in ops:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -127,6 +150,12 @@ def sampler_kwargs(raw: dict[str, str], *, capture_on: bool, recipe: str) -> tup
         )
     if "enforce_eager" not in typed:
         auto["enforce_eager"] = {"value": True, "reason": EAGER_WHY}
+    if strict_attention_on_cuda(recipe):
+        chosen = typed.get("attention_backend")
+        if chosen is not None and str(getattr(chosen, "name", chosen)).upper() != "FLASH_ATTN":
+            raise UsageError(f"--sampler-arg attention_backend={chosen} conflicts with the {recipe} recipe: {STRICT_ATTN_WHY}")
+        if chosen is None:
+            auto["attention_backend"] = {"value": "FLASH_ATTN", "reason": STRICT_ATTN_WHY}
     if typed.get("enable_prefix_caching"):
         raise UsageError(f"--sampler-arg enable_prefix_caching=true conflicts with the prefill view: {PREFIX_WHY}")
     auto["enable_prefix_caching"] = {"value": False, "reason": PREFIX_WHY}

@@ -8,8 +8,10 @@ op below; the recipe's description records it: ``recipes.OP_DOC_CUDA``).
 * :func:`linear`: persistent GEMM ``x @ w.T (+ b)``, fixed tile 128x128x64, 8 warps, no split-K,
   K in ascending order, fp32 accumulation (tensor-core MMA), bias added in fp32, rounded once.
   CPU: the BLAS GEMM over fixed row blocks (another accumulation order).
-* :func:`attention`: flash-style causal attention, one program per (query block of 64 aligned at
-  the sequence start, head, sequence); key blocks of 64 in ascending order, online softmax in fp32
+* :func:`attention` and :func:`paged_attention` (one kernel: the learner's contiguous K/V and vLLM's
+  paged KV cache differ only in integer addressing): flash-style causal attention, one program per
+  (query block of 64 aligned at the sequence's first new token, head, sequence); key blocks of 64 at
+  position 0 in ascending order, online softmax in fp32
   (``exp`` of the scaled scores), ``P`` rounded to bf16 for the ``P @ V`` MMA; right padding and
   fully masked key blocks leave a row's bits unchanged, so prefill and decode agree. Optional
   sliding window. CPU: max-subtracted softmax with tree sums and fp32 ``P``.
@@ -91,31 +93,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, Tq, Tk, H, REP, scale, window,
-                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, spb,
-                 D: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, qstart_ptr, qlen_ptr, kvlen_ptr, table_ptr, H, REP, scale, window,
+                 sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, stb,
+                 D: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    # One kernel for both engines: the learner's contiguous K/V are pages of PAGE keys through an
+    # identity table, vLLM's paged KV cache goes through its block table. Only integer addressing
+    # differs between the two; every floating-point operation is the same instruction sequence.
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     kh = h // REP
+    q0 = tl.load(qstart_ptr + b)
+    tq = tl.load(qlen_ptr + b)
+    tk = tl.load(kvlen_ptr + b)
     rm = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, D)
-    qmask = rm < Tq
-    pos = tl.load(pos_ptr + b * spb + rm, mask=qmask, other=-1)
-    q = tl.load(q_ptr + b * sqb + h * sqh + rm[:, None] * sqt + rd[None, :], mask=qmask[:, None], other=0.0)
+    qmask = rm < tq
+    rows = (q0 + rm).to(tl.int64)
+    pos = tl.load(pos_ptr + b * spb + rows, mask=qmask, other=-1)
+    q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqt + rd[None, :], mask=qmask[:, None], other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    hi = tl.minimum(tl.max(pos, axis=0) + 1, Tk)
+    hi = tl.minimum(tl.max(pos, axis=0) + 1, tk)
     lo = 0
+    first = 0
     if HAS_WINDOW:
-        lo = tl.maximum(tl.min(tl.where(qmask, pos, 1 << 30), axis=0) - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+        first = tl.maximum(tl.min(tl.where(qmask, pos, 1 << 30), axis=0) - window + 1, 0)
+        lo = (first // BLOCK_N) * BLOCK_N
     for n0 in range(lo, hi, BLOCK_N):  # key blocks aligned at 0, ascending
         rn = n0 + tl.arange(0, BLOCK_N)
-        kmask = rn < Tk
-        kt = tl.load(k_ptr + b * skb + kh * skh + rn[None, :] * skt + rd[:, None], mask=kmask[None, :], other=0.0)
+        # keys no query of this block can see are never read (vLLM may have freed their pages)
+        kmask = (rn < tk) & (rn >= first)
+        page = tl.load(table_ptr + b * stb + rn // PAGE, mask=kmask, other=0).to(tl.int64)
+        koff = page * skp + (rn % PAGE) * skt
+        voff = page * svp + (rn % PAGE) * svt
+        kt = tl.load(k_ptr + b * skb + kh * skh + koff[None, :] + rd[:, None], mask=kmask[None, :], other=0.0)
         s = tl.dot(q, kt) * scale
         vis = (rn[None, :] <= pos[:, None]) & kmask[None, :]
         if HAS_WINDOW:
@@ -126,18 +141,38 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, Tq, Tk, H, REP, scale, win
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + b * svb + kh * svh + rn[:, None] * svt + rd[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptr + b * svb + kh * svh + voff[:, None] + rd[None, :], mask=kmask[:, None], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
-    tl.store(o_ptr + b * sob + h * soh + rm[:, None] * sot + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=qmask[:, None])
+    tl.store(o_ptr + b * sob + h * soh + rows[:, None] * sot + rd[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=qmask[:, None])
+
+
+LEARNER_PAGE = 16  # keys per page of the learner's identity table (vLLM's default KV block size)
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, pos: torch.Tensor, qstart: torch.Tensor,
+            qlen: torch.Tensor, kvlen: torch.Tensor, table: torch.Tensor, n_seq: int, max_q: int, scale: float,
+            window: int | None, kstrides: tuple[int, int, int, int], vstrides: tuple[int, int, int, int],
+            qstrides: tuple[int, int, int], ostrides: tuple[int, int, int], spb: int, stb: int, hq: int, hkv: int,
+            page: int) -> None:
+    d = q.shape[-1]
+    if n_seq == 0 or max_q == 0:
+        return
+    grid = (triton.cdiv(max_q, ATT_BM), n_seq * hq)
+    _attn_kernel[grid](q, k, v, out, pos, qstart, qlen, kvlen, table, hq, hq // hkv, float(scale), int(window or 0),
+                       *qstrides, *kstrides, *vstrides, *ostrides, spb, stb,
+                       D=d, PAGE=page, HAS_WINDOW=window is not None, BLOCK_M=ATT_BM, BLOCK_N=ATT_BN,
+                       num_warps=ATT_WARPS, num_stages=ATT_STAGES)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
               window: int | None = None) -> torch.Tensor:
-    """``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]`` (any strides, last dim contiguous), ``q_pos [B, Tq]``."""
+    """``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]`` (any strides, last dim contiguous), ``q_pos [B, Tq]``
+    (the learner; vLLM's paged cache: :func:`paged_attention`, the same kernel)."""
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     if q.stride(-1) != 1:
@@ -146,14 +181,46 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    pos = q_pos.to(device=q.device, dtype=torch.int32).expand(b, tq).contiguous()
-    out = torch.empty(b, tq, hq, d, device=q.device, dtype=q.dtype)
-    grid = (triton.cdiv(tq, ATT_BM), b * hq)
-    _attn_kernel[grid](q, k, v, out, pos, tq, tk, hq, hq // hkv, float(scale), int(window or 0),
-                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
-                       D=d, HAS_WINDOW=window is not None, BLOCK_M=ATT_BM, BLOCK_N=ATT_BN, num_warps=ATT_WARPS,
-                       num_stages=ATT_STAGES)
+    dev = q.device
+    pos = q_pos.to(device=dev, dtype=torch.int32).expand(b, tq).contiguous()
+    out = torch.empty(b, tq, hq, d, device=dev, dtype=q.dtype)
+    i32 = torch.int32
+    table = torch.arange(triton.cdiv(max(tk, 1), LEARNER_PAGE), device=dev, dtype=i32)
+    zeros = torch.zeros(b, device=dev, dtype=i32)
+    _launch(q, k, v, out, pos, zeros, torch.full((b,), tq, device=dev, dtype=i32),
+            torch.full((b,), tk, device=dev, dtype=i32), table, b, tq, scale, window,
+            (k.stride(0), LEARNER_PAGE * k.stride(1), k.stride(1), k.stride(2)),
+            (v.stride(0), LEARNER_PAGE * v.stride(1), v.stride(1), v.stride(2)),
+            (q.stride(0), q.stride(1), q.stride(2)), (out.stride(0), out.stride(1), out.stride(2)),
+            pos.stride(0), 0, hq, hkv, LEARNER_PAGE)
+    return out
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_query_len: int,
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """vLLM's varlen batch from its paged KV cache, the learner's numerics (same kernel as :func:`attention`).
+
+    ``q, out [T, Hq, D]`` (requests' tokens back to back, ``query_start_loc [R + 1]``), ``key_cache,
+    value_cache [blocks, page, Hkv, D]`` (any strides, last dim contiguous), ``seq_lens [R]`` (context +
+    new tokens), ``block_table [R, max_blocks]``. The new tokens of request r sit at positions
+    ``seq_lens[r] - q_len .. seq_lens[r] - 1``. No host synchronization (CUDA-graph capturable)."""
+    n_seq = seq_lens.shape[0]
+    hq = q.shape[1]
+    hkv, page = key_cache.shape[2], key_cache.shape[1]
+    qsl = query_start_loc[: n_seq + 1]
+    qstart = qsl[:-1].to(torch.int32)
+    qlen = (qsl[1:] - qsl[:-1]).to(torch.int32)
+    kvlen = seq_lens.to(torch.int32)
+    t = q.shape[0]
+    tok = torch.arange(t, device=q.device, dtype=torch.int32)
+    req = torch.searchsorted(qsl[1:].to(torch.int32), tok, right=True).clamp_(max=max(n_seq - 1, 0))
+    pos = (kvlen[req] - (qsl[1:].to(torch.int32)[req] - tok)).to(torch.int32)
+    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    _launch(q, key_cache, value_cache, out, pos, qstart, qlen, kvlen, table, n_seq, int(max_query_len), scale, window,
+            (0, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)),
+            (0, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)),
+            (0, q.stride(0), q.stride(1)), (0, out.stride(0), out.stride(1)), 0, table.stride(0), hq, hkv, page)
     return out
 
 

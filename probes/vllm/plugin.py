@@ -17,8 +17,10 @@ the NVFP4 W4A4 linear: a process-wide patch of vLLM's class, not a registered qu
 config; the weight is kept at load time because the CPU backend repacks and drops it),
 ``UnquantizedEmbeddingMethod.apply/embedding`` (logits, embedding), ``MoERunner.forward`` (moe:
 router through the patched gate, fixed-order experts),
-``CPUAttentionBackendImpl.do_kv_cache_update/forward`` (attention: our own paged KV layout,
-prefill and decode from the cache, sliding windows included), ``Sampler.compute_logprobs``
+``CPUAttentionBackendImpl.do_kv_cache_update/forward`` (attention on the CPU: our own paged KV
+layout, prefill and decode from the cache, sliding windows included), ``FlashAttentionImpl.forward``
+(attention on CUDA: the learner's strict Triton kernel over vLLM's paged KV cache; the sampler is
+then held to the FLASH_ATTN backend), ``Sampler.compute_logprobs``
 (logsoftmax).
 """
 
@@ -323,6 +325,37 @@ def _attn_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+def _flash_attn_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """CUDA (vLLM's FLASH_ATTN backend): the strict attention kernel over vLLM's own paged KV cache.
+
+    vLLM still writes the cache (``do_kv_cache_update``: an exact copy of bf16 keys and values); the
+    attention itself is :func:`mismatch_probe.kernels.strict.triton_ops.paged_attention`, the kernel
+    the learner's strict attention runs, reading the pages through the block table. No host sync,
+    so it runs inside vLLM's CUDA graphs too."""
+
+    def forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Any, output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if attn_metadata is None or not _on("attention", self):
+            return orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if self.alibi_slopes is not None or self.logits_soft_cap or getattr(self, "sinks", None) is not None:
+            raise NotImplementedError("strict attention: no ALiBi, soft cap or attention sinks")
+        if getattr(self, "dcp_world_size", 1) > 1 or str(getattr(self, "kv_cache_dtype", "auto")) != "auto":
+            raise NotImplementedError("strict attention: no decode context parallelism, no quantized KV cache")
+        from mismatch_probe.kernels.strict import triton_ops as st
+
+        sw = getattr(attn_metadata, "sliding_window", None) or self.sliding_window
+        window = None if sw is None or sw[0] < 0 else int(sw[0]) + 1
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)  # [blocks, page, Hkv, D]
+        n = attn_metadata.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        st.paged_attention(q, key_cache, value_cache, out, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                           attn_metadata.block_table, attn_metadata.max_query_len, self.scale, window)
+        return output
+
+    return forward
+
+
 def _compute_logprobs(orig: Callable[..., Any]) -> Callable[..., Any]:
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
         if not _on("logsoftmax"):
@@ -359,7 +392,13 @@ def _targets() -> list[tuple[type, str, Callable[..., Any]]]:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
         t += [(CPUAttentionBackendImpl, "do_kv_cache_update", _kv_update), (CPUAttentionBackendImpl, "forward", _attn_forward)]
-    except ImportError:  # a CUDA build: strict attention is CPU-only for now (see README)
+    except ImportError:  # a CUDA build: vLLM's FLASH_ATTN backend instead (below)
+        pass
+    try:
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+        t.append((FlashAttentionImpl, "forward", _flash_attn_forward))
+    except ImportError:  # no CUDA build of vLLM (the CPU wheel has no flash_attn backend)
         pass
     t.append((Sampler, "compute_logprobs", _compute_logprobs))
     t += row_parallel_targets()  # row-parallel linears under tensor parallelism (kernels/strict/tp.py)

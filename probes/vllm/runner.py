@@ -114,6 +114,11 @@ class VllmSampler(SamplerRunner):
         if self.topk > 20:  # vLLM's default max_logprobs is 20
             kwargs["max_logprobs"] = self.topk
         kwargs.update(self.llm_kwargs)
+        from mismatch_probe.probes.engine_args import STRICT_ATTN_WHY, strict_attention_on_cuda
+
+        if not on_cpu and "attention_backend" not in kwargs and strict_attention_on_cuda(self.recipe or "engine"):
+            kwargs["attention_backend"] = "FLASH_ATTN"  # the strict attention overrides this backend's forward
+            self.info.auto["attention_backend"] = {"value": "FLASH_ATTN", "reason": STRICT_ATTN_WHY}
         from mismatch_probe.probes.vllm import tp as vllm_tp
 
         self.tp = vllm_tp.tp_size(kwargs)
