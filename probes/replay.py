@@ -80,6 +80,21 @@ def _hf_rope(model: Any, attn: Any, xs: list[Any], pos: Any, which: int) -> Any:
     return out.squeeze(0).transpose(0, 1)
 
 
+def _on_model_device(fn: Any) -> Any:
+    """Inputs to the model's device, the result back on the host: captured rows live on the host,
+    and an engine's CUDA kernels given host pointers fault (vLLM's own ops do not check devices)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
+        dev = next(model.parameters()).device
+        out = fn(model, op, [x.to(dev) for x in xs], pos.to(dev))
+        return out.cpu() if dev.type != "cpu" else out
+
+    return run
+
+
+@_on_model_device
 def hf_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
     """The HF model's implementation of ``op`` on inputs ``xs`` ([tokens, ...] each) at positions ``pos``."""
     import torch
@@ -131,6 +146,7 @@ def _with_forward_context(m: Any, num_tokens: int, fn: Any) -> Any:
         return fn()
 
 
+@_on_model_device
 def vllm_replay(model: Any, op: str, xs: list[Any], pos: Any) -> Any:
     """vLLM's implementation of ``op`` (run inside ``LLM.apply_model``)."""
     import torch

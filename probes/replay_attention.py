@@ -61,8 +61,13 @@ def hf_attention(model: Any, layer: int, xs: list[Any], pos: Any) -> Any:
 
 
 def vllm_attention(model: Any, layer: int, xs: list[Any], pos: Any) -> Any:
-    """Run inside ``LLM.apply_model`` (CPU attention backend of vLLM 0.32)."""
+    """Run inside ``LLM.apply_model`` (CPU attention backend of vLLM 0.32; CUDA: FLASH_ATTN)."""
     import torch
+
+    if xs[0].is_cuda:
+        from mismatch_probe.probes.vllm.replay_cuda import flash_attention
+
+        return flash_attention(model, layer, xs, _spans(pos))
     from vllm import _custom_ops as ops
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
