@@ -8,6 +8,11 @@ On a machine without CUDA they run through the Triton interpreter on CPU with sm
 the GEMM's ``tl.dot`` takes fp32 operands (exact for E2M1 x E4M3 values; the interpreter's bf16 dot
 is wrong), so checks named ``gemm_*`` cover the bf16 tensor-core path only on the GPU. Checks
 marked GPU-only are skipped on CPU (too large for the interpreter).
+
+The ``gemm_*`` and ``grouped_*`` checks run the exact per-16-block Triton GEMMs of
+:mod:`.nvfp4.reference` (cross-checks, bitwise against :func:`.nvfp4.ref.w4a4_gemm_ref`); the
+``tc_*`` checks run the recipes' GEMM, :mod:`.nvfp4.tc_linear` (tolerance against the reference,
+bitwise properties among its paths).
 """
 
 from __future__ import annotations
@@ -213,7 +218,7 @@ def _weights(n: int, k: int, seed: int, **kw) -> R.NVFP4Tensor:
 
 def _gemm_check(m: int, path: str, tile16: bool = False, k: int = 256, n: int = 48):
     def run(dev: torch.device, big: bool) -> str:
-        from .nvfp4.aligned_linear import aligned_linear
+        from .nvfp4.reference.aligned_linear import aligned_linear
 
         kk, nn = (k * 8, n * 32) if big and k <= 256 else (k, n)
         w = _weights(nn, kk, 11, tile16=tile16)
@@ -227,7 +232,7 @@ def _gemm_check(m: int, path: str, tile16: bool = False, k: int = 256, n: int = 
 
 
 def _invariance_check(dev: torch.device, big: bool) -> str:
-    from .nvfp4.aligned_linear import aligned_linear
+    from .nvfp4.reference.aligned_linear import aligned_linear
 
     ms = (1, 3, 16, 128, 1000, 4096) if big else (1, 3, 16, 20)
     k, n = (2048, 512) if big else (64, 32)
@@ -246,7 +251,7 @@ def _invariance_check(dev: torch.device, big: bool) -> str:
 
 
 def _grouped_setup(dev: torch.device, big: bool, t: int):
-    from .nvfp4.grouped import GroupedNVFP4Weights, quantize_expert_weights
+    from .nvfp4.moe import GroupedNVFP4Weights, quantize_expert_weights
 
     e, n, k, top = (16, 256, 512, 4) if big else (4, 32, 64, 2)
     wq = quantize_expert_weights(torch.randn(e, n, k, generator=_gen(15)), use_ref=True)
@@ -260,7 +265,7 @@ def _grouped_setup(dev: torch.device, big: bool, t: int):
 
 def _grouped_check(path: str):
     def run(dev: torch.device, big: bool) -> str:
-        from .nvfp4.grouped import moe_grouped_linear
+        from .nvfp4.reference.grouped import moe_grouped_linear
 
         x, ids, tw, wq = _grouped_setup(dev, big, 300 if big else 9)
         got = moe_grouped_linear(x, ids, tw, wq, path=path)
@@ -271,7 +276,7 @@ def _grouped_check(path: str):
 
 
 def _grouped_invariance(dev: torch.device, big: bool) -> str:
-    from .nvfp4.grouped import moe_grouped_linear
+    from .nvfp4.reference.grouped import moe_grouped_linear
 
     x, ids, tw, wq = _grouped_setup(dev, big, 300 if big else 9)
     full = moe_grouped_linear(x, ids, tw, wq)
@@ -316,7 +321,7 @@ def _to(q: R.NVFP4Tensor, dev: torch.device) -> R.NVFP4Tensor:
 
 
 def tc_within_bound(got: torch.Tensor, a: R.NVFP4Tensor, w: R.NVFP4Tensor) -> str:
-    """The GEMM tolerance of NVFP4.md against the exact per-block reference (raises AssertionError)."""
+    """The GEMM tolerance of docs/nvfp4.md against the exact per-block reference (raises AssertionError)."""
     a_op, b_op = R.block_dequant_operand(a), R.block_dequant_operand(w)
     alpha = R.gemm_alpha(a.row_amax()[:, None], w.row_amax()[None, :])
     ref = R.w4a4_gemm_ref(a, w)
@@ -346,7 +351,7 @@ def _tc_gemm_check(path: str, m: int, n: int, k: int):
 
 
 def _tc_grouped_check(dev: torch.device, big: bool) -> str:
-    from .nvfp4.grouped import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
+    from .nvfp4.moe import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
     from .nvfp4.tc_linear import prepare, tc_grouped
 
     e, n, k, top, t = (16, 256, 512, 4, 300) if big else (4, 32, 64, 2, 9)
@@ -391,7 +396,7 @@ def _tc_rows_identical(dev: torch.device, big: bool) -> str:
 
 
 def _tc_grouped_eq_per_expert(dev: torch.device, big: bool) -> str:
-    from .nvfp4.grouped import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
+    from .nvfp4.moe import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
     from .nvfp4.tc_linear import prepare, tc_grouped, tc_matmul
 
     e, n, k, top, t = 16, 256, 512, 4, 300

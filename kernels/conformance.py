@@ -1,6 +1,6 @@
 """Other engines' NVFP4 quantizer formulas, and how they disagree with the canonical one.
 
-Each variant reproduces the formula of one implementation (as summarised in shared/NVFP4.md,
+Each variant reproduces the formula of one implementation (as summarised in docs/nvfp4.md,
 read from their public sources) in pure torch:
 
 * ``vllm_cuda``: ``sf = e4m3(gs * (vmax * RN(1/6)))``, ``enc = rcp(sf * rcp(gs))``, sf == 0 -> codes 0.

@@ -2,13 +2,13 @@
 
 A recipe is an *alignment* (``engine``: each engine's own kernels, or ``strict``: every op from
 :mod:`.strict_ops`, batch-invariant and identical in both engines) combined with a *linear
-scheme* (``bf16`` or one of the NVFP4 activation-scaling schemes of :mod:`.nvfp4_linear`).
+scheme* (``bf16`` or one of the NVFP4 activation-scaling schemes of :mod:`.nvfp4.linear`).
 
 ========================  ==========  ==============================================================
 name                      alignment   linear
 ========================  ==========  ==============================================================
 ``engine``                engine      the engine's bf16 GEMM (nothing patched)
-``strict``                strict      bf16 operands, fp32 accumulation in fixed blocks (strict_ops.linear)
+``strict``                strict      bf16 operands, fp32 accumulation in fixed blocks (strict.ops.linear)
 ``nvfp4-dynamic-tensor``  engine      W4A4, activation amax over the whole current batch, 16x16
                                       weight tiles (TE's learner default)
 ``nvfp4-static``          engine      W4A4, calibrated static input amax, 1x16 weight blocks, one
@@ -45,7 +45,7 @@ ALIGNS = ("engine", "strict")
 NVFP4_OPS = ("linear", "norm", "act", "moe", "rope", "attention")
 RECIPES = ("engine", "strict", "nvfp4-dynamic-tensor", "nvfp4-static", "nvfp4-per-token")
 
-OP_DOC = {  # the CPU definition (kernels/strict_ops.py)
+OP_DOC = {  # the CPU definition (kernels/strict/ops.py)
     "embedding": "row gather of the embedding table (exact everywhere)",
     "norm": "RMSNorm: fp32 tree sum of squares, 1/sqrt, bf16(x*inv) then bf16(w*y); vLLM's fused add = bf16(x+r)",
     "linear": "x @ W.T: CPU BLAS GEMM on rows padded to 16-row blocks, fp32 accumulation, rounded once (or the NVFP4 scheme)",
@@ -57,7 +57,7 @@ OP_DOC = {  # the CPU definition (kernels/strict_ops.py)
     "logits": "LM head: the strict linear, bf16 logits",
     "logsoftmax": "fp32: s - log(tree_sum(exp(s))), s = x - max x",
 }
-# CUDA (learner): kernels/strict_triton.py, one fixed Triton configuration per op; where the bits
+# CUDA (learner): kernels/strict/triton_ops.py, one fixed Triton configuration per op; where the bits
 # differ from the CPU definition above, it says so.
 OP_DOC_CUDA = {
     "embedding": "row gather (same bits as CPU)",

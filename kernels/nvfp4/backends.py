@@ -2,7 +2,7 @@
 
 Backends:
 
-* ``cuda-native``: hand-written CUDA C++ (``csrc/nvfp4_native.cu``, built with nvcc at first use
+* ``cuda-native``: hand-written CUDA C++ (``csrc/``, built with nvcc at first use
   and cached; :mod:`.native`) on sm_89+ GPUs: the decode-path GEMM of ``tc_linear`` (M <= 64,
   dense weights) and the per-token / given-amax quantizer of bf16 rows. Same bits as the Triton
   kernels (GPU checks compare them with ``torch.equal``). Optional: without nvcc, on older GPUs,
@@ -20,6 +20,8 @@ above (CUTLASS's mixed-input mainloops want the scale group to be a multiple of 
 
 ``tc_linear`` (the recipes' NVFP4 GEMM on CUDA) reports its path as ``decode`` (M <= 64, FP4
 weights streamed and decoded in registers) or ``prefill``; every path gives identical rows.
+``aligned_linear`` and ``grouped_gemm`` name the exact per-16-block cross-check kernels of
+:mod:`.reference` (not the recipes' path).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> d
     else:
         rec.update(backend="triton-interpreter", reason="CPU tensors: Triton interpreter (bit-identical, slow)")
     if kernel == "aligned_linear" and m is not None:
-        from .aligned_linear import choose_path
+        from .reference.aligned_linear import choose_path
 
         rec["path"] = choose_path(m)
     if kernel == "tc_linear" and m is not None:
@@ -77,7 +79,7 @@ def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> d
 
         rec["path"] = "decode" if m <= DECODE_MAX_M else "prefill"
     if kernel == "grouped_gemm" and m is not None:  # m: average rows per expert
-        from .grouped import choose_grouped_path
+        from .reference.grouped import choose_grouped_path
 
         rec["path"] = choose_grouped_path(m)
     return rec

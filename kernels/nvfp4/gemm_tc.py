@@ -1,4 +1,4 @@
-"""Tensor-core NVFP4 GEMM kernels under the revised contract of shared/NVFP4.md.
+"""Tensor-core NVFP4 GEMM kernels under the GEMM contract of docs/nvfp4.md.
 
 Numerics (every path, every tile shape, every M):
 

@@ -1,6 +1,10 @@
 """The NVFP4 (W4A4) linear of the recipes: weights quantized once, activations on the fly.
 
-The three activation-scaling schemes of shared/NVFP4.md "Scaling schemes":
+:class:`NVFP4Linear` is the one object both engines build per linear layer, from the recipe's
+scheme (as Transformer Engine pairs a recipe with its quantizer): the scheme decides the activation
+quantizer and the weight quantization, :class:`tuning.GemmTuning` how the GEMM runs, and every call
+goes through the one production GEMM, :mod:`tc_linear`. The three activation-scaling schemes of
+docs/nvfp4.md "Scaling schemes":
 
 * ``nvfp4-dynamic-tensor``: one amax over the whole current input (every row of the micro-batch,
   padding included: what TE does for activations), weights in 16x16 tiles (TE's default).
@@ -13,11 +17,12 @@ The three activation-scaling schemes of shared/NVFP4.md "Scaling schemes":
 Backends (:func:`use_kernels`): on the CPU, and for non-bf16 activations, the pure-torch
 reference (:func:`nvfp4_quantize_ref` + :func:`w4a4_gemm_ref`: exact block products, blocks
 accumulated in K order in fp32, alpha in the epilogue); it is also the checker. On a CUDA GPU with
-bf16 activations, the Triton kernels: the quantizer (bitwise equal to the reference) and the
-tensor-core GEMM of :mod:`tc_linear` (weights prepared once per weight version; decode path for
-M <= 64, prefill path above, identical rows either way; within the GEMM tolerance of NVFP4.md of
-the per-block reference). Both GEMMs are batch invariant, so only the activation scale decides
-whether a row's bits depend on its batch. :meth:`NVFP4Linear.kernel_summary` says what ran.
+bf16 activations, the kernels: the quantizer (bitwise equal to the reference; CUDA C++ or Triton)
+and the tensor-core GEMM of :mod:`tc_linear` (weights prepared once per weight version; decode path
+for M <= 64, prefill path above, identical rows either way; within the GEMM tolerance of
+docs/nvfp4.md of the per-block reference). Both GEMMs are batch invariant, so only the activation
+scale decides whether a row's bits depend on its batch. :meth:`NVFP4Linear.kernel_summary` says what
+ran.
 """
 
 from __future__ import annotations
@@ -28,10 +33,15 @@ from typing import Any
 import torch
 
 from .ref import NVFP4Tensor, nvfp4_dequantize_ref, nvfp4_quantize_ref, w4a4_gemm_ref
+from .tuning import DEFAULT, GemmTuning
 
 
 @dataclass(frozen=True)
 class Scheme:
+    """An NVFP4 activation-scaling scheme: per-token or per-tensor activation amax, static
+    (calibrated) or dynamic, 16x16 or 1x16 weight blocks, one weight amax over fused shards or one
+    per logical weight."""
+
     name: str
     per_token: bool
     static: bool
@@ -75,21 +85,28 @@ def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:
 
 
 class NVFP4Linear:
-    """State of one linear under an NVFP4 scheme: quantized weight shards (cached), static amax.
+    """One linear under an NVFP4 scheme: the scheme's quantizers, the quantized weight shards (cached),
+    the static amax, and the GEMM (:mod:`tc_linear`) under ``tuning``.
 
+    ``scheme``: a name of :data:`SCHEMES` (the recipe's ``linear``) or a :class:`Scheme`;
     ``partitions``: output sizes of the fused logical weights (vLLM ``qkv_proj`` / ``gate_up_proj``);
-    per logical weight a weight amax, unless the scheme fuses them (static, vLLM style).
+    per logical weight a weight amax, unless the scheme fuses them (static, vLLM style). ``tuning``:
+    the GEMM's tuning (:data:`tuning.DEFAULT` for the recipes; its segment rule decides bits, so
+    both engines must use the same).
     """
 
-    def __init__(self, scheme: str, partitions: list[int] | None = None) -> None:
+    def __init__(self, scheme: str | Scheme, partitions: list[int] | None = None, tuning: GemmTuning = DEFAULT) -> None:
+        if isinstance(scheme, Scheme):
+            scheme = scheme.name
         if scheme not in SCHEMES:
             raise ValueError(f"unknown NVFP4 scheme {scheme!r}; one of {', '.join(SCHEMES)}")
         self.scheme = SCHEMES[scheme]
+        self.tuning = tuning
         self.partitions = list(partitions) if partitions else None
         self.static_amax: torch.Tensor | None = None
         self._wcache: dict[Any, tuple[tuple[Any, ...], list[NVFP4Tensor]]] = {}
         self._tcache: dict[Any, tuple[tuple[Any, ...], list[Any]]] = {}
-        self.paths_used: dict[str, int] = {}  # "reference" | "triton:decode" | "triton:prefill" -> calls
+        self.paths_used: dict[str, int] = {}  # "reference" | "cuda-native:decode" | "triton:decode" | "triton:prefill" -> calls
         self._last: tuple[int, Any] | None = None  # (M, TCWeight) of the last Triton call
 
     def weight(self, w: torch.Tensor, key: Any = None) -> list[NVFP4Tensor]:
@@ -117,24 +134,29 @@ class NVFP4Linear:
         hit = self._tcache.get(key)
         if hit is not None and hit[0] == wk:
             return hit[1]
-        tws = [prepare(q) for q in self.weight(w, key)]
+        tws = [prepare(q, self.tuning) for q in self.weight(w, key)]
         self._tcache[key] = (wk, tws)
         return tws
 
-    def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any) -> torch.Tensor:
+    def quantize_input(self, x2: torch.Tensor, amax: torch.Tensor | None, tw: Any) -> tuple[NVFP4Tensor, torch.Tensor | None]:
+        """The scheme's activation quantizer on the kernel path: (codes/scales/amax, the GEMM's fp16
+        operand when the one-pass per-token quantizer made it, in the layout the GEMM of ``tw`` takes)."""
         from .quant_fast import MAX_K, quantize_rows
-        from .tc_linear import OP_DTYPE, choose, operand_layout, tc_matmul, use_native
+        from .tc_linear import OP_DTYPE, operand_layout
         from .triton_quant import nvfp4_quantize
+
+        if self.scheme.per_token and x2.shape[1] <= MAX_K:  # one pass: codes, scales, amax and the fp16 operand
+            layout = operand_layout(x2.shape[0], tw, "auto")  # the one the native decode GEMM takes, where it runs
+            codes, scales, amax_t, op = quantize_rows(x2, None, True, emit_op=OP_DTYPE, op_layout=layout)
+            return NVFP4Tensor(codes, scales, amax_t, True), op
+        return nvfp4_quantize(x2, per_token=self.scheme.per_token, amax=amax), None
+
+    def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any) -> torch.Tensor:
+        from .tc_linear import OP_DTYPE, choose, tc_matmul, use_native
 
         tws = self.prepared(w, key)
         x2 = x2.detach().contiguous()
-        op = None
-        if self.scheme.per_token and x2.shape[1] <= MAX_K:  # one pass: codes, scales, amax and the fp16 operand
-            layout = operand_layout(x2.shape[0], tws[0], "auto")  # the one the native decode GEMM takes, where it runs
-            codes, scales, amax_t, op = quantize_rows(x2, None, True, emit_op=OP_DTYPE, op_layout=layout)
-            qa = NVFP4Tensor(codes, scales, amax_t, True)
-        else:
-            qa = nvfp4_quantize(x2, per_token=self.scheme.per_token, amax=amax)
+        qa, op = self.quantize_input(x2, amax, tws[0])
         ys = [tc_matmul(qa, tw, a_op=op) for tw in tws]  # the activation is quantized once for all shards
         path = choose(x2.shape[0], tws[0])
         native = path == "decode" and use_native(tws[0], op if op is not None else x2.new_empty(0, dtype=OP_DTYPE), tws[0].nseg)
@@ -147,9 +169,12 @@ class NVFP4Linear:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         s = self.scheme
-        if s.static and CALIBRATION["on"]:
-            a = x2.detach().float().abs().amax().reshape(1)
-            self.static_amax = a if self.static_amax is None else torch.maximum(self.static_amax, a)
+        if s.static and (CALIBRATION["on"] or (self.static_amax is None and CALIBRATION.get("warmup"))):
+            # calibrating, or an engine's own warm-up forward before the calibration pass (vLLM's
+            # profile and dummy runs on CUDA): unquantized, recording the amax only when calibrating
+            if CALIBRATION["on"]:
+                a = x2.detach().float().abs().amax().reshape(1)
+                self.static_amax = a if self.static_amax is None else torch.maximum(self.static_amax, a)
             y = torch.nn.functional.linear(x2, w.to(x2.dtype))
         else:
             if s.static and self.static_amax is None:

@@ -11,7 +11,7 @@ Kernels (same bits as the Triton paths; the GPU checks compare them with ``torch
 
 * ``decode_gemm``: the decode-path GEMM of :mod:`gemm_tc` (M <= 64), weights in the layout of
   :func:`native_layout` (made once per weight version); mma.sync m16n8k16 with one fp32 chain per
-  output along K. Variants (``NATIVE_CFG["variant"]``, all the same bits, see :data:`VARIANTS`):
+  output along K. Variants (:attr:`tuning.NativeTuning.variant`, all the same bits, see :data:`VARIANTS`):
   the cp.async pipeline (0, 3) and the bulk-copy pipeline (6-9: weights by the copy engine, a
   producer warp, no CTA-wide barrier; with E4M3 scale bytes or fp16 scales, byte-permute or
   mask/shift fragment decode; 12-14 (14 the default off sm_90): the token operand chunk-major, one
@@ -33,10 +33,10 @@ from mismatch_probe import settings
 
 from .common import quant_outputs
 from .ref import e4m3_decode, unpack_codes
+from .tuning import NativeTuning
 
-SRC = Path(__file__).parent / "csrc" / "nvfp4_native.cu"
+SRC = Path(__file__).parent / "csrc" / "nvfp4_native.cu"  # the translation unit; it includes the csrc/*.cuh
 MIN_CC = (8, 9)
-NATIVE_CFG: dict[str, Any] = {}  # bench overrides: "variant" (see VARIANTS)
 # Decode variants: (pipeline, scales, fragment decode, NT). "cp.async": every thread copies weights
 # and tokens into a ring of 6 stages x 2 chunks of 128 K (variant 3: 8 x 1; M <= 16; 2 or 4 token
 # tiles above), a CTA barrier per stage. "bulk": a producer warp, weights by cp.async.bulk (copy
@@ -199,7 +199,7 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
     STAGES, CPS (128-wide chunks per stage), HALF (cp.async, M <= 8: token rows 0-7 only)."""
     chunks = w.k // 128 // w.nseg
     two = chunks % 2 == 0
-    v = _variant()
+    v = _variant(w.tuning.native)
     mt = 1 if m <= 16 else 2 if m <= 32 else 4
     if v in CORE and _bulk_ok(m, w):  # as nvfp4_native.cu's decode_gemm picks the instance
         ntok = token_cols(m)
@@ -243,7 +243,7 @@ def token_layout(m: int, w: Any) -> int:
     chunk-major (TOKEN_ROW), 2 core-matrix (TOKEN_CORE)."""
     if not _bulk_ok(m, w):
         return 0
-    v = _variant()
+    v = _variant(w.tuning.native)
     return 2 if v in CORE else 1 if v in CHUNKED else 0
 
 
@@ -292,9 +292,9 @@ def default_variant() -> int:
     return HOPPER_VARIANT if _STATE["hopper"] else DEFAULT_VARIANT
 
 
-def _variant() -> int:
-    """The variant to run: NATIVE_CFG's or the default."""
-    v = int(NATIVE_CFG.get("variant", default_variant()))
+def _variant(cfg: NativeTuning) -> int:
+    """The variant to run: the tuning's or the default."""
+    v = default_variant() if cfg.variant is None else int(cfg.variant)
     if v not in VARIANTS:
         raise ValueError(f"native decode variant {v} unknown (one of {sorted(VARIANTS)})")
     if v in CORE and default_variant() != HOPPER_VARIANT:
@@ -314,7 +314,7 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
     a = a_op
     if a.data_ptr() % 16 or not a.is_contiguous():
         a = a.clone(memory_format=torch.contiguous_format)
-    mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant(),
+    mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant(w.tuning.native),
                     fused_segments(m, w, nseg), crowded(w, nseg))
 
 
@@ -348,15 +348,16 @@ def fused_segments(m: int, w: Any, nseg: int) -> bool:
     """Variant 15 adds two K segments inside the CTA (two warpgroups, one K half each, p0 + p1 in fp32
     before the epilogue: the bits of reduce_kernel), so no partials and no reduce launch: nseg == 2,
     M <= 32, the core-matrix operand, and the weight's 64-row tiles alone fill the GPU (fills_gpu;
-    only tc_linear.NSEG_LONG_K gives such a weight two segments). NATIVE_CFG["KS2"] forces it on or
-    off. H200 2026-12-01: at N = K = 8192 (128 tiles) M = 16 13.2-13.4 us in the CTA (lab 23:20,
+    only :attr:`tuning.SegmentRule.long_k` gives such a weight two segments). The tuning's ``ks2``
+    forces it on or off. H200 2026-12-01: at N = K = 8192 (128 tiles) M = 16 13.2-13.4 us in the CTA (lab 23:20,
     bench 23:22; bench/results/h200_2026-12-01_s6_*) vs 15.6 across CTAs in two waves' worth (2026-12-02,
     a ring per segment and the masks-and-shifts decode: 12.4-12.6 us); at
     (4096, 4096) and (4096, 12288) (64 tiles: half the CTAs) in the CTA loses, 8.2 vs 7.8 and 19.8
     vs 14.9 us (21:11); between 64 and 116 tiles not measured (across CTAs, as before)."""
     if token_layout(m, w) != 2 or nseg != 2 or m > 32:
         return False
-    return bool(NATIVE_CFG.get("KS2", fills_gpu(w)))
+    ks2 = w.tuning.native.ks2
+    return fills_gpu(w) if ks2 is None else bool(ks2)
 
 
 # ---------------------------------------------------------------------------------------------

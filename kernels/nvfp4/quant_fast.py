@@ -1,6 +1,6 @@
 """Memory-speed NVFP4 quantizer (per-token or given amax) and fused RMSNorm + quantize.
 
-Same bits as :func:`nvfp4_ref.nvfp4_quantize_ref` (the named checks compare with ``torch.equal``);
+Same bits as :func:`ref.nvfp4_quantize_ref` (the named checks compare with ``torch.equal``);
 built for bandwidth:
 
 * several rows per program, each row read once (the row stays in registers: per-token amax,
@@ -11,7 +11,7 @@ built for bandwidth:
   ``RNE(2|y|)`` through the ``+ 2^23`` trick; both give the code directly;
 * the E4M3 block scale by the hardware ``cvt.rn.satfinite.e4m3x2.f32`` on the GPU (matches
   torch's ``float8_e4m3fn`` cast bit for bit, ties included); the exact integer emulation of
-  :mod:`_triton_common` in the interpreter (whose fp8 cast is not RNE);
+  :mod:`common` in the interpreter (whose fp8 cast is not RNE);
 * packed stores: two codes per byte, the row's scale bytes and amax.
 
 ``EMIT_OP``: also write the GEMM operand ``E2M1 * sf`` as fp16 (exact), so the tensor-core GEMM

@@ -1,4 +1,4 @@
-"""Pure-torch NVFP4 reference: the spec (``shared/NVFP4.md``, TE's canonical quantizer) as code.
+"""Pure-torch NVFP4 reference: the spec (``docs/nvfp4.md``, TE's canonical quantizer) as code.
 
 Everything here is deterministic elementwise / exact-reduction torch code, so it gives the same
 bits on any device. The Triton kernels must match these functions bit for bit.

@@ -1,4 +1,9 @@
-"""The default NVFP4 GEMM paths (:mod:`gemm_tc` kernels): weights prepared once, two paths, one result.
+"""The recipes' NVFP4 GEMM (the one production path): weights prepared once, two paths, one result.
+
+:class:`linear.NVFP4Linear` (the recipes' linear, made from the scheme) quantizes the activations and
+calls :func:`tc_matmul` here; the kernels are the Triton ones of :mod:`gemm_tc` and, where it is
+built, the CUDA C++ decode GEMM of :mod:`native`. The numerics contract is docs/nvfp4.md; the tuning
+is data (:class:`tuning.GemmTuning`, carried by the prepared weight).
 
 * :func:`prepare` turns NVFP4 weights (one matrix or ``E`` experts) into a :class:`TCWeight`:
   the decode-layout bytes for the register-decode path (made once per weight version), the
@@ -14,7 +19,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,13 +28,11 @@ import triton
 from .common import INTERPRET, kernel_device_ok, launch
 from .gemm_tc import decode_kernel, decode_ns_kernel, prefill_kernel, reduce_kernel
 from .ref import NVFP4Tensor, e2m1_decode, e4m3_decode, unpack_codes
+from .tuning import DEFAULT, DecodeTuning, GemmTuning, PrefillTuning, SegmentRule
 
 DECODE_MAX_M = 64
 PATHS = ("auto", "decode", "prefill")
 OP_DTYPE = torch.float32 if INTERPRET else torch.float16
-# tuning overrides (bench/probe only; none of them changes the bits except "NSEG")
-DECODE_CFG: dict[str, Any] = {}
-PREFILL_CFG: dict[str, Any] = {}
 
 
 def chunk_for(k: int) -> int:
@@ -40,38 +43,16 @@ def chunk_for(k: int) -> int:
     return 0
 
 
-# K segments of dense weights: split K until ceil(N/64) * NSEG >= NSEG_TARGET decode programs (64
-# weight rows each), at most NSEG_MAX segments, whole decode chunks per segment. These two numbers
-# decide the accumulation segments (hence the bits) of every path for a shape; chosen from the
-# H200 runs of BENCHMARKS.md (bench/probe_nvfp4.py --only nseg measures the candidates).
-NSEG_TARGET = 128
-NSEG_MAX = 8
-# A weight whose tiles alone fill the GPU still splits a K of at least NSEG_LONG_K in two (None: off): the
-# decode runs the halves on two warpgroups of one CTA, each fed by its own ring (native.fused_segments).
-# H200, N = K = 8192 (BENCHMARKS.md, 2026-12-02): decode M = 16 ~2.7x cuBLAS bf16 (one segment: ~2.3x),
-# at the cost of M = 33-64 (two segments across CTAs + reduce, ~20% slower than one segment, still ~1.5x
-# faster than bf16) and of the M = 8192 prefill (two launches, ~1.2x cuBLAS instead of ~1.07x). It
-# changes only shapes with at least NSEG_TARGET tiles (N > 8128) and K >= 8192 (70B-class projections: in
-# Qwen3 up to 32B and Llama-3-8B every weight with K >= 8192 has N <= 5120, hence two segments by NSEG_TARGET
-# already); a sampler that decodes more than 32 rows per step at such shapes can set it to None (both
-# engines alike: it decides the bits).
-NSEG_LONG_K: int | None = 8192
-# the prefill of two-segment dense weights as two launches (two_launch; H200 2026-12-01 21:11, M = 4096:
-# Qwen3-8B (4096, 4096) 1.45x -> 1.26x cuBLAS, (4096, 12288) 1.44x -> 1.06x, same bits) and the bound of
-# its fp32 buffer of segment 0's sums (M x N x 4 bytes, in row blocks above it)
-PREFILL_TWO_LAUNCH = True
-PARTIAL_BYTES = 256 << 20
-
-
-def nseg_for(n: int, k: int, grouped: bool = False) -> int:
-    """K segments, a function of (N, K) only (see NSEG_TARGET); expert weights: 1."""
+def nseg_for(n: int, k: int, grouped: bool = False, rule: SegmentRule = DEFAULT.segments) -> int:
+    """K segments of dense weights, a function of (N, K) only (:class:`tuning.SegmentRule`: they
+    decide the accumulation segments, hence the bits, of every path for a shape); expert weights: 1."""
     bkc = chunk_for(k)
     if grouped or bkc == 0:
         return 1
     tiles, s = triton.cdiv(n, 64), 1
-    while tiles * s < NSEG_TARGET and s < NSEG_MAX and (k // bkc) % (2 * s) == 0:
+    while tiles * s < rule.target and s < rule.max_segments and (k // bkc) % (2 * s) == 0:
         s *= 2
-    if s == 1 and NSEG_LONG_K and k >= NSEG_LONG_K and (k // bkc) % 2 == 0:
+    if s == 1 and rule.long_k and k >= rule.long_k and (k // bkc) % 2 == 0:
         s = 2
     return s
 
@@ -79,7 +60,8 @@ def nseg_for(n: int, k: int, grouped: bool = False) -> int:
 @dataclass
 class TCWeight:
     """Prepared NVFP4 weight: ``codes`` [(E,) N, K/2], ``scales`` [(E,) N, K/16], ``amax`` [1] /
-    [N] (per row) / [E] (experts); ``dec``: decode-layout bytes (None without a decode path)."""
+    [N] (per row) / [E] (experts); ``dec``: decode-layout bytes (None without a decode path);
+    ``tuning``: how every GEMM on it runs (its ``segments`` made ``nseg``)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -93,6 +75,7 @@ class TCWeight:
     _op: torch.Tensor | None = field(default=None, repr=False)
     native: bool | None = field(default=None, repr=False)  # native decode usable (None: not decided yet)
     native_w: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    tuning: GemmTuning = field(default=DEFAULT, repr=False)
 
     @property
     def n(self) -> int:
@@ -117,7 +100,12 @@ class TCWeight:
             raise ValueError("not an expert weight")
         return TCWeight(self.codes[e], self.scales[e], self.amax[e : e + 1], False,
                         None if self.dec is None else self.dec[e : e + 1], None if self.dsc is None else self.dsc[e : e + 1],
-                        self.bkc, self.nseg, False, None if self._op is None else self._op[e])
+                        self.bkc, self.nseg, False, None if self._op is None else self._op[e], tuning=self.tuning)
+
+    def tuned(self, tuning: GemmTuning) -> TCWeight:
+        """The same weight (its prepared tensors shared) under another tuning; ``nseg`` follows the new
+        :class:`tuning.SegmentRule` (bench/probe: compare configs on one weight)."""
+        return replace(self, tuning=tuning, nseg=nseg_for(self.n, self.k, self.grouped, tuning.segments))
 
 
 def weight_operand(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -151,9 +139,9 @@ def decode_layout(codes: torch.Tensor, scales: torch.Tensor, bkc: int) -> tuple[
     return _tile(arranged, e, n, k // bkc), _tile(scales.reshape(-1, k // 16), e, n, k // bkc)
 
 
-def prepare(w: Any) -> TCWeight:
+def prepare(w: Any, tuning: GemmTuning = DEFAULT) -> TCWeight:
     """TCWeight from an ``NVFP4Tensor`` [N, K] (per-tensor or per-row amax) or
-    ``GroupedNVFP4Weights`` [E, N, K] (one amax per expert)."""
+    ``GroupedNVFP4Weights`` [E, N, K] (one amax per expert), for GEMMs under ``tuning``."""
     grouped = not isinstance(w, NVFP4Tensor)
     per_row = (not grouped) and bool(w.per_token)
     k = w.codes.shape[-1] * 2
@@ -161,7 +149,7 @@ def prepare(w: Any) -> TCWeight:
     bkc = chunk_for(k)
     dec, dsc = decode_layout(w.codes, w.scales, bkc) if bkc else (None, None)
     return TCWeight(w.codes.contiguous(), w.scales.contiguous(), w.amax.reshape(-1).float().contiguous(), per_row,
-                    dec, dsc, bkc, nseg_for(n, k, grouped), grouped)
+                    dec, dsc, bkc, nseg_for(n, k, grouped, tuning.segments), grouped, tuning=tuning)
 
 
 def choose(m: int, w: TCWeight, path: str = "auto") -> str:
@@ -174,32 +162,35 @@ def choose(m: int, w: TCWeight, path: str = "auto") -> str:
     return "decode" if m <= DECODE_MAX_M and w.dec is not None else "prefill"
 
 
-def decode_config(m: int, grouped: bool = False) -> dict[str, Any]:
+def decode_config(m: int, grouped: bool = False, tuning: DecodeTuning = DEFAULT.decode) -> dict[str, Any]:
     """Tokens on the MMA's M side (16 rows: mma.sync) and 64 weight rows per program by default;
     for dense M <= 16 four decode chunks per loop step and 3 stages (more bytes in flight per SM);
     ``SWAP`` puts the weight rows on the M side instead (wgmma m64, tokens on N). Chosen from the
-    H200 runs in BENCHMARKS.md (every variant gave the same bits; only the speed differs)."""
+    H200 runs in BENCHMARKS.md (every variant gave the same bits; only the speed differs).
+    ``tuning``: overrides (:class:`tuning.DecodeTuning`; in the interpreter only SWAP, CPI and NSEG)."""
+    over = tuning.overrides()
     if INTERPRET:
-        keep = {key: v for key, v in DECODE_CFG.items() if key in ("SWAP", "CPI", "NSEG")}
+        keep = {key: v for key, v in over.items() if key in ("SWAP", "CPI", "NSEG")}
         return {"BN": 16, "BM": 16, "num_warps": 4, "num_stages": 1, "USE_ASM": False, **keep}
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     small = bm == 16 and not grouped
     return {"SWAP": False, "BN": 64 if bm < 64 else 32, "BM": bm, "num_warps": 4, "num_stages": 3 if small else 4,
-            "USE_ASM": True, "CPI": 4 if small else 1, **DECODE_CFG}
+            "USE_ASM": True, "CPI": 4 if small else 1, **over}
 
 
-def prefill_config(nseg: int, kseg: int) -> dict[str, Any]:
+def prefill_config(nseg: int, kseg: int, tuning: PrefillTuning = DEFAULT.prefill) -> dict[str, Any]:
     """Prefill tile config; ``FLAT``: one K loop across the segments (see ``prefill_kernel``; same
-    bits either way, ``FLAT=False`` is the old loop per segment, kept for the side-by-side probe)."""
+    bits either way, ``FLAT=False`` is the old loop per segment, kept for the side-by-side probe).
+    ``tuning``: :class:`tuning.PrefillTuning` (its tile overrides are ignored in the interpreter)."""
     bk = 64 if kseg % 64 == 0 else (32 if kseg % 32 == 0 else 16)
-    flat = {"FLAT": PREFILL_CFG.get("FLAT", True)}
+    flat = {"FLAT": tuning.flat}
     if INTERPRET:
         return {"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1, **flat}
     if nseg == 1:
         cfg = {"BM": 128, "BN": 256, "BK": bk, "num_warps": 8, "num_stages": 3, "GROUP_M": 16}
     else:
         cfg = {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 4, "GROUP_M": 16}
-    return {**cfg, **flat, **PREFILL_CFG}
+    return {**cfg, **flat, **tuning.overrides()}
 
 
 def act_operand(a: NVFP4Tensor) -> torch.Tensor:
@@ -217,7 +208,8 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
     if m == 0:
         return out
     grouped = tiles is not None
-    nseg = int(DECODE_CFG.get("NSEG", w.nseg)) if p == "decode" else w.nseg
+    tun = w.tuning
+    nseg = (w.nseg if tun.decode.nseg is None else int(tun.decode.nseg)) if p == "decode" else w.nseg
     if a_op.dim() > 2 and not (p == "decode" and use_native(w, a_op, nseg)):  # a native decode layout
         from . import native
 
@@ -225,7 +217,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
     te, tr0, tr1 = tiles if grouped else (a_amax, a_amax, a_amax)
     wes = (n * k) if grouped else 0
     if p == "decode":
-        cfg = decode_config(m) if bm is None else {**decode_config(m, grouped=True), "BM": bm}
+        cfg = decode_config(m, tuning=tun.decode) if bm is None else {**decode_config(m, True, tun.decode), "BM": bm}
         part = torch.empty(nseg, m, n, dtype=torch.float32, device=dev) if nseg > 1 else a_amax
         if use_native(w, a_op, nseg):
             from . import native
@@ -254,7 +246,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
     if two_launch(w):
         _prefill_two_launch(a_amax, a_op, w, m, out)
         return out
-    cfg = prefill_config(w.nseg, k // w.nseg)
+    cfg = prefill_config(w.nseg, k // w.nseg, tun.prefill)
     n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
     launch(prefill_kernel, (n_m * triton.cdiv(n, cfg["BN"]),),
            a_op, w.op(), a_amax, w.amax, out.view(torch.int16), te, tr0, tr1,
@@ -266,16 +258,16 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
 
 def two_launch(w: TCWeight) -> bool:
     """The prefill of a dense weight with two K segments runs as two launches of the one-segment tile
-    (``prefill_kernel`` PHASE 1, 2: segment 0's fp32 sums through a buffer), where ``PREFILL_CFG``
-    asks for it (``TWO_LAUNCH``; same bits as the one-loop kernel)."""
-    return bool(PREFILL_CFG.get("TWO_LAUNCH", PREFILL_TWO_LAUNCH)) and w.nseg == 2 and not w.grouped
+    (``prefill_kernel`` PHASE 1, 2: segment 0's fp32 sums through a buffer), where the weight's
+    tuning asks for it (:attr:`tuning.PrefillTuning.two_launch`; same bits as the one-loop kernel)."""
+    return w.tuning.prefill.two_launch and w.nseg == 2 and not w.grouped
 
 
 def _prefill_two_launch(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, out: torch.Tensor) -> None:
-    """PHASE 1 then 2 over row blocks whose fp32 buffer stays within PARTIAL_BYTES."""
+    """PHASE 1 then 2 over row blocks whose fp32 buffer stays within the tuning's ``partial_bytes``."""
     n, k = w.n, w.k
-    cfg = prefill_config(1, k // 2)  # the one-accumulator tile
-    rows = max(cfg["BM"], PARTIAL_BYTES // (4 * n) // cfg["BM"] * cfg["BM"])
+    cfg = prefill_config(1, k // 2, w.tuning.prefill)  # the one-accumulator tile
+    rows = max(cfg["BM"], w.tuning.prefill.partial_bytes // (4 * n) // cfg["BM"] * cfg["BM"])
     part = torch.empty(min(m, rows), n, dtype=torch.float32, device=a_op.device)
     for r0 in range(0, m, rows):
         mm = min(rows, m - r0)
@@ -290,7 +282,7 @@ def _prefill_two_launch(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m
 def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:
     """The native (CUDA C++) decode GEMM runs this call: built and usable here, dense weight with
     K % 128 == 0, no NaN-flagged weight scale, fp16 operand, the weight's own K segments."""
-    if INTERPRET or not DECODE_CFG.get("NATIVE", True) or w.grouped or nseg != w.nseg or a_op.dtype != torch.float16:
+    if INTERPRET or not w.tuning.decode.native or w.grouped or nseg != w.nseg or a_op.dtype != torch.float16:
         return False
     from . import native
 
@@ -363,7 +355,7 @@ def tc_grouped(a: NVFP4Tensor, offsets: torch.Tensor, w: TCWeight, *, path: str 
                a_op: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped GEMM: rows ``offsets[e]:offsets[e+1]`` of ``a`` times expert e, one launch. Each row
     equals a :func:`tc_matmul` call of that expert alone (same kernel numerics)."""
-    from .grouped import tile_schedule
+    from .moe import tile_schedule
 
     _check(a, w)
     if not w.grouped:
@@ -373,7 +365,8 @@ def tc_grouped(a: NVFP4Tensor, offsets: torch.Tensor, w: TCWeight, *, path: str 
         raise ValueError(f"offsets must have E+1 = {e_count + 1} entries, got {offsets.numel()}")
     m = a.shape[0]
     p = choose(max(1, m // e_count), w, path)
-    bm = decode_config(16, grouped=True)["BM"] if p == "decode" else prefill_config(w.nseg, w.k // w.nseg)["BM"]
+    bm = (decode_config(16, True, w.tuning.decode)["BM"] if p == "decode"
+          else prefill_config(w.nseg, w.k // w.nseg, w.tuning.prefill)["BM"])
     offsets = offsets.to(a.codes.device)
     tiles = tile_schedule(offsets, bm, m)
     row_e = None
@@ -386,7 +379,7 @@ def tc_grouped(a: NVFP4Tensor, offsets: torch.Tensor, w: TCWeight, *, path: str 
 def kernel_record(m: int, w: TCWeight, path: str = "auto") -> dict[str, Any]:
     """Manifest record of what :func:`tc_matmul` runs for M rows: path, config, versions."""
     p = choose(m, w, path)
-    cfg = decode_config(m) if p == "decode" else prefill_config(w.nseg, w.k // w.nseg)
+    cfg = decode_config(m, tuning=w.tuning.decode) if p == "decode" else prefill_config(w.nseg, w.k // w.nseg, w.tuning.prefill)
     if p == "decode":
         cfg = {**cfg, "CPI": _cpi(cfg, w.k // w.bkc // w.nseg)}
         if not INTERPRET and use_native(w, w.codes.new_empty(0, dtype=torch.float16), w.nseg):

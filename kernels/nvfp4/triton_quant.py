@@ -1,8 +1,8 @@
 """Triton NVFP4 quantize / dequantize / fused RMSNorm + per-token quantize.
 
-Bit-exact with :mod:`nvfp4_ref` (``torch.equal`` on codes, scales, amax and outputs). All
+Bit-exact with :mod:`ref` (``torch.equal`` on codes, scales, amax and outputs). All
 bit-deciding divisions use ``tl.div_rn``; E4M3/E2M1/bf16 rounding uses the exact helpers of
-:mod:`_triton_common` (identical on GPU and in the CPU interpreter).
+:mod:`common` (identical on GPU and in the CPU interpreter).
 """
 
 from __future__ import annotations

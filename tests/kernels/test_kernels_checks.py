@@ -81,7 +81,8 @@ def test_grouped_other_paths_bitwise(path):
     """Grouped GEMM through the paths that are not in the named checks (CPU interpreter)."""
     import torch
 
-    from mismatch_probe.kernels import moe_grouped_linear, quantize_expert_weights
+    from mismatch_probe.kernels import quantize_expert_weights
+    from mismatch_probe.kernels.nvfp4.reference.grouped import moe_grouped_linear
 
     g = torch.Generator().manual_seed(1)
     w = quantize_expert_weights(torch.randn(4, 32, 64, generator=g), use_ref=True)

@@ -7,17 +7,16 @@ import torch
 
 from mismatch_probe.kernels import (
     NVFP4Tensor,
-    aligned_linear,
-    grouped_w4a4,
     moe_route,
     nvfp4_dequantize,
     nvfp4_quantize,
     nvfp4_quantize_ref,
     quantize_expert_weights,
     rmsnorm_nvfp4_quantize,
-    w4a4_matmul,
 )
 from mismatch_probe.kernels.nvfp4.common import INTERPRET
+from mismatch_probe.kernels.nvfp4.reference.aligned_linear import aligned_linear, w4a4_matmul
+from mismatch_probe.kernels.nvfp4.reference.grouped import grouped_w4a4
 
 DEV = "cpu" if INTERPRET else "cuda"
 

@@ -5,12 +5,15 @@ quantizer, and the fallback when it cannot be built. The kernels themselves run 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from mismatch_probe.kernels.nvfp4 import native
 from mismatch_probe.kernels.nvfp4.ref import e2m1_decode, e4m3_decode, nvfp4_quantize_ref, unpack_codes
+from mismatch_probe.kernels.nvfp4.tuning import GemmTuning, NativeTuning
 
 
 def _prmt(a: np.ndarray, sel: int) -> np.ndarray:
@@ -109,51 +112,43 @@ def test_without_cuda_the_native_backend_reports_why_and_is_not_used():
     assert not quant_fast.use_native_quant(torch.zeros(2, 16, dtype=torch.bfloat16))
 
 
-def test_variant_records():
-    from types import SimpleNamespace
+def _w(k: int, nseg: int, variant: int | None = None, ks2: bool | None = None, **kw: object) -> SimpleNamespace:
+    """A stand-in weight for the records: K, its segments, and the native tuning it carries."""
+    return SimpleNamespace(k=k, nseg=nseg, tuning=GemmTuning(native=NativeTuning(variant, ks2)), **kw)
 
-    w = SimpleNamespace(k=8192, nseg=1)
+
+def test_variant_records():
+    w = _w(8192, 1)
     r = native.decode_variant(16, w)
     assert r["variant"] == native.DEFAULT_VARIANT and r["MMA"] == "mma.sync m16n8k16"
     assert native.decode_variant(64, w)["MT"] == 4 and native.decode_variant(20, w)["MT"] == 2
-    native.NATIVE_CFG["variant"] = 0
-    try:
-        assert native.decode_variant(1, w)["pipeline"] == "cp.async" and native.decode_variant(1, w)["HALF"] == 1
-        native.NATIVE_CFG["variant"] = 8
-        assert (native.decode_variant(16, w)["scales"], native.decode_variant(16, w)["decode"]) == ("fp16", "shift")
-        # odd chunk count per K segment, or M > 64 (a forced decode path): the cp.async kernel runs
-        assert native.decode_variant(1, SimpleNamespace(k=1152, nseg=1))["CPS"] == 1
-        assert native.decode_variant(100, w)["pipeline"] == "cp.async"
-        native.NATIVE_CFG["variant"] = 4  # removed (wgmma)
-        with pytest.raises(ValueError, match="unknown"):
-            native.decode_variant(16, w)
-    finally:
-        native.NATIVE_CFG.clear()
+    w0 = _w(8192, 1, variant=0)
+    assert native.decode_variant(1, w0)["pipeline"] == "cp.async" and native.decode_variant(1, w0)["HALF"] == 1
+    w8 = _w(8192, 1, variant=8)
+    assert (native.decode_variant(16, w8)["scales"], native.decode_variant(16, w8)["decode"]) == ("fp16", "shift")
+    # odd chunk count per K segment, or M > 64 (a forced decode path): the cp.async kernel runs
+    assert native.decode_variant(1, _w(1152, 1, variant=8))["CPS"] == 1
+    assert native.decode_variant(100, w8)["pipeline"] == "cp.async"
+    with pytest.raises(ValueError, match="unknown"):
+        native.decode_variant(16, _w(8192, 1, variant=4))  # removed (wgmma)
 
 
 def test_chunked_variant_records_and_token_layout():
     """Variants 12, 13 take the chunk-major token operand: [M/16][K/128][16][136] fp16, element (r, k)
     at [r // 16, k // 128, r % 16, k % 128], rows past M zero; rows_operand inverts it exactly."""
-    from types import SimpleNamespace
-
-    w = SimpleNamespace(k=8192, nseg=1)
-    native.NATIVE_CFG["variant"] = 12
-    try:
-        r = native.decode_variant(16, w)
-    finally:
-        native.NATIVE_CFG.clear()
+    w = _w(8192, 1, variant=12)
+    r = native.decode_variant(16, w)
     assert (r["variant"], r["STAGES"], r["CPS"], r["NT"]) == (12, 4, 4, 2) and "chunk-major" in r["tokens"]
+    w = _w(8192, 1)  # the default off sm_90: 14
     assert native.token_layout(16, w) == 1 and native.token_layout(64, w) == 1 and native.token_layout(65, w) == 0
     assert native.decode_variant(40, w)["CPS"] == 2 and native.decode_variant(40, w)["STAGES"] == 4
-    w6 = SimpleNamespace(k=768, nseg=1)  # 6 chunks: 2 per stage
+    w6 = _w(768, 1)  # 6 chunks: 2 per stage
     assert native.decode_variant(16, w6)["CPS"] == 2 and native.token_layout(16, w6) == 1
-    assert native.token_layout(1, SimpleNamespace(k=1152, nseg=1)) == 0  # odd chunk count: the cp.async kernel
-    native.NATIVE_CFG["variant"] = 14  # 8 consumer warps of one tile at M <= 16 with 4 chunks per stage only
-    try:
-        assert native.decode_variant(16, w)["NT"] == 1 and native.decode_variant(16, w6)["NT"] == 2
-        assert native.decode_variant(64, w)["NT"] == 2 and native.token_layout(16, w) == 1
-    finally:
-        native.NATIVE_CFG.clear()
+    assert native.token_layout(1, _w(1152, 1)) == 0  # odd chunk count: the cp.async kernel
+    # 14: 8 consumer warps of one tile at M <= 16 with 4 chunks per stage only
+    w, w6 = _w(8192, 1, variant=14), _w(768, 1, variant=14)
+    assert native.decode_variant(16, w)["NT"] == 1 and native.decode_variant(16, w6)["NT"] == 2
+    assert native.decode_variant(64, w)["NT"] == 2 and native.token_layout(16, w) == 1
     g = torch.Generator().manual_seed(3)
     for m, k in ((1, 256), (16, 384), (37, 1024)):
         op = torch.randn(m, k, generator=g).to(torch.float16)
@@ -169,26 +164,23 @@ def test_core_variant_records_and_token_layout():
     """Variant 15 (wgmma, sm_90 only) takes the core-matrix token operand [K/128][16][NTOK/8][8][8] fp16:
     element (r, k) at [k // 128, (k % 128) // 8, r // 8, r % 8, k % 8], rows past M zero, NTOK the least
     of 8, 16, 32, 64 >= M; rows_operand inverts it exactly; off sm_90 asking for it is a clear error."""
-    from types import SimpleNamespace
-
-    w = SimpleNamespace(k=8192, nseg=1)
+    w = _w(8192, 1)
     assert [native.token_cols(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
     native._STATE["hopper"] = True
-    native.NATIVE_CFG.clear()
     try:
         assert native.default_variant() == 15 and native.token_layout(16, w) == 2
         assert native.token_layout(65, w) == 0
         r = native.decode_variant(16, w)
         assert (r["variant"], r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (15, 16, 4, 4, 4)
         assert "m64n16k16" in r["MMA"] and "core-matrix" in r["tokens"] and r["decode"] == "shift"
-        r = native.decode_variant(64, SimpleNamespace(k=768, nseg=1))  # 6 chunks: 2 per stage
+        r = native.decode_variant(64, _w(768, 1))  # 6 chunks: 2 per stage
         assert (r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (64, 4, 2, 2)
         assert native.decode_variant(65, w)["pipeline"] == "cp.async"
         # two K segments: inside the CTA where the tiles alone fill the GPU (N = 8192: 128 tiles, 132
         # SMs) and M <= 32; across CTAs at two CTAs per SM above M = 32 (256 programs > 132 SMs); at
-        # N = 4096 across CTAs with the one-segment ring; NATIVE_CFG["KS2"] forces either way
+        # N = 4096 across CTAs with the one-segment ring; the tuning's ks2 forces either way
         native._STATE["sms"] = 132
-        w2, w3 = SimpleNamespace(n=8192, k=8192, nseg=2), SimpleNamespace(n=4096, k=8192, nseg=2)
+        w2, w3 = _w(8192, 2, n=8192), _w(8192, 2, n=4096)
         assert native.fused_segments(16, w2, 2) and not native.fused_segments(33, w2, 2)
         r = native.decode_variant(16, w2)
         assert (r["STAGES"], r["CPS"], r["R"]) == (4, 2, 2) and "2 warpgroups" in r["MMA"] and "core-matrix" in r["tokens"]
@@ -197,18 +189,15 @@ def test_core_variant_records_and_token_layout():
         assert (r["NTOK"], r["STAGES"], r["CPS"], r["R"]) == (64, 2, 2, 2) and "2 CTAs per SM" in r["pipeline"]
         assert not native.fused_segments(16, w3, 2) and native.decode_variant(16, w3)["CPS"] == 4
         assert native.crowded(w2, 2) and not native.crowded(w3, 2) and native.decode_variant(64, w3)["STAGES"] == 4
-        native.NATIVE_CFG["KS2"] = False
-        assert not native.fused_segments(16, w2, 2) and native.decode_variant(16, w2)["CPS"] == 4
-        native.NATIVE_CFG["KS2"] = True
-        assert native.fused_segments(16, w3, 2) and not native.fused_segments(16, SimpleNamespace(n=8192, k=8192, nseg=1), 1)
-        native.NATIVE_CFG.pop("KS2")
+        w2off = _w(8192, 2, ks2=False, n=8192)
+        assert not native.fused_segments(16, w2off, 2) and native.decode_variant(16, w2off)["CPS"] == 4
+        assert native.fused_segments(16, _w(8192, 2, ks2=True, n=4096), 2)
+        assert not native.fused_segments(16, _w(8192, 1, ks2=True, n=8192), 1)
         native._STATE["hopper"] = False
         assert native.default_variant() == 14 and native.token_layout(16, w) == 1
-        native.NATIVE_CFG["variant"] = 15
         with pytest.raises(ValueError, match="sm_90"):
-            native.decode_variant(16, w)
+            native.decode_variant(16, _w(8192, 1, variant=15))
     finally:
-        native.NATIVE_CFG.clear()
         native._STATE.pop("hopper", None)
     g = torch.Generator().manual_seed(4)
     for m, k in ((1, 256), (9, 384), (16, 128), (37, 1024), (64, 256)):
@@ -246,17 +235,15 @@ def test_native_sources_ship_and_key_the_build_cache():
 def test_decode_gemm_passes_the_instance_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     """The in-CTA segments and the two-CTAs-per-SM ring are decided once, in Python (fused_segments,
     crowded: what decode_variant records), and handed to the extension, which no longer derives them."""
-    from types import SimpleNamespace
 
     calls: list[tuple] = []
     monkeypatch.setattr(native, "load", lambda: SimpleNamespace(decode_gemm=lambda *a: calls.append(a)))
     monkeypatch.setitem(native._STATE, "hopper", True)
     monkeypatch.setitem(native._STATE, "sms", 132)
-    monkeypatch.setattr(native, "NATIVE_CFG", {})
     t = torch.zeros(1)
     for n, m, ks2, crowd in ((8192, 16, True, True), (8192, 64, False, True), (4096, 64, False, False),
                              (4096, 16, False, False)):
-        w = SimpleNamespace(n=n, k=8192, nseg=2, native_w=(t, t, t), amax=t, per_row=True)
+        w = _w(8192, 2, n=n, native_w=(t, t, t), amax=t, per_row=True)
         native.decode_gemm(t, torch.zeros(m, 8192, dtype=torch.float16), w, m, 2, t, t)
         rec = native.decode_variant(m, w)
         assert calls[-1][-2:] == (ks2, crowd) and calls[-1][5].dim() == 5  # the core-matrix operand

@@ -1,7 +1,7 @@
 """The tensor-core NVFP4 GEMM (kernels/nvfp4/tc_linear.py) on the CPU: layout, dispatch, tolerance.
 
 The Triton interpreter runs the same kernels on CPU tensors (fp32 dot operands there), so these
-tests check the logic and the GEMM tolerance of NVFP4.md; the bitwise properties (rows identical
+tests check the logic and the GEMM tolerance of docs/nvfp4.md; the bitwise properties (rows identical
 for every M, decode == prefill, grouped == per-expert) are GPU checks (``tc_rows_identical_*``,
 ``tc_grouped_eq_per_expert``, run by test_kernels_gpu.py and bench/bench_kernels.py)."""
 
@@ -14,6 +14,7 @@ from mismatch_probe.kernels.checks import tc_within_bound
 from mismatch_probe.kernels.nvfp4 import linear as NL
 from mismatch_probe.kernels.nvfp4 import ref as R
 from mismatch_probe.kernels.nvfp4 import tc_linear as T
+from mismatch_probe.kernels.nvfp4.tuning import DEFAULT, DecodeTuning, GemmTuning, PrefillTuning, SegmentRule
 
 
 def _g(seed: int) -> torch.Generator:
@@ -40,13 +41,32 @@ def test_nseg_depends_on_n_k_only():
     assert T.chunk_for(48) == 0 and T.chunk_for(96) == 32 and T.chunk_for(768) == 128
 
 
-def test_nseg_rule_constants(monkeypatch):
-    """NSEG_TARGET / NSEG_MAX drive the rule (the probe's candidates), whole chunks per segment."""
-    monkeypatch.setattr(T, "NSEG_TARGET", 512)
-    assert T.nseg_for(8192, 8192) == 4 and T.nseg_for(4096, 4096) == 8 and T.nseg_for(1024, 3072) == 8
-    monkeypatch.setattr(T, "NSEG_MAX", 16)
-    assert T.nseg_for(1024, 2048) == 16 and T.nseg_for(1024, 1024) == 8  # 8 chunks of 128: at most 8
-    assert T.nseg_for(1536, 2048, grouped=True) == 1
+def test_nseg_rule_constants():
+    """SegmentRule's target / max_segments drive the rule (the probe's candidates), whole chunks per
+    segment; the default is 128 / 8 / 8192, passed as data."""
+    assert DEFAULT.segments == SegmentRule(128, 8, 8192) and T.prepare(R.nvfp4_quantize_ref(
+        torch.randn(16, 64))).tuning is DEFAULT
+    rule = SegmentRule(target=512)
+    assert T.nseg_for(8192, 8192, rule=rule) == 4 and T.nseg_for(4096, 4096, rule=rule) == 8
+    assert T.nseg_for(1024, 3072, rule=rule) == 8
+    rule = SegmentRule(target=512, max_segments=16)
+    assert T.nseg_for(1024, 2048, rule=rule) == 16 and T.nseg_for(1024, 1024, rule=rule) == 8  # 8 chunks of 128: at most 8
+    assert T.nseg_for(1536, 2048, grouped=True, rule=rule) == 1
+    w = T.prepare(R.nvfp4_quantize_ref(torch.randn(1024, 2048, generator=_g(1))))
+    assert w.nseg == 8 and w.tuned(GemmTuning(segments=rule)).nseg == 16 and w.nseg == 8  # frozen data, copies
+
+
+def test_tuning_is_frozen_data():
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT.decode.native = False  # type: ignore[misc]
+    assert DecodeTuning.from_config({"SWAP": True, "NSEG": 2, "NATIVE": False}) == DecodeTuning(swap=True, nseg=2,
+                                                                                                 native=False)
+    assert PrefillTuning.from_config({"FLAT": False, "BN": 128}).overrides() == {"BN": 128}
+    assert DEFAULT.with_(decode={"cpi": 2}).decode.overrides() == {"CPI": 2} and DEFAULT.decode.overrides() == {}
+    with pytest.raises(ValueError, match="unknown config key"):
+        DecodeTuning.from_config({"NSEGS": 2})
 
 
 @pytest.mark.parametrize("m,n,k,path", [(3, 48, 256, "decode"), (3, 48, 256, "prefill"), (20, 40, 96, "decode"),
@@ -58,11 +78,11 @@ def test_tc_matmul_within_gemm_tolerance(m, n, k, path):
 
 
 @pytest.mark.parametrize("cfg", [{"SWAP": True}, {"SWAP": True, "NSEG": 2}, {"CPI": 2}])
-def test_decode_variants_within_gemm_tolerance(monkeypatch, cfg):
-    monkeypatch.setattr(T, "DECODE_CFG", dict(cfg))
+def test_decode_variants_within_gemm_tolerance(cfg):
+    tuning = DEFAULT.with_(decode=DecodeTuning.from_config(cfg))
     w = R.nvfp4_quantize_ref(torch.randn(48, 512, generator=_g(10)))
     a = R.nvfp4_quantize_ref(torch.randn(5, 512, generator=_g(11)).to(torch.bfloat16), per_token=True)
-    tc_within_bound(T.tc_matmul(a, T.prepare(w), path="decode"), a, w)
+    tc_within_bound(T.tc_matmul(a, T.prepare(w, tuning), path="decode"), a, w)
 
 
 def test_tc_linear_equals_quantize_then_matmul():
@@ -109,7 +129,7 @@ def test_nvfp4_linear_runs_the_kernels_when_selected(monkeypatch, scheme, parts)
 
 
 @pytest.mark.parametrize("n,k,m", [(48, 256, 20), (16, 1024, 17)])
-def test_prefill_flat_loop_equals_loop_per_segment(monkeypatch, n, k, m):
+def test_prefill_flat_loop_equals_loop_per_segment(n, k, m):
     """The prefill kernel's one K loop across segments (the default) folds each segment's sum into
     the total at the segment's end: the same dots in the same order as one loop per segment, so the
     same bits (here in the interpreter; the GPU sweep of bench/probe_prefill.py checks the wgmma
@@ -118,42 +138,40 @@ def test_prefill_flat_loop_equals_loop_per_segment(monkeypatch, n, k, m):
     a = R.nvfp4_quantize_ref(torch.randn(m, k, generator=_g(13)).to(torch.bfloat16), per_token=True)
     tw = T.prepare(w)
     assert tw.nseg > 1 and (k // tw.nseg) // T.prefill_config(tw.nseg, k // tw.nseg)["BK"] > 1
-    monkeypatch.setattr(T, "PREFILL_TWO_LAUNCH", False)  # the one-loop kernel at NSEG 2 too
+    tw = tw.tuned(DEFAULT.with_(prefill={"two_launch": False}))  # the one-loop kernel at NSEG 2 too
     flat = T.tc_matmul(a, tw, path="prefill")
     assert T.kernel_record(m, tw, "prefill")["config"]["FLAT"] is True
-    monkeypatch.setattr(T, "PREFILL_CFG", {"FLAT": False})
-    per_seg = T.tc_matmul(a, tw, path="prefill")
+    per_seg = T.tc_matmul(a, tw.tuned(DEFAULT.with_(prefill={"two_launch": False, "flat": False})), path="prefill")
     assert torch.equal(flat.view(torch.int16), per_seg.view(torch.int16))
     tc_within_bound(flat, a, w)
 
 
 @pytest.mark.parametrize("n,k,m", [(48, 256, 20), (40, 256, 37)])
-def test_prefill_two_launch_equals_one_loop(monkeypatch, n, k, m):
+def test_prefill_two_launch_equals_one_loop(n, k, m):
     """Two K segments as two launches of the one-accumulator tile (segment 0's fp32 sums through a
     buffer, then p0 + p1 and the epilogue) give the bits of the one-loop kernel, also when the rows go
-    through the buffer in several blocks (PARTIAL_BYTES)."""
+    through the buffer in several blocks (PrefillTuning.partial_bytes)."""
     w = R.nvfp4_quantize_ref(torch.randn(n, k, generator=_g(14)))
     a = R.nvfp4_quantize_ref(torch.randn(m, k, generator=_g(15)).to(torch.bfloat16), per_token=True)
     tw = T.prepare(w)
     assert tw.nseg == 2 and T.two_launch(tw)  # the default at NSEG 2
-    monkeypatch.setattr(T, "PREFILL_CFG", {"TWO_LAUNCH": False})
-    assert not T.two_launch(tw)
-    one = T.tc_matmul(a, tw, path="prefill")
-    monkeypatch.setattr(T, "PREFILL_CFG", {})
+    one_loop = tw.tuned(DEFAULT.with_(prefill=PrefillTuning.from_config({"TWO_LAUNCH": False})))
+    assert not T.two_launch(one_loop)
+    one = T.tc_matmul(a, one_loop, path="prefill")
     assert T.two_launch(tw) and not T.two_launch(T.prepare(R.nvfp4_quantize_ref(torch.randn(16, 1024, generator=_g(3)))))
     two = T.tc_matmul(a, tw, path="prefill")
     assert torch.equal(one.view(torch.int16), two.view(torch.int16))
-    monkeypatch.setattr(T, "PARTIAL_BYTES", 16 * 4 * n)  # 16 rows per block: several blocks
-    assert torch.equal(one.view(torch.int16), T.tc_matmul(a, tw, path="prefill").view(torch.int16))
+    blocks = tw.tuned(DEFAULT.with_(prefill={"partial_bytes": 16 * 4 * n}))  # 16 rows per block: several blocks
+    assert torch.equal(one.view(torch.int16), T.tc_matmul(a, blocks, path="prefill").view(torch.int16))
     tc_within_bound(one, a, w)
 
 
-def test_nseg_long_k(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NSEG_LONG_K (8192 by default): where the tiles alone fill the GPU, a K of at least NSEG_LONG_K still
-    splits in two (a function of (N, K) only); shorter K, more segments already, experts: unchanged;
-    None turns it off."""
-    assert T.NSEG_LONG_K == 8192
+def test_nseg_long_k() -> None:
+    """SegmentRule.long_k (8192 by default): where the tiles alone fill the GPU, a K of at least long_k
+    still splits in two (a function of (N, K) only); shorter K, more segments already, experts:
+    unchanged; None turns it off."""
+    assert DEFAULT.segments.long_k == 8192
     assert T.nseg_for(8192, 8192) == 2 and T.nseg_for(28672, 8192) == 2 and T.nseg_for(8192, 28672) == 2
     assert T.nseg_for(8192, 4096) == 1 and T.nseg_for(1024, 8192) == 8 and T.nseg_for(8192, 8192, grouped=True) == 1
-    monkeypatch.setattr(T, "NSEG_LONG_K", None)
-    assert T.nseg_for(8192, 8192) == 1 and T.nseg_for(28672, 8192) == 1
+    off = SegmentRule(long_k=None)
+    assert T.nseg_for(8192, 8192, rule=off) == 1 and T.nseg_for(28672, 8192, rule=off) == 1

@@ -1,4 +1,4 @@
-"""The batch-invariant W4A4 GEMM kernel shared by :mod:`aligned_linear` and :mod:`grouped_gemm`.
+"""The exact per-16-block W4A4 GEMM kernel of :mod:`reference.aligned_linear` and :mod:`reference.grouped`.
 
 Per output element (m, n), whatever the tile shape, the number of rows or the expert:
 
@@ -10,7 +10,7 @@ Per output element (m, n), whatever the tile shape, the number of rows or the ex
 * epilogue: ``out = acc * ((amaxA[m] * amaxB[n]) * RN(1/(36*448^2)))``, then RNE to bf16.
 
 No split-K, fixed K order, alpha in the epilogue: row m of the output is bitwise identical for
-any M (batch invariance), and equals :func:`nvfp4_ref.w4a4_gemm_ref`.
+any M (batch invariance), and equals :func:`ref.w4a4_gemm_ref`.
 
 Operands come either as packed FP4 codes + E4M3 block scales (``*_FP4``: the decode path reads
 them directly) or as bf16 ``E2M1*sf`` values made by ``nvfp4_dequantize(apply_global=False)``
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from .common import bf16_bits_rne, e4m3_decode, kjit, rsum, unpack_decode_tile
+from ..common import bf16_bits_rne, e4m3_decode, kjit, rsum, unpack_decode_tile
 
 
 @kjit

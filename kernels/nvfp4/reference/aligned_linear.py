@@ -1,9 +1,10 @@
-"""Aligned (batch-invariant) W4A4 linear: per-token NVFP4 activations x NVFP4 weights.
+"""The exact per-16-block W4A4 linear (the older Triton stack; a slow cross-check, not the default).
 
-``aligned_linear(x, w)`` computes ``x @ w.T`` as defined by :func:`nvfp4_ref.w4a4_gemm_ref`, bit
-for bit, with one kernel for every M (see :mod:`triton_w4a4` for the numerics). Row i of the
-output depends only on row i of ``x``: the learner (large M) and the sampler (M = decode batch)
-get identical bits.
+``aligned_linear(x, w)`` computes ``x @ w.T`` as defined by :func:`ref.w4a4_gemm_ref`, bit
+for bit, with one kernel for every M (see :mod:`reference.w4a4` for the numerics). Row i of the
+output depends only on row i of ``x``. The recipes run :class:`linear.NVFP4Linear` over
+:mod:`tc_linear` instead (tensor-core accumulation, within the GEMM tolerance of docs/nvfp4.md);
+this one is used by the named checks (``gemm_*``), the tests and the benches.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from .common import INTERPRET, kernel_device_ok, launch
-from .ref import FLOAT_DTYPES, NVFP4Tensor, w4a4_gemm_ref
-from .triton_quant import check_qtensor, nvfp4_dequantize, nvfp4_quantize
+from ..common import INTERPRET, kernel_device_ok, launch
+from ..ref import FLOAT_DTYPES, NVFP4Tensor, w4a4_gemm_ref
+from ..triton_quant import check_qtensor, nvfp4_dequantize, nvfp4_quantize
 from .w4a4 import w4a4_kernel
 
 DECODE_MAX_M = 64  # at or below: packed FP4 weights read directly in the mainloop (swap-AB)
@@ -168,7 +169,7 @@ def aligned_linear(
 
 def aligned_linear_ref(x: torch.Tensor | NVFP4Tensor, w: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16):
     """Pure-torch reference of :func:`aligned_linear` (any device)."""
-    from .ref import nvfp4_quantize_ref
+    from ..ref import nvfp4_quantize_ref
 
     q = nvfp4_quantize_ref(x, per_token=True) if isinstance(x, torch.Tensor) else x
     return w4a4_gemm_ref(q, w, out_dtype)
