@@ -1,6 +1,6 @@
 // The wgmma decode GEMM (variant 15), included by nvfp4_native.cu inside its anonymous namespace: it uses
-// that file's helpers (code_halves, frag_b, load_wsc, the mbarrier and bulk-copy wrappers, KC, W_BYTES,
-// S_BYTES, RCP_ALPHA, bf16_bits_rne). Not a standalone header.
+// the helpers of common.cuh (code_halves, frag_b, KC, W_BYTES, S_BYTES, RCP_ALPHA, bf16_bits_rne) and of
+// decode_bulk.cuh (load_wsc, the mbarrier and bulk-copy wrappers). Not a standalone header.
 #pragma once
 
 // ------------------------------------------------------------------------------------------
