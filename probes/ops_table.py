@@ -27,9 +27,23 @@ class _Rows:
     full: np.ndarray  # row indices (into the tensor) kept in full mode, ascending
     full_dev: Any = None
     stats: bool = True  # any row kept in stats or full mode (else the device kernel computes digests only)
+    runs: Any = None  # the packed layout's runs (see run/ops_packed.py), made once per row set
 
     def __getstate__(self) -> dict[str, Any]:  # sent to the writer process without the device copy
         return {**self.__dict__, "full_dev": None}
+
+    def packed_runs(self) -> np.ndarray:
+        """int32 [r, 4]: seq_id, first pos, count, mode of each stretch of consecutive positions of
+        one sequence in one mode (computed once per row set: every op of a batch shares it)."""
+        if self.runs is None:
+            s, p, m = self.seq, self.pos, self.modes.astype(np.int64)
+            cut = np.ones(s.size, bool)
+            if s.size > 1:
+                cut[1:] = (s[1:] != s[:-1]) | (p[1:] != p[:-1] + 1) | (m[1:] != m[:-1])
+            start = np.nonzero(cut)[0]
+            cnt = np.diff(np.append(start, s.size))
+            self.runs = np.ascontiguousarray(np.stack([s[start], p[start], cnt, m[start]], axis=1).astype("<i4"))
+        return self.runs
 
 
 @dataclass(slots=True)
@@ -134,3 +148,72 @@ def _topk_cols(segs: list[_Seg], ks: np.ndarray, stats_on: np.ndarray, tv: Any, 
     ids = pa.ListArray.from_arrays(pa.array(off), pa.array(ti[rows].reshape(-1).astype(np.int32)), mask=mask)
     vals = pa.ListArray.from_arrays(pa.array(off), pa.array(tv[rows].reshape(-1).astype(np.float32)), mask=mask)
     return ids, vals
+
+
+def _blob_col(data: np.ndarray, nbytes: np.ndarray) -> pa.Array:
+    """A large_binary column of one value per segment: ``data``'s bytes cut into pieces of
+    ``nbytes`` (null where 0), without copying per value."""
+    n = nbytes.size
+    off = np.zeros(n + 1, np.int64)
+    np.cumsum(nbytes, out=off[1:])
+    valid = pa.py_buffer(np.packbits(nbytes > 0, bitorder="little"))
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8) if data is not None and data.size else np.zeros(0, np.uint8)
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [valid, pa.py_buffer(off), pa.py_buffer(raw)])
+
+
+def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals: np.ndarray | None, tv: Any,
+                  ti: Any) -> pa.Table:
+    """One chunk's rows in the packed layout (``mismatch_probe.run.ops_packed``): one row per
+    segment, its per-token columns as byte blobs gathered from the arena in whole-chunk array ops.
+    ``dig``: uint64 digests (or int64: the same bits), never hex digits."""
+    from mismatch_probe.run.ops_packed import PACKED_SCHEMA
+
+    segs = [s if isinstance(s, _Seg) else _Seg(*s) for s in segs]
+    ks = np.array([s.rows.keep.size for s in segs], np.int64)
+    arena = np.concatenate([s.arena_off + (s.rows.keep if s.batched else np.arange(s.rows.keep.size)) for s in segs])
+    modes = np.concatenate([s.rows.modes for s in segs])
+    stats_on = modes >= STATS
+    seg_of = np.repeat(np.arange(len(segs)), ks)
+    n_stats = np.bincount(seg_of, weights=stats_on, minlength=len(segs)).astype(np.int64)
+    n_full = np.bincount(seg_of, weights=modes == FULL, minlength=len(segs)).astype(np.int64)
+    width = np.array([s.width for s in segs], np.int64)
+    itemsize = np.array([s.itemsize for s in segs], np.int64)
+    runs = [s.rows.packed_runs() for s in segs]
+    d = np.ascontiguousarray(dig[arena]).view("<u8") if dig.ndim == 1 else None
+    if d is None:
+        raise ValueError("the packed layout takes raw digests, not hex digits")
+    if st is not None and stats_on.any():
+        stats = st[arena[stats_on]]
+    else:
+        stats, n_stats = None, np.zeros(len(segs), np.int64)
+    has_topk = np.array([s.has_topk for s in segs], bool)
+    if tv is not None and has_topk.any():
+        kk = int(tv.shape[1])
+        src = np.concatenate([s.topk_rows if s.has_topk else np.zeros(s.rows.keep.size, np.int64) for s in segs])
+        take = src[np.repeat(has_topk, ks) & stats_on]
+        t_ids, t_vals = ti[take].astype("<i4"), tv[take].astype("<f4")
+        topk_k = np.where(has_topk, kk, 0)
+        t_rows = np.where(has_topk, n_stats, 0)
+    else:
+        t_ids = t_vals = None
+        topk_k = t_rows = np.zeros(len(segs), np.int64)
+    rlen = np.array([r.shape[0] * 16 for r in runs], np.int64)
+    roff = np.zeros(len(segs) + 1, np.int32)
+    np.cumsum(rlen, out=roff[1:])
+    cols = [
+        pa.array([s.op for s in segs], pa.string()),
+        pa.array([split_op(s.op)[0] for s in segs], pa.int32()),
+        pa.array([s.dtype for s in segs], pa.string()),
+        pa.array([s.shape for s in segs], pa.list_(pa.int64())),
+        pa.array(width),
+        pa.array(itemsize.astype(np.int32)),
+        pa.array(ks),
+        pa.BinaryArray.from_buffers(pa.binary(), len(segs), [None, pa.py_buffer(roff), pa.py_buffer(np.concatenate(runs))]),
+        _blob_col(d, ks * 8),
+        _blob_col(stats, n_stats * 40),
+        _blob_col(vals, n_full * width * itemsize),
+        pa.array(topk_k.astype(np.int32)),
+        _blob_col(t_ids, t_rows * topk_k * 4),
+        _blob_col(t_vals, t_rows * topk_k * 4),
+    ]
+    return pa.Table.from_arrays(cols, schema=PACKED_SCHEMA)

@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow as pa
 
 from mismatch_probe import settings
-from mismatch_probe.probes.digest import digest_stats_cpu, hex_chars
-from mismatch_probe.probes.ops_table import FULL, STATS, _build_table, _dtype_name, _ops_schema, _Rows, _Seg
+from mismatch_probe.probes.digest import digest_stats_cpu
+from mismatch_probe.probes.ops_table import FULL, STATS, _build_packed, _build_table, _dtype_name, _ops_schema, _Rows, _Seg
 from mismatch_probe.run.schema import DIGEST_KEY
 
 BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, one row group)
@@ -124,7 +124,9 @@ class OpRecorder:
                     Path(self._tmp).unlink(missing_ok=True)
                     self.writer_mode = "thread"
             if self.writer_mode == "thread":
-                self._writer = StreamWriter(self._sink, "ops", _ops_schema(), _META)
+                from mismatch_probe.run.ops_packed import PackedWriter
+
+                self._writer = PackedWriter(self._sink, _META)
         self._device: Any = None
         self.force_batched = batched
         self._is_batched: bool | None = None
@@ -434,9 +436,8 @@ class OpRecorder:
                 vals = self._to_host([v.reshape(-1).view(torch.uint8) for v in self._values])
                 tv = self._to_host([a for a, _ in self._topk])
                 ti = self._to_host([b for _, b in self._topk])
-                # the writer process makes the hex digits on its own CPU; for the writer thread they are
-                # made on the device (the host thread then only slices bytes: short GIL holds)
-                hd = self._to_host([dig[:u] if self.writer_mode == "process" else hex_chars(dig[:u])])
+                # raw digests (8 bytes a row): the packed ops.parquet stores them as they are
+                hd = self._to_host([dig[:u]])
                 # no stats copy for a chunk of digest-only ops (their stats columns are null)
                 hs = self._to_host([st[:u]]) if self._chunk_has_stats() else None  # stream-ordered
                 ev = None
@@ -513,16 +514,18 @@ class OpRecorder:
         if isinstance(vals, list):
             vals = np.concatenate(vals)
         if not isinstance(dig, np.ndarray):
-            dig, st = dig.numpy(), None if st is None else st.numpy()  # dig: hex digits uint8 [rows, 16]
+            dig, st = dig.numpy(), None if st is None else st.numpy()  # dig: int64 digests (the uint64 bits)
             vals = None if vals is None else vals.numpy()
             tv = None if tv is None else tv.numpy()
             ti = None if ti is None else ti.numpy()
-        table = _build_table(segs, dig, st, vals, tv, ti)
-        self.rows_written += table.num_rows
         self.value_bytes += 0 if vals is None else int(vals.size)
-        if self._writer is not None:
+        if self._writer is not None:  # streamed: the packed layout (one row per segment, blobs)
+            table = _build_packed(segs, dig, st, vals, tv, ti)
+            self.rows_written += int(np.asarray(table.column("n")).sum())
             self._writer.write(table)
         else:
+            table = _build_table(segs, dig, st, vals, tv, ti)
+            self.rows_written += table.num_rows
             self._tables.append(table)
 
     def _join(self) -> None:

@@ -283,8 +283,8 @@ def _peak_rss_mb() -> float | None:
 
 
 def main(rfd: int, wfd: int) -> None:
-    from mismatch_probe.probes.ops_table import _build_table, _ops_schema
-    from mismatch_probe.run.schema import StreamWriter
+    from mismatch_probe.probes.ops_table import _build_packed
+    from mismatch_probe.run.ops_packed import PackedWriter
 
     rx, tx = Connection(rfd, writable=False), Connection(wfd, readable=False)
     writer = None
@@ -299,16 +299,17 @@ def main(rfd: int, wfd: int) -> None:
             if msg[0] == "open":
                 _peak_rss_reset()
                 _, sink, tmp, meta = msg
-                writer = StreamWriter(Path(sink), "ops", _ops_schema(), meta, tmp=tmp)
+                writer = PackedWriter(Path(sink), meta, tmp=tmp)
             elif msg[0] == "chunk":
                 _, path, layout, segs = msg
                 p = _read_parts(path, layout)
                 os.unlink(path)
-                table = _build_table(segs, p["dig"], p.get("st"), p.get("vals"), p.get("tv"), p.get("ti"))
+                table = _build_packed(segs, p["dig"], p.get("st"), p.get("vals"), p.get("tv"), p.get("ti"))
                 assert writer is not None
                 writer.write(table)
                 vals = p.get("vals")
-                tx.send(("ack", table.num_rows, 0 if vals is None else int(vals.size), path))
+                rows = int(np.asarray(table.column("n")).sum())
+                tx.send(("ack", rows, 0 if vals is None else int(vals.size), path))
             elif msg[0] == "close":  # the file is complete; wait for the next one
                 assert writer is not None
                 writer.close()

@@ -12,6 +12,9 @@ History:
       v1's were blake2b-64: the upgrade prefixes them ``blake2b:`` so they never compare equal to
       an mp64 digest); optional ``topk_ids`` / ``topk_values`` (logits rows); ops.parquet is
       streamed in row groups (:class:`StreamWriter`). Other kinds are unchanged.
+  v3  ops.parquet streamed by the recorder may be in the packed layout (run/ops_packed.py: one row
+      per op call, per-token blobs); :func:`read_table` unpacks it into the same ``ops`` table.
+      Tables of every kind are otherwise unchanged (the v2 -> v3 step is the identity).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import pyarrow.parquet as pq
 
 from mismatch_probe.errors import SchemaError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 VERSION_KEY = b"mismatch_probe.schema_version"
 KIND_KEY = b"mismatch_probe.kind"
 DIGEST_KEY = b"mismatch_probe.digest"
@@ -145,7 +148,7 @@ def _v1_to_v2(table: pa.Table, kind: str) -> pa.Table:
 
 
 # version -> function upgrading a table of that version to version + 1
-_UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {1: _v1_to_v2}
+_UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {1: _v1_to_v2, 2: lambda table, kind: table}
 
 
 def conform(table: pa.Table, kind: str) -> pa.Table:
@@ -298,6 +301,10 @@ def read_table(path: Path, kind: str) -> pa.Table:
             raise SchemaError(f"{path} has schema version {version}, which this mismatch-probe cannot read or upgrade")
         table = _UPGRADES[version](table, kind)
         version += 1
+    if kind == "ops":  # the packed layout of a streamed capture -> one row per op and token
+        from mismatch_probe.run.ops_packed import unpack
+
+        table = unpack(table)
     return conform(table, kind)
 
 
@@ -305,6 +312,8 @@ def validate_file(path: Path, kind: str) -> pa.Table:
     """Read ``path`` and check it matches ``kind``'s schema exactly (types of required columns)."""
     table = read_table(path, kind)
     raw = pq.read_schema(path)
+    if kind == "ops" and (raw.metadata or {}).get(b"mismatch_probe.ops_layout"):
+        raw = table.schema  # packed on disk (run/ops_packed.py): the unpacked table is what is checked
     for f in SCHEMAS[kind]:
         if raw.field(f.name).type != f.type:
             raise SchemaError(f"{path}: column {f.name} has type {raw.field(f.name).type}, expected {f.type}")

@@ -43,7 +43,7 @@ def record(rec: Any) -> None:
         pos = np.tile(np.arange(width), len(ids))
         shape = (len(ids), width)
 
-        def t(*cols: int, dtype: Any = torch.bfloat16, scale: float = 3.0) -> Any:
+        def t(*cols: int, dtype: Any = torch.bfloat16, scale: float = 3.0, shape: tuple = shape) -> Any:
             x = torch.randn(*shape, *cols, generator=g) * scale
             return x.to(dtype)
 

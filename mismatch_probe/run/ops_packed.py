@@ -1,0 +1,211 @@
+"""The packed layout of a streamed ``ops.parquet`` (schema v3): one Parquet row per recorded op call
+(an op over one micro-batch of tokens), its per-token columns as little-endian byte blobs, written
+as they come out of the recorder's arena (no Python per token row, no hex strings, no compression
+of data that cannot compress: digests and stats). Readers never see it: :func:`unpack` turns it
+into the one ``ops`` table (one row per op and token, ``mismatch_probe.run.schema.OPS_V1`` plus
+the top-k columns) with the same content the per-row writer wrote (same digests, stats, values and
+top-k per (op, seq_id, pos); tested against a golden table of the per-row writer).
+
+Columns of a packed row (``n`` = its tokens, ``s`` = those of them kept in ``stats`` or ``full``):
+
+- ``op``, ``layer``, ``dtype``, ``shape`` (of one token's row), ``width`` (its elements),
+  ``itemsize`` (bytes per element), ``n``;
+- ``runs``: int32 [r, 4]: ``seq_id``, first ``pos``, token count, mode (1 digest, 2 stats, 3 full)
+  of each stretch of consecutive positions of one sequence in one mode, in row order;
+- ``digest``: uint64 [n], the ``mp64`` digest of each row;
+- ``stats``: float64 [s, 5] (``sum, sum_sq, abs_max, n_nan, n_inf``), null when s = 0;
+- ``values``: the raw bytes of the ``full`` rows, concatenated in row order, null when none;
+- ``topk_ids`` / ``topk_values``: int32 / float32 [s, topk_k] of ``logits`` rows, null when none.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+LAYOUT_KEY = b"mismatch_probe.ops_layout"
+PACKED = b"packed-v1"
+FULL, STATS = 3, 2
+
+PACKED_SCHEMA = pa.schema([
+    ("op", pa.string()),
+    ("layer", pa.int32()),
+    ("dtype", pa.string()),
+    ("shape", pa.list_(pa.int64())),
+    ("width", pa.int64()),
+    ("itemsize", pa.int32()),
+    ("n", pa.int64()),
+    ("runs", pa.binary()),
+    ("digest", pa.large_binary()),
+    ("stats", pa.large_binary()),
+    ("values", pa.large_binary()),
+    ("topk_k", pa.int32()),
+    ("topk_ids", pa.large_binary()),
+    ("topk_values", pa.large_binary()),
+])
+# blobs of random-looking bits: compressing them costs time and saves nothing
+_RAW = ("digest", "stats", "values", "topk_ids", "topk_values")
+_COMPRESSION = {f.name: ("NONE" if f.name in _RAW else "SNAPPY") for f in PACKED_SCHEMA if f.name != "shape"}
+
+
+def is_packed(schema: pa.Schema) -> bool:
+    return (schema.metadata or {}).get(LAYOUT_KEY) == PACKED
+
+
+class PackedWriter:
+    """``ops.parquet`` in the packed layout, written in row groups while it is produced, atomically
+    (a temp file beside ``path``, renamed into place by :meth:`close`, removed by :meth:`abort`)."""
+
+    def __init__(self, path: Path, meta: dict[bytes, bytes] | None = None, tmp: str | None = None) -> None:
+        from mismatch_probe.run.schema import KIND_KEY, SCHEMA_VERSION, VERSION_KEY
+
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if tmp is None:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            os.close(fd)
+        self._tmp = tmp
+        m = {**(meta or {}), VERSION_KEY: str(SCHEMA_VERSION).encode(), KIND_KEY: b"ops", LAYOUT_KEY: PACKED}
+        self.schema = PACKED_SCHEMA.with_metadata(m)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
+            self._tmp, self.schema, compression=_COMPRESSION, use_dictionary=["op", "dtype"],
+            write_statistics=["op", "layer", "n"])
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        assert self._writer is not None, "PackedWriter already closed"
+        self._writer.write_table(table.replace_schema_metadata(self.schema.metadata))
+        self.rows += int(np.asarray(table.column("n")).sum()) if table.num_rows else 0
+
+    def close(self) -> Path:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(self._tmp, 0o666 & ~mask)
+            os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        Path(self._tmp).unlink(missing_ok=True)
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def blob(col: Any, dtype: Any) -> np.ndarray:
+    """The concatenated bytes of a binary column (all rows, in order; nulls are empty) as ``dtype``."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if len(arr) == 0 or arr.buffers()[2] is None:
+        return np.zeros(0, dtype)
+    otype = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+    off = np.frombuffer(arr.buffers()[1], otype)[arr.offset : arr.offset + len(arr) + 1]
+    data = np.frombuffer(arr.buffers()[2], np.uint8)[int(off[0]) : int(off[-1])]
+    return data.view(dtype)
+
+
+def token_keys(table: pa.Table) -> dict[str, np.ndarray]:
+    """Per token row of a packed table, in row order: ``row`` (its packed row), ``seq_id``,
+    ``pos``, ``mode``; and ``n`` per packed row."""
+    n = np.asarray(table.column("n"), np.int64)
+    runs = blob(table.column("runs"), np.int32).reshape(-1, 4).astype(np.int64)
+    cnt = runs[:, 2]
+    total = int(cnt.sum())
+    start = np.zeros(runs.shape[0], np.int64)
+    np.cumsum(cnt[:-1], out=start[1:])
+    pos = np.arange(total, dtype=np.int64) - np.repeat(start - runs[:, 1], cnt)
+    return {"n": n, "row": np.repeat(np.arange(len(n)), n), "seq_id": np.repeat(runs[:, 0], cnt), "pos": pos,
+            "mode": np.repeat(runs[:, 3], cnt)}
+
+
+def digests_u64(table: pa.Table) -> np.ndarray:
+    return blob(table.column("digest"), "<u8")
+
+
+# byte -> its two lowercase hex digits as one little-endian uint16 (first digit in the low byte)
+_HEX2 = np.array([ord(f"{i:02x}"[0]) | ord(f"{i:02x}"[1]) << 8 for i in range(256)], "<u2")
+
+
+def hex_chars(d: np.ndarray) -> np.ndarray:
+    """uint64 digests -> their 16 lowercase hex digits, uint8 [n, 16] (one table lookup per byte)."""
+    be = np.ascontiguousarray(np.asarray(d).view("<u8").astype(">u8")).view(np.uint8)
+    return _HEX2[be].view(np.uint8).reshape(-1, 16)
+
+
+def hex_strings(d: np.ndarray) -> pa.Array:
+    """uint64 digests -> Arrow strings of their 16 lowercase hex digits (array ops only)."""
+    c = hex_chars(d)
+    offsets = np.arange(0, 16 * (c.shape[0] + 1), 16, dtype=np.int32)
+    return pa.StringArray.from_buffers(c.shape[0], pa.py_buffer(offsets), pa.py_buffer(c))
+
+
+def unpack(table: pa.Table) -> pa.Table:
+    """A packed ``ops`` table as the ``ops`` table, one row per op and token (tables not in the
+    packed layout are returned as they are)."""
+    if not is_packed(table.schema):
+        return table
+    k = token_keys(table)
+    row, modes = k["row"], k["mode"]
+    total = row.size
+    stats_on = modes >= STATS
+    width = np.asarray(table.column("width"), np.int64)
+    itemsize = np.asarray(table.column("itemsize"), np.int64)
+    s5 = np.zeros((total, 5))
+    st = blob(table.column("stats"), "<f8").reshape(-1, 5)
+    if st.size:
+        s5[stats_on] = st
+    nan = np.where(stats_on[:, None], s5, np.nan)
+    # values: the full rows' bytes, concatenated in row order
+    vlen = np.where(modes == FULL, width[row] * itemsize[row], 0)
+    voff = np.zeros(total + 1, np.int64)
+    np.cumsum(vlen, out=voff[1:])
+    vdata = blob(table.column("values"), np.uint8)
+    valid = pa.py_buffer(np.packbits(modes == FULL, bitorder="little"))
+    if voff[-1] < 1 << 31:
+        values = pa.BinaryArray.from_buffers(pa.binary(), total, [valid, pa.py_buffer(voff.astype(np.int32)),
+                                                                  pa.py_buffer(vdata)])
+    else:
+        values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), total, [valid, pa.py_buffer(voff),
+                                                                            pa.py_buffer(vdata)]).cast(pa.binary())
+    # shape: the packed row's list, once per token
+    shape = table.column("shape").combine_chunks().take(pa.array(row))
+    cols = {
+        "op": table.column("op").combine_chunks().take(pa.array(row)),
+        "layer": np.asarray(table.column("layer"), np.int32)[row],
+        "seq_id": k["seq_id"].astype(np.int32),
+        "pos": k["pos"].astype(np.int32),
+        "dtype": table.column("dtype").combine_chunks().take(pa.array(row)),
+        "shape": shape,
+        "numel": np.where(stats_on, width[row], 0).astype(np.int64),
+        "sum": nan[:, 0],
+        "sum_sq": nan[:, 1],
+        "abs_max": nan[:, 2],
+        "n_nan": np.where(stats_on, s5[:, 3], 0).astype(np.int64),
+        "n_inf": np.where(stats_on, s5[:, 4], 0).astype(np.int64),
+        "digest": hex_strings(digests_u64(table)),
+        "values": values,
+    }
+    cols["topk_ids"], cols["topk_values"] = _topk(table, row, stats_on)
+    return pa.table(cols)
+
+
+def _topk(table: pa.Table, row: np.ndarray, stats_on: np.ndarray) -> tuple[pa.Array, pa.Array]:
+    total = row.size
+    kk = np.asarray(table.column("topk_k"), np.int64)
+    has = (kk[row] > 0) & stats_on
+    if not has.any():
+        return pa.nulls(total, pa.list_(pa.int32())), pa.nulls(total, pa.list_(pa.float32()))
+    off = np.zeros(total + 1, np.int32)
+    np.cumsum(np.where(has, kk[row], 0), out=off[1:])
+    mask = pa.array(~has)
+    ids = pa.ListArray.from_arrays(pa.array(off), pa.array(blob(table.column("topk_ids"), "<i4")), mask=mask)
+    vals = pa.ListArray.from_arrays(pa.array(off), pa.array(blob(table.column("topk_values"), "<f4")), mask=mask)
+    return ids, vals

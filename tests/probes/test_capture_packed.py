@@ -1,0 +1,89 @@
+"""The packed ops.parquet (schema v3, run/ops_packed.py) reads back as the same ops table the
+per-row writer wrote: the frozen golden of the per-row recorder (capture_golden.py, written before
+the packed layout) equals today's streamed table (writer process and writer thread) and today's
+in-memory table, row for row, digests, stats, values and top-k included."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import capture_golden as G  # noqa: E402
+
+from mismatch_probe.probes.recorder import OpRecorder  # noqa: E402
+from mismatch_probe.run.ops_packed import LAYOUT_KEY, PACKED, unpack  # noqa: E402
+from mismatch_probe.run.schema import SCHEMA_VERSION, VERSION_KEY, read_table, validate_file  # noqa: E402
+
+
+def assert_same_rows(got: pa.Table, want: pa.Table) -> None:
+    """Equal column by column; float columns bit for bit where not NaN, NaN where NaN."""
+    assert got.num_rows == want.num_rows
+    for c in G.COLS:
+        a, b = got.column(c), want.column(c)
+        if pa.types.is_floating(b.type):
+            x, y = a.to_numpy(), b.to_numpy()
+            assert np.array_equal(np.isnan(x), np.isnan(y)), c
+            assert np.array_equal(x[~np.isnan(x)].view(np.uint64), y[~np.isnan(y)].view(np.uint64)), c
+        else:
+            assert a.to_pylist() == b.to_pylist(), c
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_packed_stream_equals_the_per_row_golden(tmp_path, monkeypatch, writer):
+    monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", writer)
+    dest = tmp_path / "ops.parquet"
+    rec = OpRecorder(G.plan(), sink=dest, buffer_rows=64)  # several chunks, several row groups
+    G.record(rec)
+    rec.close()
+    meta = pq.read_schema(dest).metadata
+    assert meta[LAYOUT_KEY] == PACKED and meta[VERSION_KEY] == str(SCHEMA_VERSION).encode()
+    assert rec.rows_written == pq.read_table(G.GOLDEN).num_rows
+    assert_same_rows(G.sorted_rows(read_table(dest, "ops")), pq.read_table(G.GOLDEN))
+    validate_file(dest, "ops")
+
+
+def test_in_memory_table_equals_the_per_row_golden():
+    rec = OpRecorder(G.plan(), sink=None)
+    G.record(rec)
+    assert_same_rows(G.sorted_rows(rec.table()), pq.read_table(G.GOLDEN))
+
+
+def test_batched_path_packed_equals_its_in_memory_table_and_the_golden_digests(tmp_path):
+    pytest.importorskip("triton")
+    dest = tmp_path / "ops.parquet"
+    rec = OpRecorder(G.plan(), sink=dest, batched=True)  # the CUDA path through Triton's interpreter
+    G.record(rec)
+    rec.close()
+    got = G.sorted_rows(read_table(dest, "ops"))
+    mem = OpRecorder(G.plan(), sink=None, batched=True)
+    G.record(mem)
+    assert_same_rows(got, G.sorted_rows(mem.table()))
+    # against the (numba) golden: digests, counts, values and top-k exact; sums to float64 rounding
+    want = pq.read_table(G.GOLDEN)
+    for c in ("op", "seq_id", "pos", "digest", "numel", "n_nan", "n_inf", "values", "topk_ids", "topk_values"):
+        assert got.column(c).to_pylist() == want.column(c).to_pylist(), c
+    for c in ("sum", "sum_sq", "abs_max"):
+        np.testing.assert_allclose(got.column(c).to_numpy(), want.column(c).to_numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_empty_packed_file_reads_as_an_empty_ops_table(tmp_path):
+    dest = tmp_path / "ops.parquet"
+    rec = OpRecorder(G.plan(), sink=dest)
+    rec.close()
+    t = read_table(dest, "ops")
+    assert t.num_rows == 0 and "digest" in t.column_names
+
+
+def test_v2_per_row_file_reads_unchanged(tmp_path):
+    # a v2 ops.parquet (per-row, as written before the packed layout) reads through the upgrade chain
+    want = pq.read_table(G.GOLDEN)
+    p = tmp_path / "ops.parquet"
+    pq.write_table(want.replace_schema_metadata({VERSION_KEY: b"2", b"mismatch_probe.kind": b"ops"}), p)
+    assert_same_rows(G.sorted_rows(read_table(p, "ops")), want)
+    assert unpack(want) is want  # not packed: returned as it is
