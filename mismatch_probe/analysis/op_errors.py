@@ -63,44 +63,234 @@ def error_stats(s: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     }
 
 
-def _digest_kind(df: pd.DataFrame) -> str:
-    d = df["digest"].dropna()
-    return "blake2b" if len(d) and str(d.iloc[0]).startswith("blake2b:") else "mp64"
+_KEYS = ("op", "seq_id", "pos", "dtype", "digest", "values")
 
 
-def op_errors(learner: pd.DataFrame, sampler: pd.DataFrame, num_layers: int) -> pd.DataFrame:
-    """One row per op both sides captured, in execution order."""
-    key = ["op", "seq_id", "pos"]
-    cols = key + ["dtype", "digest", "values"]
-    m = learner[cols].merge(sampler[cols], on=key, suffixes=("_l", "_s"), validate="one_to_one")
-    # digests of different definitions (a v1 capture's blake2b vs mp64) never compare: fall back to values
-    same_digest = _digest_kind(learner) == _digest_kind(sampler)
+class _Side:
+    """One capture's columns for the comparison, one entry per (op, seq_id, pos) row: ``op`` and
+    ``dtype`` as codes into the shared name lists, ``seq``/``pos`` int64, ``digest`` as uint64 (mp64
+    digests of a packed file) or an Arrow string array, ``values`` an Arrow binary array (or None:
+    no row kept values)."""
+
+    def __init__(self, op: np.ndarray, seq: np.ndarray, pos: np.ndarray, dtype: np.ndarray, digest: Any,
+                 values: Any, kind: str) -> None:
+        self.op, self.seq, self.pos, self.dtype = op, seq, pos, dtype
+        self.digest, self.values, self.kind = digest, values, kind
+
+
+def _codes(col: Any, names: dict[str, int]) -> np.ndarray:
+    """Codes of an Arrow string column's values in ``names`` (extended with new ones): the column
+    is dictionary-encoded once (a few hundred distinct ops), no Python per row."""
+    import pyarrow as pa
+
+    enc = col.dictionary_encode() if not pa.types.is_dictionary(col.type) else col
+    enc = enc.combine_chunks() if isinstance(enc, pa.ChunkedArray) else enc
+    local = np.array([names.setdefault(str(v), len(names)) for v in enc.dictionary.to_pylist()], np.int64)
+    idx = np.asarray(enc.indices.fill_null(0), np.int64)
+    return local[idx] if local.size else np.zeros(len(idx), np.int64)
+
+
+def _side_from_table(t: Any, ops: dict[str, int], dtypes: dict[str, int]) -> _Side:
+    """A per-row ops table (Arrow) -> :class:`_Side`."""
+    d = t.column("digest")
+    first = next((v for v in d.drop_null().slice(0, 1).to_pylist()), None) if len(d) else None
+    kind = "blake2b" if first is not None and str(first).startswith("blake2b:") else "mp64"
+    return _Side(_codes(t.column("op"), ops), np.asarray(t.column("seq_id"), np.int64), np.asarray(t.column("pos"), np.int64),
+                 _codes(t.column("dtype"), dtypes), d.combine_chunks(), t.column("values").combine_chunks(), kind)
+
+
+def side_from_packed(t: Any, ops: dict[str, int], dtypes: dict[str, int]) -> _Side:
+    """A packed ops table (run/ops_packed.py, as read from disk) -> :class:`_Side`, without
+    unpacking it into per-row strings: digests stay uint64, values are cut only for ``full`` rows."""
+    from mismatch_probe.run import ops_packed as P
+
+    k = P.token_keys(t)
+    row = k["row"]
+    op = _codes(t.column("op"), ops)[row] if len(row) else np.zeros(0, np.int64)
+    dt = _codes(t.column("dtype"), dtypes)[row] if len(row) else np.zeros(0, np.int64)
+    full = P.unpack_values(t, k) if (k["mode"] == P.FULL).any() else None
+    return _Side(op, k["seq_id"], k["pos"], dt, P.digests_u64(t), full, "mp64")
+
+
+def _join(a: _Side, b: _Side, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``a`` and ``b`` with the same (op, seq_id, pos), as index pairs in ``a``'s row order
+    (a sort-merge join on one int64 key; a key twice on one side is an error)."""
+    smax = int(max(a.seq.max(initial=0), b.seq.max(initial=0))) + 1
+    pmax = int(max(a.pos.max(initial=0), b.pos.max(initial=0))) + 1
+    if float(n_ops) * smax * pmax >= 2.0**62 or min(a.seq.min(initial=0), b.seq.min(initial=0)) < 0:
+        raise ValueError("op rows: (op, seq_id, pos) out of the comparable range")
+    ka = (a.op * smax + a.seq) * pmax + a.pos
+    kb = (b.op * smax + b.seq) * pmax + b.pos
+    ob = np.argsort(kb, kind="stable")
+    sb = kb[ob]
+    for k in (np.sort(ka), sb):
+        if k.size > 1 and (k[1:] == k[:-1]).any():
+            raise ValueError("op rows: an (op, seq_id, pos) row appears twice on one side (merge validate: one_to_one)")
+    j = np.searchsorted(sb, ka)
+    j = np.minimum(j, max(sb.size - 1, 0))
+    hit = (sb[j] == ka) if sb.size else np.zeros(ka.size, bool)
+    ia = np.nonzero(hit)[0]
+    return ia, ob[j[hit]]
+
+
+def _equal_digests(a: _Side, b: _Side, ia: np.ndarray, ib: np.ndarray) -> np.ndarray:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    da, db = a.digest, b.digest
+    if isinstance(da, np.ndarray) and isinstance(db, np.ndarray):
+        return da[ia] == db[ib]
+    from mismatch_probe.run.ops_packed import hex_strings
+
+    xa = hex_strings(da[ia]) if isinstance(da, np.ndarray) else da.take(pa.array(ia))
+    xb = hex_strings(db[ib]) if isinstance(db, np.ndarray) else db.take(pa.array(ib))
+    return np.asarray(pc.equal(xa, xb).fill_null(False), bool)
+
+
+def _raw(values: Any, idx: np.ndarray) -> tuple[bytes, list[int]]:
+    """The bytes of rows ``idx`` of a binary column, concatenated, and each row's length."""
+    import pyarrow as pa
+
+    from mismatch_probe.run.ops_packed import blob
+
+    sub = values.take(pa.array(idx))
+    lens = np.asarray(pa.compute.binary_length(sub).fill_null(0), np.int64)
+    return blob(sub, np.uint8).tobytes(), lens.tolist()
+
+
+def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], num_layers: int) -> pd.DataFrame:
+    ia, ib = _join(a, b, len(op_names))
+    op = a.op[ia]
+    n_ops = len(op_names)
+    n_rows = np.bincount(op, minlength=n_ops)
+    eq = _equal_digests(a, b, ia, ib)
+    n_eq = np.bincount(op, weights=eq, minlength=n_ops)
+    dl, ds = a.dtype[ia], b.dtype[ib]
+    n_dt_diff = np.bincount(op, weights=dl != ds, minlength=n_ops)
+    first = np.full(n_ops, -1, np.int64)  # each op's first joined row (in a's order): its dtype names the op's
+    present = np.nonzero(n_rows)[0]
+    order = np.argsort(op, kind="stable")
+    first[present] = order[np.searchsorted(op[order], present)]
+    same_digest = a.kind == b.kind
+    full = np.zeros(ia.size, bool)
+    if a.values is not None and b.values is not None and ia.size:
+        import pyarrow as pa
+
+        full = np.asarray(a.values.is_valid().take(pa.array(ia)), bool) & np.asarray(b.values.is_valid().take(pa.array(ib)), bool)
     rows = []
-    for op, g in m.groupby("op", sort=False):
-        layer, kind = split_op(op)
-        same_dtype = (g.dtype_l == g.dtype_s).all()
-        row = {
-            "op": op,
-            "layer": layer,
-            "kind": kind,
-            "exec_order": exec_order(op, num_layers),
-            "dtype": g.dtype_l.iloc[0] if same_dtype else f"{g.dtype_l.iloc[0]}|{g.dtype_s.iloc[0]}",
-            "n_rows": len(g),
-            "bitwise_equal_frac": float((g.digest_l == g.digest_s).mean()) if same_dtype else 0.0,
-        }
-        full = g[g.values_l.notna() & g.values_s.notna()]
+    for c in sorted(present, key=lambda c: first[c]):  # the ops in the order of their first joined row
+        name = op_names[c]
+        layer, kind = split_op(name)
+        same_dtype = n_dt_diff[c] == 0
+        f = first[c]
+        dname_l, dname_s = dtype_names[dl[f]], dtype_names[ds[f]]
+        row = {"op": name, "layer": layer, "kind": kind, "exec_order": exec_order(name, num_layers),
+               "dtype": dname_l if same_dtype else f"{dname_l}|{dname_s}", "n_rows": int(n_rows[c]),
+               "bitwise_equal_frac": float(n_eq[c] / n_rows[c]) if same_dtype else 0.0}
+        sel = np.nonzero(full & (op == c))[0]
         if same_dtype and not same_digest:
-            row["bitwise_equal_frac"] = float((full.values_l == full.values_s).mean()) if len(full) else math.nan
-        if len(full):
-            ref = decode_rows(full.values_l, full.dtype_l.iloc[0])
-            got = decode_rows(full.values_s, full.dtype_s.iloc[0])
+            if sel.size:
+                raw_l, raw_s = _raw(a.values, ia[sel]), _raw(b.values, ib[sel])
+                row["bitwise_equal_frac"] = float(np.mean(_rows_equal(raw_l, raw_s)))
+            else:
+                row["bitwise_equal_frac"] = math.nan
+        if sel.size:
+            vl, vs = pd.Series(_split(*_raw(a.values, ia[sel]))), pd.Series(_split(*_raw(b.values, ib[sel])))
+            ref = decode_rows(vl, dtype_names[dl[sel[0]]])
+            got = decode_rows(vs, dtype_names[ds[sel[0]]])
             row.update(error_stats(got, ref) if ref.shape == got.shape else {"rel_l2": math.nan})
-            row["max_ulp"] = ulp_distance(full.values_s, full.values_l, row["dtype"]) if same_dtype else math.nan
+            row["max_ulp"] = ulp_distance(vs, vl, row["dtype"]) if same_dtype else math.nan
         rows.append(row)
-    cols_out = ["op", "layer", "kind", "exec_order", "dtype", "n_rows", "bitwise_equal_frac", "max_abs_diff",
-                "mean_abs_diff", "rel_l2", "cosine", "sqnr_db", "max_ulp"]
-    out = pd.DataFrame(rows, columns=cols_out)
+    out = pd.DataFrame(rows, columns=OP_ERRORS_COLUMNS)
     return out.sort_values("exec_order", kind="stable").reset_index(drop=True)
+
+
+def _split(buf: bytes, lens: list[int]) -> list[bytes]:
+    out, o = [], 0
+    for n in lens:  # the few rows both sides kept in full, per op
+        out.append(buf[o : o + n])
+        o += n
+    return out
+
+
+def _rows_equal(a: tuple[bytes, list[int]], b: tuple[bytes, list[int]]) -> list[bool]:
+    return [x == y for x, y in zip(_split(*a), _split(*b), strict=True)]
+
+
+OP_ERRORS_COLUMNS = ["op", "layer", "kind", "exec_order", "dtype", "n_rows", "bitwise_equal_frac", "max_abs_diff",
+                     "mean_abs_diff", "rel_l2", "cosine", "sqnr_db", "max_ulp"]
+
+
+def _arrow(df: Any) -> Any:
+    import pyarrow as pa
+
+    if isinstance(df, pa.Table):
+        return df.select(list(_KEYS))
+    t = pa.Table.from_pandas(df[list(_KEYS)], preserve_index=False)
+    if pa.types.is_null(t.column("values").type):
+        t = t.set_column(t.column_names.index("values"), "values", t.column("values").cast(pa.binary()))
+    if pa.types.is_null(t.column("digest").type):
+        t = t.set_column(t.column_names.index("digest"), "digest", t.column("digest").cast(pa.string()))
+    return t
+
+
+def op_errors(learner: Any, sampler: Any, num_layers: int) -> pd.DataFrame:
+    """One row per op both sides captured, in execution order. ``learner``/``sampler``: ops tables
+    (pandas or Arrow); compared by a join on (op, seq_id, pos) over whole columns, per-op figures
+    by ``bincount``; only the rows both sides kept in ``full`` are decoded, op by op."""
+    ops: dict[str, int] = {}
+    dtypes: dict[str, int] = {}
+    a = _side_from_table(_arrow(learner), ops, dtypes)
+    b = _side_from_table(_arrow(sampler), ops, dtypes)
+    return _compare(a, b, list(ops), list(dtypes), num_layers)
+
+
+def _read_side(path: Any, ops: dict[str, int], dtypes: dict[str, int]) -> _Side:
+    import pyarrow.parquet as pq
+
+    from mismatch_probe.run.ops_packed import is_packed
+    from mismatch_probe.run.schema import SCHEMA_VERSION, read_schema_version, read_table
+
+    if read_schema_version(path) <= SCHEMA_VERSION and is_packed(pq.read_schema(path)):
+        return side_from_packed(pq.read_table(path), ops, dtypes)
+    return _side_from_table(read_table(path, "ops").select(list(_KEYS)), ops, dtypes)
+
+
+def _concat(parts: list[_Side]) -> _Side:
+    import pyarrow as pa
+
+    if len(parts) == 1:
+        return parts[0]
+    cat = {f: np.concatenate([getattr(p, f) for p in parts]) for f in ("op", "seq", "pos", "dtype")}
+    digs = [p.digest for p in parts]
+    if all(isinstance(d, np.ndarray) for d in digs):
+        digest: Any = np.concatenate(digs)
+    else:
+        from mismatch_probe.run.ops_packed import hex_strings
+
+        digest = pa.concat_arrays([hex_strings(d) if isinstance(d, np.ndarray) else d.cast(pa.string()) for d in digs])
+    vals = [p.values if p.values is not None else pa.nulls(p.op.size, pa.binary()) for p in parts]
+    values = pa.concat_arrays([v.cast(pa.large_binary()) for v in vals])
+    kinds = {p.kind for p in parts}
+    return _Side(cat["op"], cat["seq"], cat["pos"], cat["dtype"], digest, values, kinds.pop() if len(kinds) == 1 else "mixed")
+
+
+def op_errors_run(run_dir: Any, num_layers: int) -> pd.DataFrame | None:
+    """``op_errors`` of a run's two captures read from disk (``side/ops.parquet`` or the ranks of
+    ``side/ops_by_rank``), packed files compared without unpacking them; None when a side has none."""
+    from pathlib import Path
+
+    sides = []
+    ops: dict[str, int] = {}
+    dtypes: dict[str, int] = {}
+    for side in ("learner", "sampler"):
+        f = Path(run_dir) / side / "ops.parquet"
+        d = Path(run_dir) / side / "ops_by_rank"
+        files = [f] if f.exists() else sorted(d.rglob("*.parquet")) if d.is_dir() else []
+        if not files:
+            return None
+        sides.append(_concat([_read_side(p, ops, dtypes) for p in files]))
+    return _compare(sides[0], sides[1], list(ops), list(dtypes), num_layers)
 
 
 DOMINANT_EQUAL_FRAC = 0.5  # "dominant divergence": the first op where most rows differ

@@ -157,24 +157,12 @@ def unpack(table: pa.Table) -> pa.Table:
     total = row.size
     stats_on = modes >= STATS
     width = np.asarray(table.column("width"), np.int64)
-    itemsize = np.asarray(table.column("itemsize"), np.int64)
     s5 = np.zeros((total, 5))
     st = blob(table.column("stats"), "<f8").reshape(-1, 5)
     if st.size:
         s5[stats_on] = st
     nan = np.where(stats_on[:, None], s5, np.nan)
-    # values: the full rows' bytes, concatenated in row order
-    vlen = np.where(modes == FULL, width[row] * itemsize[row], 0)
-    voff = np.zeros(total + 1, np.int64)
-    np.cumsum(vlen, out=voff[1:])
-    vdata = blob(table.column("values"), np.uint8)
-    valid = pa.py_buffer(np.packbits(modes == FULL, bitorder="little"))
-    if voff[-1] < 1 << 31:
-        values = pa.BinaryArray.from_buffers(pa.binary(), total, [valid, pa.py_buffer(voff.astype(np.int32)),
-                                                                  pa.py_buffer(vdata)])
-    else:
-        values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), total, [valid, pa.py_buffer(voff),
-                                                                            pa.py_buffer(vdata)]).cast(pa.binary())
+    values = unpack_values(table, k)
     # shape: the packed row's list, once per token
     shape = table.column("shape").combine_chunks().take(pa.array(row))
     cols = {
@@ -195,6 +183,25 @@ def unpack(table: pa.Table) -> pa.Table:
     }
     cols["topk_ids"], cols["topk_values"] = _topk(table, row, stats_on)
     return pa.table(cols)
+
+
+def unpack_values(table: pa.Table, k: dict[str, np.ndarray]) -> pa.Array:
+    """The ``values`` column, one entry per token row (null where the row is not ``full``); ``k``:
+    :func:`token_keys` of ``table``."""
+    row, modes = k["row"], k["mode"]
+    total = row.size
+    width = np.asarray(table.column("width"), np.int64)
+    itemsize = np.asarray(table.column("itemsize"), np.int64)
+    vlen = np.where(modes == FULL, width[row] * itemsize[row], 0)
+    voff = np.zeros(total + 1, np.int64)
+    np.cumsum(vlen, out=voff[1:])
+    vdata = blob(table.column("values"), np.uint8)
+    valid = pa.py_buffer(np.packbits(modes == FULL, bitorder="little"))
+    if voff[-1] < 1 << 31:
+        return pa.BinaryArray.from_buffers(pa.binary(), total, [valid, pa.py_buffer(voff.astype(np.int32)),
+                                                                pa.py_buffer(vdata)])
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), total, [valid, pa.py_buffer(voff),
+                                                                      pa.py_buffer(vdata)]).cast(pa.binary())
 
 
 def _topk(table: pa.Table, row: np.ndarray, stats_on: np.ndarray) -> tuple[pa.Array, pa.Array]:

@@ -90,12 +90,12 @@ def read_ops(run_dir: Path, side: str) -> pd.DataFrame | None:
 
 
 def compare_ops(run_dir: Path, num_layers: int) -> pd.DataFrame | None:
-    """Write ``compare/op_errors.parquet`` when both sides captured ops."""
-    from mismatch_probe.analysis.op_errors import op_errors
+    """Write ``compare/op_errors.parquet`` when both sides captured ops (read column-wise, packed
+    captures compared without unpacking them: analysis/op_errors.py ``op_errors_run``)."""
+    from mismatch_probe.analysis.op_errors import op_errors_run
 
-    learner, sampler = read_ops(run_dir, "learner"), read_ops(run_dir, "sampler")
-    if learner is None or sampler is None:
+    errs = op_errors_run(run_dir, num_layers)
+    if errs is None:
         return None
-    errs = op_errors(learner, sampler, num_layers)
     write_table(Path(run_dir) / "compare/op_errors.parquet", pa.Table.from_pandas(errs, preserve_index=False), "op_errors")
     return errs
