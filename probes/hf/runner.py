@@ -191,7 +191,7 @@ class HfLearner(HfModelRunner):
         self.info.settings.update(self._model_settings())
 
     def _apply_recipe(self) -> None:
-        """Patch the model's ops with the recipe (kernels.patch_hf); calibrate static NVFP4 scales."""
+        """Patch the model's ops with the recipe (probes.hf.patch); calibrate static NVFP4 scales."""
         from mismatch_probe.kernels.recipes import parse
         from mismatch_probe.probes.hf.patch import calibrate, patch, token_logprobs_fn
 

@@ -74,7 +74,7 @@ class VllmSampler(SamplerRunner):
     ) -> None:
         super().__init__(vocab_size)
         self.model_dir = Path(model_dir)
-        self.recipe = recipe  # kernels.recipes name, installed by kernels.vllm_plugin (None: vLLM's own ops)
+        self.recipe = recipe  # kernels.recipes name, installed by probes.vllm.plugin (None: vLLM's own ops)
         self.recipe_ops = recipe_ops  # subset of op classes / decoder layers (bisect's ablation)
         self.recipe_layers = recipe_layers
         self.max_model_len = max_model_len
