@@ -1,7 +1,7 @@
 """Recipes: how each op class of the forward pass computes, applied identically to both engines.
 
 A recipe is an *alignment* (``engine``: each engine's own kernels, or ``strict``: every op from
-:mod:`.strict_ops`, batch-invariant and identical in both engines) combined with a *linear
+:mod:`.strict.ops`, batch-invariant and identical in both engines) combined with a *linear
 scheme* (``bf16`` or one of the NVFP4 activation-scaling schemes of :mod:`.nvfp4.linear`).
 
 ========================  ==========  ==============================================================
