@@ -1,4 +1,4 @@
-"""Reference (spec) unit tests: hand-worked examples from shared/NVFP4.md."""
+"""Reference (spec) unit tests: hand-worked examples from docs/nvfp4.md."""
 
 from __future__ import annotations
 
