@@ -1,0 +1,263 @@
+"""Issue 27, points 1 and 2, in one script: the whole cost of op capture, as a user waits for it.
+
+1. HF learner ``score()`` with capture streamed to ``ops_dest`` (as ``compare`` runs it), the timer
+   stopped when ``score()`` returns (every row on disk, the file renamed into place), modes off /
+   digest / stats (and ``default``: compare's default plan, stats + 256 full rows + logits top-8)
+   interleaved round by round, on the Qwen3-0.6B shape (4 x 1,024 tokens) and the Qwen3-8B shape
+   (2 x 1,024 tokens), random weights built in memory; logprobs checked bitwise against capture
+   off; the streamed table checked equal, row for row, to the recorder's in-memory per-row table.
+2. ``mismatch-probe compare`` with the default capture vs ``--capture off`` (same prompts, seeds:
+   same sequences, checked), Qwen3-0.6B-shaped checkpoint, 64 sequences x 256 generated tokens;
+   wall time of each command, and the op comparison of the two engines' tables
+   (``analysis.op_errors.op_errors_run``, what compare's op-errors stage runs) timed on its own.
+
+    python bench/gpu_capture_check.py --out $OUT                    # the H200 run (CUDA, vLLM)
+    python bench/gpu_capture_check.py --out $OUT --quick            # fewer rounds, no table checks
+    python bench/gpu_capture_check.py --out /tmp/x --device cpu --tiny   # this script itself, on a CPU
+
+Writes ``$OUT/gpu_capture_check.json`` (after each part) and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_capture as B  # noqa: E402
+
+# shape -> (sequences, tokens each, micro-batch size); --tiny: one small shape for a CPU check
+SCORE_SHAPES = {"qwen3-0.6b": (4, 1024, 4), "qwen3-8b": (2, 1024, 2)}
+TINY_SCORE = {"tiny-qwen3": (4, 64, 2)}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _plans() -> dict[str, Any]:
+    from mismatch_probe.probes.capture import CapturePlan, build_plan
+
+    return {"off": None, "digest": CapturePlan("digest"), "stats": CapturePlan("stats"),
+            "default": build_plan("stats", [], topk=8)}
+
+
+def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, rounds: int, modes: list[str],
+               check_tables: bool, tmp: Path) -> list[dict[str, Any]]:
+    """Point 1: score() with ops streamed to disk, per mode, rounds interleaved (round 0 warms up)."""
+    from mismatch_probe.run.schema import read_table
+
+    model = B.build_model(shape, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, model.config.vocab_size, seq_len).tolist() for _ in range(n_seqs)]
+    ids = list(range(n_seqs))
+    r = B.learner(model, device, mb)
+    plans = _plans()
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    lps: dict[str, Any] = {}
+    sizes: dict[str, int] = {}
+    rows: dict[str, int] = {}
+    for i in range(rounds + 1):
+        for mode in modes:
+            r.capture = plans[mode]
+            dest = tmp / f"{shape}-{mode}.parquet"
+            dest.unlink(missing_ok=True)
+            r.ops_dest = dest if r.capture is not None else None
+            _sync(device)
+            t0 = time.perf_counter()
+            lp = r.score(seqs, ids)  # returns once the rows are on disk (OpRecorder.close())
+            _sync(device)
+            dt = time.perf_counter() - t0
+            if i:
+                times[mode].append(dt)
+            lps[mode] = lp
+            if r.capture is not None:
+                sizes[mode] = dest.stat().st_size
+                rows[mode] = int((r.info.settings.get("capture") or {}).get("rows", 0))
+    out = []
+    base = times.get("off")
+    for mode in modes:
+        equal = all(np.array_equal(a, b) for a, b in zip(lps[mode], lps[modes[0]], strict=True))
+        row = {"part": "score", "shape": shape, "params_m": round(n_params / 1e6, 1), "device": device,
+               "tokens": n_seqs * seq_len, "micro_batch": mb, "mode": mode, "seconds": statistics.median(times[mode]),
+               "all_s": times[mode], "logprobs_bitwise_equal_off": bool(equal),
+               "bytes": sizes.get(mode, 0), "rows": rows.get(mode, 0)}
+        if base:
+            row["x_off"] = row["seconds"] / statistics.median(base)
+            row["x_off_per_round"] = statistics.median(t / o for t, o in zip(times[mode], base, strict=True))
+        if check_tables and plans[mode] is not None:  # the streamed (packed) table == the in-memory per-row one
+            r.capture, r.ops_dest = plans[mode], None
+            r.score(seqs, ids)
+            mem = r.ops
+            disk = read_table(tmp / f"{shape}-{mode}.parquet", "ops")
+            key = [("op", "ascending"), ("seq_id", "ascending"), ("pos", "ascending")]
+            row["table_equal_in_memory"] = bool(disk.sort_by(key).equals(mem.sort_by(key)) or _same(disk, mem, key))
+        out.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "all_s"}), flush=True)
+    del model, r
+    return out
+
+
+def _same(a: Any, b: Any, key: list) -> bool:
+    """Equal column by column (NaN equal to NaN: the stats of digest-only rows)."""
+    a, b = a.sort_by(key), b.sort_by(key)
+    if a.num_rows != b.num_rows:
+        return False
+    import pyarrow as pa
+
+    for c in b.column_names:
+        x, y = a.column(c), b.column(c)
+        if pa.types.is_floating(x.type):
+            if not np.array_equal(x.to_numpy(), y.to_numpy(), equal_nan=True):
+                return False
+        elif not x.equals(y):
+            return False
+    return True
+
+
+# ---- point 2: compare on vLLM -------------------------------------------------------------------
+def _checkpoint(shape: str, root: Path) -> Path:
+    """A checkpoint folder of ``shape`` (random weights) with a word-level tokenizer covering its
+    vocabulary (every sampled id detokenizes)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = root / f"model-{shape}"
+    if (out / "config.json").exists():
+        return out
+    model = B.build_model(shape, "cpu")
+    model.generation_config.do_sample = True
+    model.save_pretrained(out)
+    v = model.config.vocab_size
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(v - 4)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>", model_max_length=8192).save_pretrained(out)
+    del model
+    return out
+
+
+def compare_part(shape: str | None, n_prompts: int, n: int, prompt_len: int, max_tokens: int, reps: int,
+                 tmp: Path) -> list[dict[str, Any]]:
+    """Point 2: ``compare`` wall time, default capture vs ``--capture off``, alternating, ``reps`` each."""
+    import pyarrow.parquet as pq
+
+    from mismatch_probe.analysis.op_errors import op_errors_run
+
+    model = ["--model", str(_checkpoint(shape, tmp))] if shape else []
+    vocab = B.SHAPES[shape]["vocab_size"] if shape else 512
+    rng = np.random.default_rng(1)
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": [1] + rng.integers(4, vocab, prompt_len - 1).tolist()}) + "\n"
+                               for _ in range(n_prompts)))
+    exe = [sys.executable, "-m", "mismatch_probe", "compare", *model, "--prompts", str(prompts), "--n", str(n),
+           "--max-tokens", str(max_tokens), "--overwrite"]
+    runs: dict[str, list[float]] = {"default": [], "off": []}
+    for _ in range(reps):
+        for mode in ("off", "default"):
+            out = tmp / f"run-{mode}"
+            t0 = time.perf_counter()
+            p = subprocess.run(exe + ["--out", str(out)] + (["--capture", "off"] if mode == "off" else []),
+                               capture_output=True, text=True)
+            dt = time.perf_counter() - t0
+            if p.returncode != 0:
+                raise RuntimeError(f"compare ({mode}) failed, exit {p.returncode}:\n{p.stderr[-4000:]}")
+            runs[mode].append(dt)
+            print(json.dumps({"compare": mode, "seconds": round(dt, 2)}), flush=True)
+    seq = {m: pq.read_table(tmp / f"run-{m}" / "sequences.parquet").sort_by("seq_id").column("token_ids").to_pylist()
+           for m in ("off", "default")}
+    n_layers = B.SHAPES[shape]["num_hidden_layers"] if shape else 4  # (exec_order only)
+    cmp_s = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        errs = op_errors_run(tmp / "run-default", int(n_layers))
+        cmp_s.append(time.perf_counter() - t0)
+    ops_bytes = {s: (tmp / "run-default" / s / "ops.parquet").stat().st_size
+                 for s in ("learner", "sampler") if (tmp / "run-default" / s / "ops.parquet").exists()}
+    tokens = sum(len(s) for s in seq["default"])
+    med = {m: statistics.median(v) for m, v in runs.items()}
+    row = {"part": "compare", "shape": shape or "tiny-qwen3", "sequences": len(seq["default"]), "tokens": tokens,
+           "generated_per_seq": max_tokens, "off_s": med["off"], "default_s": med["default"],
+           "x_off": med["default"] / med["off"], "off_all": runs["off"], "default_all": runs["default"],
+           "same_sequences": seq["off"] == seq["default"], "op_compare_s": statistics.median(cmp_s),
+           "op_compare_all": cmp_s, "op_rows_compared": int(errs.n_rows.sum()) if errs is not None else 0,
+           "ops_bytes": ops_bytes}
+    print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
+    return [row]
+
+
+def _table(res: dict[str, Any]) -> str:
+    lines = [f"\n{'shape':12} {'mode':8} {'tokens':>7} {'seconds':>9} {'x off':>6} {'x/round':>7} {'MB':>8} "
+             f"{'B/token':>8} {'rows':>10} {'lp==off':>7} {'table==mem':>10}"]
+    for r in res.get("score", []):
+        lines.append(f"{r['shape']:12} {r['mode']:8} {r['tokens']:7d} {r['seconds']:9.4f} {r.get('x_off', 1.0):6.2f} "
+                     f"{r.get('x_off_per_round', 1.0):7.2f} {r['bytes'] / 1e6:8.2f} {r['bytes'] / r['tokens']:8.0f} "
+                     f"{r['rows']:10d} {str(r['logprobs_bitwise_equal_off']):>7} {str(r.get('table_equal_in_memory', '-')):>10}")
+    for r in res.get("compare", []):
+        lines.append(f"\ncompare {r['shape']}: {r['sequences']} sequences, {r['tokens']} tokens: --capture off "
+                     f"{r['off_s']:.1f} s, default capture {r['default_s']:.1f} s ({r['x_off']:.2f}x); "
+                     f"same sequences: {r['same_sequences']}; op comparison {r['op_compare_s']:.2f} s "
+                     f"({r['op_rows_compared']} row pairs); ops.parquet bytes {r['ops_bytes']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (a check of this script on a CPU)")
+    ap.add_argument("--quick", action="store_true", help="3 rounds, one compare each, no table checks, no 'default' mode")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--skip-score", action="store_true")
+    ap.add_argument("--skip-compare", action="store_true")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    rounds = 3 if a.quick else a.rounds
+    modes = ["off", "digest", "stats"] + ([] if a.quick else ["default"])
+    res: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "argv": sys.argv,
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": a.device}
+    import torch
+
+    if a.device == "cuda":
+        res["gpu"] = torch.cuda.get_device_name()
+    res["versions"] = {"torch": torch.__version__, "pyarrow": __import__("pyarrow").__version__}
+    dump = a.out / "gpu_capture_check.json"
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-capture-check-"))
+    os.environ.setdefault("MISMATCH_PROBE_CAPTURE_WRITER", "process")
+    try:
+        if not a.skip_score:
+            res["score"] = []
+            for shape, (n_seqs, seq_len, mb) in (TINY_SCORE if a.tiny else SCORE_SHAPES).items():
+                res["score"] += score_part(shape, n_seqs, seq_len, mb, a.device, rounds, modes, not a.quick, tmp)
+                dump.write_text(json.dumps(res, indent=1))
+                for f in tmp.glob("*.parquet"):
+                    f.unlink()
+        if not a.skip_compare:
+            if a.tiny:  # the embedded tiny Qwen3 (vocabulary 512), 8 sequences x 16 tokens
+                res["compare"] = compare_part(None, 4, 2, 8, 16, 1, tmp)
+            else:  # 32 prompts x 2 samples = 64 sequences, 256 generated tokens each
+                res["compare"] = compare_part("qwen3-0.6b", 32, 2, 32, 256, 1 if a.quick else 2, tmp)
+            dump.write_text(json.dumps(res, indent=1))
+    finally:
+        dump.write_text(json.dumps(res, indent=1))
+        print(_table(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
