@@ -112,6 +112,9 @@ def side_from_packed(t: Any, ops: dict[str, int], dtypes: dict[str, int]) -> _Si
     return _Side(op, k["seq_id"], k["pos"], dt, P.digests_u64(t), full, "mp64")
 
 
+_DENSE_MAX = 1 << 27  # key-space size up to which the join uses a dense index (4 bytes an entry)
+
+
 def _join(a: _Side, b: _Side, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows of ``a`` and ``b`` with the same (op, seq_id, pos), as index pairs in ``a``'s row order
     (a sort-merge join on one int64 key; a key twice on one side is an error)."""
@@ -121,6 +124,18 @@ def _join(a: _Side, b: _Side, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError("op rows: (op, seq_id, pos) out of the comparable range")
     ka = (a.op * smax + a.seq) * pmax + a.pos
     kb = (b.op * smax + b.seq) * pmax + b.pos
+    space = n_ops * smax * pmax
+    if space <= _DENSE_MAX:  # a dense index over the key space: one scatter, one gather, no sort
+        where = np.full(space, -1, np.int32 if max(ka.size, kb.size) < 1 << 31 else np.int64)
+        for k in (ka, kb):
+            where[k] = np.arange(k.size)
+            if (where[k] != np.arange(k.size)).any():
+                raise ValueError("op rows: an (op, seq_id, pos) row appears twice on one side (merge validate: one_to_one)")
+            if k is ka:
+                where[k] = -1
+        j = where[ka]
+        ia = np.nonzero(j >= 0)[0]
+        return ia, j[ia].astype(np.int64)
     ob = np.argsort(kb, kind="stable")
     sb = kb[ob]
     for k in (np.sort(ka), sb):
@@ -177,6 +192,9 @@ def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], nu
         import pyarrow as pa
 
         full = np.asarray(a.values.is_valid().take(pa.array(ia)), bool) & np.asarray(b.values.is_valid().take(pa.array(ib)), bool)
+    fi = np.nonzero(full)[0]  # the joined rows both sides kept in full, grouped by op (in a's order within one)
+    fi = fi[np.argsort(op[fi], kind="stable")]
+    fcut = np.searchsorted(op[fi], np.arange(n_ops + 1))
     rows = []
     for c in sorted(present, key=lambda c: first[c]):  # the ops in the order of their first joined row
         name = op_names[c]
@@ -187,7 +205,7 @@ def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], nu
         row = {"op": name, "layer": layer, "kind": kind, "exec_order": exec_order(name, num_layers),
                "dtype": dname_l if same_dtype else f"{dname_l}|{dname_s}", "n_rows": int(n_rows[c]),
                "bitwise_equal_frac": float(n_eq[c] / n_rows[c]) if same_dtype else 0.0}
-        sel = np.nonzero(full & (op == c))[0]
+        sel = fi[fcut[c] : fcut[c + 1]]
         if same_dtype and not same_digest:
             if sel.size:
                 raw_l, raw_s = _raw(a.values, ia[sel]), _raw(b.values, ib[sel])
