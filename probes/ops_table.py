@@ -161,6 +161,18 @@ def _blob_col(data: np.ndarray, nbytes: np.ndarray) -> pa.Array:
     return pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [valid, pa.py_buffer(off), pa.py_buffer(raw)])
 
 
+def _contiguous(segs: list[_Seg], ks: np.ndarray) -> slice | None:
+    """The chunk's arena rows as one slice when they are (every segment's kept rows consecutive,
+    segments back to back: no padding dropped), so digests and stats are written without a gather."""
+    nxt = segs[0].arena_off
+    for s, k in zip(segs, ks, strict=True):
+        keep = s.rows.keep
+        if s.arena_off != nxt or (s.batched and (keep[0] != 0 or keep[-1] != k - 1)):
+            return None
+        nxt += int(k)
+    return slice(segs[0].arena_off, nxt)
+
+
 def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals: np.ndarray | None, tv: Any,
                   ti: Any) -> pa.Table:
     """One chunk's rows in the packed layout (``mismatch_probe.run.ops_packed``): one row per
@@ -170,7 +182,9 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
 
     segs = [s if isinstance(s, _Seg) else _Seg(*s) for s in segs]
     ks = np.array([s.rows.keep.size for s in segs], np.int64)
-    arena = np.concatenate([s.arena_off + (s.rows.keep if s.batched else np.arange(s.rows.keep.size)) for s in segs])
+    arena: Any = _contiguous(segs, ks)
+    if arena is None:
+        arena = np.concatenate([s.arena_off + (s.rows.keep if s.batched else np.arange(s.rows.keep.size)) for s in segs])
     modes = np.concatenate([s.rows.modes for s in segs])
     stats_on = modes >= STATS
     seg_of = np.repeat(np.arange(len(segs)), ks)
@@ -183,7 +197,9 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
     if d is None:
         raise ValueError("the packed layout takes raw digests, not hex digits")
     if st is not None and stats_on.any():
-        stats = st[arena[stats_on]]
+        stats = st[arena]  # a view where the arena rows are one slice
+        if not stats_on.all():
+            stats = stats[stats_on]
     else:
         stats, n_stats = None, np.zeros(len(segs), np.int64)
     has_topk = np.array([s.has_topk for s in segs], bool)

@@ -256,8 +256,10 @@ class WriterProcess:
 
 # ---- the writer process ----------------------------------------------------------------------
 def _read_parts(path: str, layout: dict[str, tuple[str, tuple, int]]) -> dict[str, np.ndarray]:
+    """The chunk's arrays, mapped from the file (no copy: the packed table's blobs are views of
+    the mapped pages where the arena rows are contiguous)."""
     size = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for dt, shape, _ in layout.values())
-    buf = np.fromfile(path, dtype=np.uint8, count=size)
+    buf = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,)) if size else np.zeros(0, np.uint8)
     out = {}
     for name, (dt, shape, off) in layout.items():
         n = int(np.prod(shape)) * np.dtype(dt).itemsize

@@ -142,3 +142,29 @@ def test_op_errors_rejects_a_row_twice_on_one_side(monkeypatch, dense_max):
     for a, b in ((pa.concat_tables([t, t.slice(0, 1)]), t), (t, pa.concat_tables([t.slice(5, 1), t]))):
         with pytest.raises(ValueError, match="twice"):
             O.op_errors(a, b, num_layers=2)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_packed_stream_without_padding_equals_in_memory(tmp_path, batched):
+    # no padding: the arena rows of a chunk are one slice (written without a gather)
+    if batched:
+        pytest.importorskip("triton")
+    import torch
+
+    from mismatch_probe.probes.capture import CapturePlan
+
+    def rec_all(rec: OpRecorder) -> None:
+        g = torch.Generator().manual_seed(7)
+        rec.begin([0, 1], [5, 5])
+        seq, pos = np.repeat([0, 1], 5), np.tile(np.arange(5), 2)
+        for op in ("embed", "0.attn.q", "0.out", "logits"):
+            rec.record_rows(op, torch.randn(2, 5, 12, generator=g).to(torch.bfloat16), seq, pos)
+
+    for plan in (CapturePlan("stats"), CapturePlan("digest"), CapturePlan("stats", full_rows=3, topk=2)):
+        dest = tmp_path / "ops.parquet"
+        rec = OpRecorder(plan, sink=dest, batched=batched)
+        rec_all(rec)
+        rec.close()
+        mem = OpRecorder(plan, sink=None, batched=batched)
+        rec_all(mem)
+        assert_same_rows(G.sorted_rows(read_table(dest, "ops")), G.sorted_rows(mem.table()))
