@@ -17,14 +17,16 @@ def build_report(
 
     if convention is not None and convention not in FRAMEWORKS:
         raise UsageError(f"--convention must be one of {', '.join(FRAMEWORKS)}, got {convention!r}")
+    from mismatch_probe.run.outpath import check_output_file
+    from mismatch_probe.run.reader import REPORT
+
     run = Path(run)
+    out = Path(out) if out is not None else run / REPORT
+    if out.is_dir():
+        out = out / REPORT
+    check_output_file(out, "report --out")  # before the work: a pipe or device is refused
+    cfg = g.build_config(toml=g.load_toml(gate_config)) if gate_config is not None else None
     data = load_run(run)
     data.convention = convention
-    results = None
-    if gate_config is not None:
-        cfg = g.build_config(toml=g.load_toml(gate_config))
-        results = g.evaluate(cfg, data.summary, run)
-    out = Path(out) if out is not None else run / "report.html"
-    if out.is_dir():
-        out = out / "report.html"
+    results = g.evaluate(cfg, data.summary, run) if cfg is not None else None
     return write_report(data, out, results), dict(data.absent)

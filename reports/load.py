@@ -16,9 +16,11 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from mismatch_probe.analysis.gate import PAIRS, read_manifest, read_run_json, read_summary
+from mismatch_probe.analysis.gate import PAIRS
 from mismatch_probe.analysis.token_gaps import pair_metrics
 from mismatch_probe.errors import SchemaError
+from mismatch_probe.run import reader as layout
+from mismatch_probe.run.reader import RunDir
 from mismatch_probe.run.schema import SCHEMA_VERSION, SCHEMAS, read_schema_version, read_table
 
 OP_ERROR_COLUMNS = (
@@ -120,10 +122,10 @@ def _ops_capture(path: Path) -> dict[str, Any]:
 
 
 def _capture_info(root: Path, side: str, out: dict[str, dict[str, Any]]) -> None:
-    p = root / side / "ops.parquet"
+    p = root / layout.ops_file(side)
     if p.exists():
         out[side] = _ops_capture(p)
-    by_rank = root / side / "ops_by_rank"
+    by_rank = root / layout.ops_by_rank(side)
     ranks = sorted(by_rank.rglob("*.parquet")) if by_rank.is_dir() else []
     if ranks:  # multi-rank capture (FSDP): a dataset partitioned by rank
         parts = [_ops_capture(f) for f in ranks]
@@ -137,8 +139,9 @@ def _capture_info(root: Path, side: str, out: dict[str, dict[str, Any]]) -> None
 def load_run(run: Path) -> RunData:
     """Read a run directory for the report; SchemaError (exit 2) for missing/corrupt required inputs."""
     root = Path(run)
-    manifest = read_manifest(root)
-    gaps_path = root / "compare" / "token_gaps.parquet"
+    rd = RunDir(root)
+    manifest = rd.manifest
+    gaps_path = rd.file(layout.TOKEN_GAPS)
     if not gaps_path.exists():
         status = manifest.get("status", "?")
         raise SchemaError(f"missing file: {gaps_path} (run status {status!r}); run `mismatch-probe compare` to completion")
@@ -147,15 +150,15 @@ def load_run(run: Path) -> RunData:
     if manifest.get("status") != "complete":
         data.notes.append(f"run status is {manifest.get('status')!r}, not 'complete': results may be partial")
 
-    if (root / "compare" / "summary.json").exists():
-        data.summary = read_summary(root)
+    if rd.has(layout.SUMMARY):
+        data.summary = rd.summary()
     else:
         data.summary = _summary_from_gaps(gaps)
-        data.notes.append("compare/summary.json is missing: headline metrics recomputed from token_gaps.parquet")
+        data.notes.append(f"{layout.SUMMARY} is missing: headline metrics recomputed from {gaps_path.name}")
     for pair in PAIRS:
         data.summary["pairs"].setdefault(pair, {})
 
-    ope = root / "compare" / "op_errors.parquet"
+    ope = rd.file(layout.OP_ERRORS)
     if ope.exists():
         df = _read_versioned_parquet(ope, "op_errors", OP_ERROR_COLUMNS[:3])
         for c in OP_ERROR_COLUMNS:
@@ -163,19 +166,15 @@ def load_run(run: Path) -> RunData:
                 df[c] = np.nan
         data.op_errors = df.sort_values("exec_order", kind="stable").reset_index(drop=True)
     else:
-        why = "compare/op_errors.parquet not found: the run has no op capture (compare without op capture)"
+        why = (f"{layout.OP_ERRORS} not found: " + ("the run captured ops but the file is missing (damaged run?)"
+               if rd.captured_ops() else "the run has no op capture (compare without op capture)"))
         data.absent["Where drift starts"] = why
         data.absent["Op table"] = why
 
-    wp = root / "compare" / "weight_parity.json"
-    if wp.exists():
-        data.weight_parity = read_run_json(wp, "weight parity")
-
-    bis = root / "bisect.json"
-    if bis.exists():
-        data.bisect = read_run_json(bis, "bisect result")
-    else:
-        data.absent["Bisect ranking"] = "bisect.json not found: run `mismatch-probe bisect RUN` to rank ops"
+    data.weight_parity = rd.weight_parity()
+    data.bisect = rd.bisect()
+    if data.bisect is None:
+        data.absent["Bisect ranking"] = f"{layout.BISECT} not found: run `mismatch-probe bisect RUN` to rank ops"
 
     for side in ("learner", "sampler"):
         try:

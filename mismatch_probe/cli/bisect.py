@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from mismatch_probe.cli.app import app, console
@@ -26,13 +28,21 @@ def bisect(
     ablation_seqs: int = typer.Option(16, "--ablation-seqs", help="Ablation: score the N largest-gap sequences (0: all)."),
 ) -> None:
     """Find the first op where the engines differ and rank ops by the error they introduce."""
-    from mismatch_probe.run.rundir import load_manifest
+    from mismatch_probe.run.reader import BISECT, RunDir
     from mismatch_probe.run.schema import atomic_write_json
     from mismatch_probe.steps.bisect import Engines, first_divergent, load_op_errors, local_errors
     from mismatch_probe.steps.ops_stage import read_ops
+    from mismatch_probe.validate import at_least, fraction
 
-    manifest = load_manifest(run)
+    at_least(max_rows, "--max-rows", 1)
+    at_least(top, "--top", 0)
+    at_least(ablation_seqs, "--ablation-seqs", 0)
+    fraction(min_share, "--min-share")
+    rd = RunDir(run).require_complete()
+    manifest = rd.manifest
     cfg = manifest["config"]
+    if not os.access(run, os.W_OK):
+        raise UsageError(f"cannot write {run / BISECT}: the run folder is not writable (read-only?)")
     errs = load_op_errors(run)
     result: dict = {"schema_version": 1, "run": str(run), "first_divergent": first_divergent(errs)}
     recipes = cfg.get("recipes") or {}
@@ -62,10 +72,10 @@ def bisect(
                     result["first_divergent"]["reason"] = reason
             if ablation:
                 result.update(_ablation(run, cfg, engines, min_share, ablation_seqs))
-    atomic_write_json(run / "bisect.json", result)
+    atomic_write_json(rd.file(BISECT), result)
 
     fd = result["first_divergent"]
-    t = Table(title=f"bisect: {run}")
+    t = Table(title=escape(f"bisect: {run}"))
     t.add_column("finding")
     t.add_column("op")
     t.add_column("detail")
@@ -99,7 +109,7 @@ def bisect(
             at.add_row(str(r["group"]), r["kind"], f"{r['share']:.1%}", _f(r["gap_after"]))
         console.print(at)
         console.print(f"{result['ablation_passes']} passes; all aligned: gap {result['gap_all_aligned']:.3e}")
-    console.print(f"written {run / 'bisect.json'}")
+    console.print(f"written {escape(str(rd.file(BISECT)))}", highlight=False)
 
 
 def _ablation(run: Path, cfg: dict, engines: object, min_share: float, n_seqs: int) -> dict:

@@ -157,16 +157,22 @@ def diff(
     by_kind: bool = typer.Option(
         False, "--by-kind", help="Also print the per-op errors summarized per op kind (all layers of attn.o, ...)."
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the files of an earlier diff in --out."),
 ) -> None:
     """Compare two captures of the same sequences: token logprob gap and per-op errors."""
     import numpy as np
     import pyarrow as pa
 
+    from mismatch_probe.run.outpath import check_result_dir, write_output
+    from mismatch_probe.run.reader import DIFF_FILES, OP_ERRORS_NAME, SUMMARY_NAME, RunDir
+
+    if out is not None:  # before any work: never into a run folder or a folder of other files
+        out = check_result_dir(out, overwrite=overwrite, names=DIFF_FILES)
+
     from mismatch_probe.analysis.metrics import logprob_gap
     from mismatch_probe.analysis.op_errors import by_kind as kind_summary
     from mismatch_probe.analysis.op_errors import op_errors
-    from mismatch_probe.run.rundir import load_manifest
-    from mismatch_probe.run.schema import atomic_write_json, read_table, write_table
+    from mismatch_probe.run.schema import read_table, write_table
     from mismatch_probe.steps.bisect import first_divergent
     from mismatch_probe.steps.ops_stage import read_ops
 
@@ -184,7 +190,7 @@ def diff(
     oa, ob = read_ops(pa_, sa), read_ops(pb, sb)
     errs = None
     if oa is not None and ob is not None:
-        n_layers = int(load_manifest(pa_)["config"].get("num_layers", 10_000))
+        n_layers = RunDir(pa_).config_int("num_layers", 10_000)
         errs = op_errors(oa, ob, n_layers)
         summary["first_divergent"] = first_divergent(errs)
         kinds = kind_summary(errs)
@@ -204,9 +210,11 @@ def diff(
     if by_kind and errs is not None:
         console.print(_kind_table(kinds, f"per op kind ({a} is the reference)"))
     if out is not None:
-        atomic_write_json(out / "summary.json", summary)
+        import json
+
+        write_output(out / SUMMARY_NAME, (json.dumps(summary, indent=2, default=str) + "\n").encode(), "diff --out")
         if errs is not None:
-            write_table(out / "op_errors.parquet", pa.Table.from_pandas(errs, preserve_index=False), "op_errors")
+            write_table(out / OP_ERRORS_NAME, pa.Table.from_pandas(errs, preserve_index=False), "op_errors")
         console.print(f"written {out}")
 
 

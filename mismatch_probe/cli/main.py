@@ -5,15 +5,20 @@ exit with their typed code; parser errors exit 2 (see :func:`.app.parser_exit`).
 
 from __future__ import annotations
 
+import errno
 import sys
 
-from mismatch_probe.cli.app import app, err_console, parser_exit
+from mismatch_probe.cli.app import app, err_console, parser_exit, print_error
 from mismatch_probe.errors import ProbeError
+
+# OSErrors that are the user's environment, not a bug: one line and exit 2, like a usage error
+_USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
+                          errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY})
 
 
 def _register() -> None:
     # Each module registers its commands on `app`; they import engines only when run.
-    from mismatch_probe.cli import bisect, capture, compare, engines  # noqa: F401
+    from mismatch_probe.cli import bisect, capture, clean, compare, engines  # noqa: F401
 
     for optional in ("mismatch_probe.cli.report", "mismatch_probe.cli.kernels"):
         try:
@@ -30,11 +35,17 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(rv, int) and rv != 0:
             sys.exit(rv)
     except ProbeError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        print_error(str(e))
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")
         sys.exit(130)
+    except OSError as e:
+        if e.errno not in _USER_ERRNOS:
+            raise
+        where = f"{e.filename}: " if e.filename is not None else ""
+        print_error(f"{where}{e.strerror or e}")
+        sys.exit(2)
     except Exception as e:  # the parser's own exceptions, from whatever click typer uses
         code = parser_exit(e)
         if code is None:

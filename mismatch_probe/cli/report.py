@@ -8,10 +8,10 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mismatch_probe.cli.app import app, console
-from mismatch_probe.errors import UsageError
 
 out_console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -34,22 +34,8 @@ def report(
     path, absent = build_report(run, out, gate_config=gate_config, convention=convention)
     size = path.stat().st_size
     for section, why in absent.items():
-        console.print(f"[yellow]absent:[/] {section}: {why}", highlight=False)
-    console.print(f"wrote {path} ({size / 1e6:.2f} MB) in {time.perf_counter() - t0:.1f} s", highlight=False)
-
-
-def _write_output(path: Path, data: bytes) -> None:
-    """Write a result file atomically; ``-`` is stdout, devices and pipes are written in place."""
-    from mismatch_probe.run.schema import atomic_write_bytes
-
-    if str(path) == "-":
-        sys.stdout.write(data.decode())
-        sys.stdout.flush()
-    elif path.exists() and not path.is_file():
-        with open(path, "ab") as f:
-            f.write(data)
-    else:
-        atomic_write_bytes(path, data)
+        console.print(f"[yellow]absent:[/] {escape(section)}: {escape(why)}", highlight=False)
+    console.print(f"wrote {escape(str(path))} ({size / 1e6:.2f} MB) in {time.perf_counter() - t0:.1f} s", highlight=False)
 
 
 @app.command("gate")
@@ -79,6 +65,7 @@ def gate(
 ) -> None:
     """Check a run's gap against thresholds: exit 0 pass, 1 fail, 2 usage or input error."""
     from mismatch_probe.analysis import gate as g
+    from mismatch_probe.run.outpath import check_output_file, write_output
 
     t0 = time.perf_counter()
     toml = g.load_toml(config) if config else None
@@ -97,23 +84,23 @@ def gate(
         first_divergent_kind=first_divergent_kind,
         strict=strict,
     )
-    for p in (markdown, junit):
-        if p is not None and p.is_dir():
-            raise UsageError(f"{p} is a directory, expected a file path")
+    for p, flag in ((markdown, "--markdown"), (junit, "--junit")):
+        if p is not None:
+            check_output_file(p, flag)
     results, manifest = g.run_gate(run, cfg)
     verdict = g.overall(results)
 
     style = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]skip[/]"}
-    table = Table(title=f"mismatch-probe gate: {run}")
+    table = Table(title=escape(f"mismatch-probe gate: {run}"))
     for col in ("check", "pair", "value", "threshold", "verdict", "detail"):
         table.add_column(col, overflow="fold")
     for r in results:
-        table.add_row(r.name, r.pair, g.fmt_num(r.value), r.threshold, style[r.verdict], r.detail)
+        table.add_row(escape(r.name), r.pair, escape(g.fmt_num(r.value)), r.threshold, style[r.verdict], escape(r.detail))
     out_console.print(table)
     if markdown is not None:
-        _write_output(markdown, g.to_markdown(results, run, manifest).encode())
+        write_output(markdown, g.to_markdown(results, run, manifest).encode(), "--markdown")
     if junit is not None:
-        _write_output(junit, g.to_junit(results, run, time.perf_counter() - t0))
+        write_output(junit, g.to_junit(results, run, time.perf_counter() - t0), "--junit")
     n_fail = sum(r.verdict == "fail" for r in results)
     if verdict == "fail":
         out_console.print(f"[bold red]gate FAILED[/]: {n_fail} of {len(results)} checks failed")

@@ -2,14 +2,14 @@
 
 An interrupted or failed run never leaves a folder at ``RUN`` that reads as complete: until
 :meth:`RunWriter.finish`, everything lives in ``.RUN.partial-<pid>`` beside it, and its manifest
-says ``"status": "running"`` (``"failed"`` after an error, kept for debugging).
+says ``"status": "running"`` (``"failed"`` after an error, kept for debugging; ``mismatch-probe
+clean`` lists and removes such folders). What ``--out`` may be: :mod:`mismatch_probe.run.outpath`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata as md
-import json
 import os
 import platform
 import shutil
@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe import settings
-from mismatch_probe.errors import SchemaError, UsageError
+from mismatch_probe.errors import ProbeError, UsageError
+from mismatch_probe.run.outpath import check_out_dir, identity, is_empty_dir, is_run, os_error, rename_noreplace, side_name
 from mismatch_probe.run.schema import SCHEMA_VERSION, atomic_write_json
 
 
@@ -48,16 +49,24 @@ def _ver(dist: str) -> str:
         return "-"
 
 
+class OutputConflict(ProbeError):
+    """``--out`` changed while the run was running: nothing there is replaced, the results stay staged."""
+
+
 class RunWriter:
-    """Creates a run directory atomically; use as a context manager."""
+    """Creates a run directory atomically; use as a context manager.
+
+    ``--out`` follows :func:`mismatch_probe.run.outpath.check_out_dir` (a new or empty folder, or
+    a run that ``--overwrite`` replaces by rename); :meth:`finish` renames the staged folder into
+    place without replacing anything that appeared at ``--out`` meanwhile.
+    """
 
     def __init__(self, out: Path, *, overwrite: bool = False) -> None:
-        self.final = Path(out)
-        if self.final.exists() and not self.final.is_dir():
-            raise UsageError(f"--out {out} exists and is not a folder")
-        if self.final.exists() and any(self.final.iterdir()) and not overwrite:
-            raise UsageError(f"--out {out} already exists; pass --overwrite or choose another folder")
-        self.dir = self.final.parent / f".{self.final.name}.partial-{os.getpid()}"
+        self.out = Path(out)
+        self.final = check_out_dir(out, overwrite=overwrite)
+        self.overwrite = overwrite
+        self._found = identity(self.final)  # what --out held when the run started (None: nothing)
+        self.dir = side_name(self.final, "partial")
         self.manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "status": "running",
@@ -75,10 +84,14 @@ class RunWriter:
         }
 
     def __enter__(self) -> RunWriter:
-        if self.dir.exists():
-            shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True)
-        self.write_manifest()
+        try:
+            if self.dir.exists():  # our own staging name (this pid): a leftover of an earlier process
+                shutil.rmtree(self.dir)
+            self.dir.mkdir(parents=True)
+            self.write_manifest()
+        except OSError as e:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise os_error(e, f"the run folder {self.out}") from None
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
@@ -89,7 +102,10 @@ class RunWriter:
             return
         self.manifest["status"] = "failed"
         self.manifest["error"] = f"{type(exc).__name__}: {exc}"
-        self.write_manifest()
+        try:
+            self.write_manifest()
+        except OSError:
+            pass  # e.g. the disk is full: the original error is what the user needs to see
 
     def path(self, rel: str) -> Path:
         return self.dir / rel
@@ -97,31 +113,49 @@ class RunWriter:
     def write_manifest(self) -> None:
         atomic_write_json(self.dir / "manifest.json", self.manifest)
 
+    def _conflict(self) -> OutputConflict:
+        return OutputConflict(
+            f"--out {self.out} changed while this run was running (something appeared or was replaced there): "
+            f"it is left as it is; this run's results are in {self.dir}"
+        )
+
     def finish(self) -> Path:
+        """Mark the run complete and rename it into place (see the class docstring)."""
+        aside: Path | None = None
+        if os.path.lexists(self.final):
+            if is_empty_dir(self.final):
+                try:
+                    os.rmdir(self.final)
+                except OSError:
+                    raise self._conflict() from None
+            elif self.overwrite and identity(self.final) == self._found and is_run(self.final):
+                aside = side_name(self.final, "old")
+                rename_noreplace(self.final, aside)
+            else:
+                raise self._conflict()
         self.manifest["status"] = "complete"
         self.manifest["finished_at"] = _now()
         self.write_manifest()
-        if self.final.exists():
-            shutil.rmtree(self.final)
-        os.replace(self.dir, self.final)
+        try:
+            rename_noreplace(self.dir, self.final)
+        except OSError:
+            self.manifest["status"] = "failed"
+            self.write_manifest()
+            if aside is not None:
+                try:
+                    rename_noreplace(aside, self.final)
+                except OSError:
+                    pass
+            raise self._conflict() from None
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)  # the replaced run, moved aside by us above
         return self.final
 
 
 def load_manifest(run: Path, *, require_complete: bool = True) -> dict[str, Any]:
-    """Read ``RUN/manifest.json``; a missing, corrupt or incomplete run is a clear error."""
-    path = Path(run) / "manifest.json"
-    if not Path(run).is_dir():
-        raise SchemaError(f"run directory not found: {run}")
-    if not path.is_file():
-        raise SchemaError(f"{run} is not a mismatch-probe run (no manifest.json)")
-    try:
-        m = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SchemaError(f"{path} is corrupt: {e}") from None
-    if int(m.get("schema_version", 0)) > SCHEMA_VERSION:
-        raise SchemaError(
-            f"{run} has schema version {m['schema_version']}, newer than this mismatch-probe reads ({SCHEMA_VERSION})"
-        )
-    if require_complete and m.get("status") != "complete":
-        raise SchemaError(f"{run} is not complete (status: {m.get('status')!r})")
-    return m
+    """``RUN/manifest.json`` through the one reader (:class:`mismatch_probe.run.reader.RunDir`):
+    a missing, corrupt or incomplete run is a clear error (exit 2)."""
+    from mismatch_probe.run.reader import RunDir
+
+    rd = RunDir(run)
+    return (rd.require_complete() if require_complete else rd).manifest

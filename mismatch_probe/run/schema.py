@@ -151,17 +151,51 @@ def _v1_to_v2(table: pa.Table, kind: str) -> pa.Table:
 _UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {1: _v1_to_v2, 2: lambda table, kind: table}
 
 
+def _family(t: pa.DataType) -> str:
+    if pa.types.is_null(t):
+        return "null"
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t):
+        return "float"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_dictionary(t):
+        return "string"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "binary"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return "list:" + _family(t.value_type)
+    return str(t)
+
+
+# casts a reader accepts (same family, or an integer column where floats are expected)
+_WIDENS = {("int", "float"), ("list:int", "list:float")}
+
+
+def _cast(table: pa.Table, name: str, typ: pa.DataType, kind: str) -> pa.ChunkedArray:
+    col = table.column(name)
+    src, dst = _family(col.type), _family(typ)
+    if src != dst and src != "null" and (src, dst) not in _WIDENS:
+        raise SchemaError(f"{kind} table: column {name} has type {col.type}, expected {typ}")
+    try:
+        return col.cast(typ)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+        raise SchemaError(f"{kind} table: column {name} ({col.type}) does not convert to {typ}: {e}") from None
+
+
 def conform(table: pa.Table, kind: str) -> pa.Table:
-    """Cast ``table`` to the schema of ``kind``: required columns in order, optional ones kept."""
+    """Cast ``table`` to the schema of ``kind``: required columns in order, optional ones kept.
+    A column of another type family (text where numbers belong, ...) is a :class:`SchemaError`."""
     schema = SCHEMAS[kind]
     missing = [f.name for f in schema if f.name not in table.column_names]
     if missing:
         raise SchemaError(f"{kind} table lacks required columns: {', '.join(missing)}")
-    cols = [table.column(f.name).cast(f.type) for f in schema]
+    cols = [_cast(table, f.name, f.type, kind) for f in schema]
     fields = list(schema)
     for name, typ in OPTIONAL.get(kind, {}).items():
         if name in table.column_names:
-            cols.append(table.column(name).cast(typ))
+            cols.append(_cast(table, name, typ, kind))
             fields.append(pa.field(name, typ))
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))
 
@@ -269,11 +303,11 @@ class StreamWriter:
 def read_schema_version(path: Path) -> int:
     path = Path(path)
     if not path.exists():
-        raise SchemaError(f"missing file: {path}")
+        raise SchemaError(f"corrupt run: {path}: missing file")
     try:
         meta = pq.read_schema(path).metadata or {}
     except Exception as e:  # pyarrow raises several types for corrupt files
-        raise SchemaError(f"corrupt Parquet file {path}: {e}") from None
+        raise SchemaError(f"corrupt run: {path}: corrupt Parquet file: {e}") from None
     raw = meta.get(VERSION_KEY)
     if raw is None:
         raise SchemaError(f"{path} is not a mismatch-probe table (no {VERSION_KEY.decode()} metadata)")
@@ -295,7 +329,7 @@ def read_table(path: Path, kind: str) -> pa.Table:
     try:
         table = pq.read_table(path)
     except Exception as e:
-        raise SchemaError(f"corrupt Parquet file {path}: {e}") from None
+        raise SchemaError(f"corrupt run: {path}: corrupt Parquet file: {e}") from None
     while version < SCHEMA_VERSION:
         if version not in _UPGRADES:
             raise SchemaError(f"{path} has schema version {version}, which this mismatch-probe cannot read or upgrade")
@@ -305,7 +339,10 @@ def read_table(path: Path, kind: str) -> pa.Table:
         from mismatch_probe.run.ops_packed import unpack
 
         table = unpack(table)
-    return conform(table, kind)
+    try:
+        return conform(table, kind)
+    except SchemaError as e:
+        raise SchemaError(f"corrupt run: {path}: {e}") from None
 
 
 def validate_file(path: Path, kind: str) -> pa.Table:

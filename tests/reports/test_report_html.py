@@ -251,5 +251,5 @@ def test_op_capture_files_are_summarized_not_read(tmp_path: Path) -> None:
     (rank / "part-0.parquet").write_bytes(b"not parquet")  # a broken capture file does not block the report
     html = build_report(run)[0].read_text()
     assert re.search(r"<li>sampler: [\d,]+ rows, [\d.]+ MB</li>", html)
-    assert "learner op capture not summarized: corrupt Parquet" in html
+    assert "learner op capture not summarized: corrupt run: " in html and "corrupt Parquet" in html
     assert 'id="op-filter"' in html
