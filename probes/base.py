@@ -1,13 +1,20 @@
 """The small runner interface every engine adapter implements (Polygraphy style).
 
 Public methods validate their input, then call ``_impl`` methods; runners are context managers
-that load on enter and release everything they created on exit.
+that load on enter and release everything they created on exit. A runner is configured through its
+constructor only (:func:`mismatch_probe.probes.factory.build_runner` makes every runner from an
+``EngineSpec``); callers outside ``probes/`` use the methods below and never reach into the engine
+(``llm``, ``model``): scoring, a recipe subset switched on for a while (ablation), replay of one op,
+weight digests and parity, the sampler's tokenizer.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,13 +69,27 @@ class Runner(ABC):
 
     name = "runner"
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        capture: Any = None,
+        ops_dest: Path | None = None,
+        auto: Mapping[str, Mapping[str, Any]] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """``capture``: a CapturePlan (record canonical ops while scoring; None: off); ``ops_dest``:
+        captured ops stream to this ops.parquet (bounded memory) instead of ``self.ops``; ``auto``:
+        settings chosen for this runner by its caller, with their reasons (recorded in ``info``);
+        ``progress``: callable(n_done) called as sequences are scored (``score(progress=)`` wins)."""
         self.vocab_size = vocab_size
         self.info = RunnerInfo(engine=self.name)
+        self.info.auto.update({k: dict(v) for k, v in (auto or {}).items()})
         self._loaded = False
-        self.capture: Any = None  # a CapturePlan: record canonical ops while scoring
+        self.capture: Any = capture
         self.ops: Any = None  # the ops table (pyarrow) of the last captured score(), when kept in memory
-        self.ops_dest: Any = None  # a path: captured ops stream to this ops.parquet instead (bounded memory)
+        self.ops_dest: Path | None = None if ops_dest is None else Path(ops_dest)
+        self.progress = progress
 
     def __enter__(self) -> Runner:
         self._load_impl()
@@ -80,19 +101,52 @@ class Runner(ABC):
             self._unload_impl()
             self._loaded = False
 
-    def score(self, seqs: list[list[int]], seq_ids: list[int] | None = None) -> list[np.ndarray]:
+    def score(self, seqs: list[list[int]], seq_ids: list[int] | None = None, *,
+              progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
         """Teacher-forced logprob of each token given its prefix: array of len(seq) - 1 per seq
-        (entry j is the logprob of ``seq[j + 1]``). ``seq_ids`` name the sequences in captures."""
-        if not self._loaded:
-            raise RuntimeError(f"{self.name} runner used outside its `with` block")
+        (entry j is the logprob of ``seq[j + 1]``). ``seq_ids`` name the sequences in captures;
+        ``progress``: callable(n_done) for this call (else the constructor's)."""
+        self._check_loaded()
         _check_seqs(seqs, self.vocab_size)
         seq_ids = list(range(len(seqs))) if seq_ids is None else list(seq_ids)
         if len(seq_ids) != len(seqs) or len(set(seq_ids)) != len(seq_ids):
             raise ValueError("seq_ids must name each sequence once")
-        out = self._score_impl(seqs, seq_ids)
+        saved = self.progress
+        if progress is not None:
+            self.progress = progress
+        try:
+            out = self._score_impl(seqs, seq_ids)
+        finally:
+            self.progress = saved
         for s, lp in zip(seqs, out, strict=True):
             assert lp.shape == (len(s) - 1,), (lp.shape, len(s))
         return out
+
+    def _check_loaded(self) -> None:
+        if not self._loaded:
+            raise RuntimeError(f"{self.name} runner used outside its `with` block")
+
+    @contextlib.contextmanager
+    def recipe_applied(self, recipe: str, ops: Iterable[str] | None = None,
+                       layers: Iterable[int] | None = None) -> Iterator[None]:
+        """Score under ``recipe`` restricted to op classes ``ops`` and decoder ``layers`` (bisect's
+        ablation), on top of the recipe the runner was built with; restored on exit."""
+        self._check_loaded()
+        with self._recipe_impl(recipe, None if ops is None else sorted(ops), None if layers is None else sorted(layers)):
+            yield
+
+    def _recipe_impl(self, recipe: str, ops: list[str] | None,
+                     layers: list[int] | None) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError(f"the {self.name} runner cannot switch recipes in place")
+
+    def replay(self, op: str, inputs: list[Any], pos: Any) -> Any:
+        """This engine's implementation of canonical ``op`` on the captured ``inputs`` (tensors
+        [rows, numel]) at positions ``pos``: its output rows (bisect's input substitution)."""
+        self._check_loaded()
+        return self._replay_impl(op, inputs, pos)
+
+    def _replay_impl(self, op: str, inputs: list[Any], pos: Any) -> Any:
+        raise NotImplementedError(f"the {self.name} runner cannot replay ops")
 
     def _finish_capture(self, rec: Any) -> None:
         """Close the op recorder: ``self.ops`` holds the table, or None where it streamed to

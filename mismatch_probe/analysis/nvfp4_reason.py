@@ -23,12 +23,6 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
-def _sub(root: Any, path: str) -> Any:
-    for p in path.split("."):
-        root = getattr(root, p)
-    return root
-
-
 def explain_linear(op: str, x: Any, engines: Any) -> dict[str, Any] | None:
     """Reason for ``op`` (a linear) diverging, or None when the sides are not both NVFP4."""
     import torch
@@ -36,20 +30,18 @@ def explain_linear(op: str, x: Any, engines: Any) -> dict[str, Any] | None:
     from mismatch_probe.kernels.nvfp4.ref import nvfp4_dequantize_ref, nvfp4_quantize_ref
 
     layer, kind = split_op(op)
-    from mismatch_probe.probes.vllm.plugin import nvfp4_state
-
     if kind not in _HF:
         return None
-    st_l = engines.learner.nvfp4_state(f"model.layers.{layer}.{_HF[kind]}")
+    prefix = f"model.layers.{layer}."
+    st_l = engines.learner.nvfp4_state(prefix + _HF[kind])
     if st_l is None:
         return None
     vpath, part = _VLLM[kind]
-    st_s = engines.sampler.llm.apply_model(lambda m: nvfp4_state(_sub(m.model.layers[layer], vpath)))[0]
-    if st_l is None or st_s is None:
+    st_s = engines.sampler.nvfp4_state(prefix + vpath)
+    if st_s is None:
         return None
-    hl = engines.learner.model.model.layers[layer]
-    w = _sub(hl, _HF[kind]).weight.detach()
-    w_fused = torch.cat([_sub(hl, p).weight.detach() for p in _FUSED[vpath]]) if vpath in _FUSED else w
+    w = engines.learner.linear_weight(prefix + _HF[kind])
+    w_fused = torch.cat([engines.learner.linear_weight(prefix + p) for p in _FUSED[vpath]]) if vpath in _FUSED else w
 
     def act(st: Any) -> Any:
         amax = st.static_amax if st.scheme.static and st.static_amax is not None else None

@@ -13,43 +13,6 @@ from rich.table import Table
 from mismatch_probe.cli.app import app, console
 from mismatch_probe.errors import UsageError
 
-ENGINES = ("hf", "fsdp", "vllm")
-
-
-def _runner(engine: str, model_dir: Path, vocab: int, max_len: int, opts: dict[str, Any]) -> Any:
-    if engine == "vllm":
-        from mismatch_probe.probes.vllm.runner import VllmSampler
-
-        sampler = VllmSampler(model_dir, vocab, max_model_len=max_len, dtype=opts["dtype"], recipe=opts["recipe"],
-                              llm_kwargs=opts["engine_kwargs"])
-        sampler.info.auto.update(opts["engine_auto"])
-        return sampler
-    lkw = dict(opts["engine_kwargs"])
-    attn = lkw.pop("attn_implementation", "sdpa")
-    if engine == "fsdp":
-        from mismatch_probe.probes.fsdp.runner import FsdpLearner
-
-        return FsdpLearner(model_dir, vocab, micro_batch_size=opts["micro_batch_size"], dtype=opts["dtype"],
-                           nproc=opts["nproc"], timeout_s=opts["timeout"], attn_implementation=attn, model_kwargs=lkw)
-    from mismatch_probe.probes.hf.runner import HfLearner
-
-    return HfLearner(model_dir, vocab, micro_batch_size=opts["micro_batch_size"], dtype=opts["dtype"], recipe=opts["recipe"],
-                     attn_implementation=attn, model_kwargs=lkw)
-
-
-def _engine_args(engine: str, sampler_arg: list[str], learner_arg: list[str], model_dir: Path, plan: Any,
-                 recipe: str | None) -> tuple[dict[str, Any], dict[str, dict]]:
-    """The engine's typed --sampler-arg (vllm) or --learner-arg (hf, fsdp); the other side's is an error."""
-    from mismatch_probe.probes import engine_args
-
-    mine, other = ("--sampler-arg", "--learner-arg") if engine == "vllm" else ("--learner-arg", "--sampler-arg")
-    if (learner_arg if engine == "vllm" else sampler_arg):
-        raise UsageError(f"{other} does not apply to --engine {engine} (use {mine})")
-    if engine == "vllm":
-        raw = engine_args.split_pairs(sampler_arg, mine)
-        return engine_args.sampler_kwargs(raw, capture_on=plan is not None, recipe=recipe or "engine")
-    return engine_args.learner_kwargs(engine_args.split_pairs(learner_arg, mine), model_dir), {}
-
 
 @app.command("capture")
 def capture(
@@ -79,62 +42,15 @@ def capture(
     ),
 ) -> None:
     """Score a run's sequences with ONE engine, capturing logprobs and ops (to `diff` later)."""
-    from mismatch_probe.probes.capture import build_plan
-    from mismatch_probe.probes.models import resolve_model
-    from mismatch_probe.run.rundir import RunWriter, load_manifest
-    from mismatch_probe.run.schema import read_table, write_table
-    from mismatch_probe.steps.ops_stage import describe_capture
+    from mismatch_probe.steps.capture import CaptureConfig, run_capture
 
-    if engine not in ENGINES:
-        raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    manifest = load_manifest(source)
-    if not (source / "sequences.parquet").exists():
-        raise UsageError(f"{source} has no sequences.parquet; run compare first")
-    seqs = read_table(source / "sequences.parquet", "sequences")
-    mi = resolve_model(model or manifest["config"]["model_dir"])
-    if (capture_full_rows or 0) < 0 or capture_topk < 0:
-        raise UsageError("--capture-full-rows and --capture-topk must be >= 0")
-    plan = build_plan(capture_mode, list(capture_rule), capture_full_rows, capture_topk, full_logits)
-    d = seqs.to_pydict()
-    opts: dict[str, Any] = {"micro_batch_size": micro_batch_size, "dtype": dtype, "nproc": nproc, "timeout": timeout,
-                            "recipe": recipe, "sampler_args": list(sampler_arg), "learner_args": list(learner_arg)}
-    opts["engine_kwargs"], opts["engine_auto"] = _engine_args(engine, sampler_arg, learner_arg, mi.path, plan, recipe)
-    max_len = min(mi.max_positions, max(64, max(len(t) for t in d["token_ids"])))
-    side = "sampler" if engine == "vllm" else "learner"
-    with RunWriter(out, overwrite=overwrite) as run:
-        run.manifest["kind"] = "capture"
-        run.manifest["config"] = {
-            "engine": engine, "from": str(source), "model_dir": str(mi.path), "model_type": mi.model_type,
-            "num_layers": mi.num_layers, "capture": capture_mode, "capture_rules": list(capture_rule),
-            "capture_full_rows": capture_full_rows, "capture_topk": capture_topk, "full_logits": full_logits,
-            **{k: v for k, v in opts.items() if k not in ("engine_kwargs", "engine_auto")},
-        }
-        run.manifest["capture"] = describe_capture(plan)
-        runner = _runner(engine, mi.path, mi.vocab_size, max_len, opts)
-        if engine == "fsdp":
-            runner.seq_meta = list(zip(d["seq_id"], d["prompt_id"], d["n_prompt"], strict=True))
-            runner.dataset_dest = run.path(f"{engine}/tokens_by_rank")
-            runner.ops_dataset_dest = run.path(f"{engine}/ops_by_rank")
-        else:
-            runner.ops_dest = run.path(f"{engine}/ops.parquet")  # streamed while the engine runs
-        with console.status(f"{engine}: loading and scoring {len(d['seq_id'])} sequences"), runner:
-            runner.capture = plan
-            scores = runner.score(d["token_ids"], d["seq_id"])
-            run.manifest["engines"][side] = {"engine": runner.info.engine, **runner.info.settings}
-            run.manifest["auto"].update({f"{engine}.{k}": v for k, v in runner.info.auto.items()})
-            run.manifest["notes"].extend(runner.info.notes)
-        from mismatch_probe.analysis.token_gaps import tokens_table
-        from mismatch_probe.probes.base import Rollout
-
-        rollouts = [Rollout(seq_id=s, prompt_id=p, prompt_ids=t[:n], response_ids=t[n:])
-                    for s, p, n, t in zip(d["seq_id"], d["prompt_id"], d["n_prompt"], d["token_ids"], strict=True)]
-        source_name = "prefill" if side == "sampler" else "learner"
-        write_table(run.path(f"{engine}/tokens.parquet"), tokens_table(rollouts, scores, source_name), "tokens")
-        if runner.ops is not None:
-            write_table(run.path(f"{engine}/ops.parquet"), runner.ops, "ops")
-        write_table(run.path("sequences.parquet"), seqs, "sequences")
-        path = run.finish()
-    console.print(f"capture written to [bold]{path}[/] ({engine}, {len(d['seq_id'])} sequences)")
+    cfg = CaptureConfig(engine=engine, source=source, out=out, model=model, capture=capture_mode,
+                        capture_rules=list(capture_rule), capture_full_rows=capture_full_rows, capture_topk=capture_topk,
+                        full_logits=full_logits, micro_batch_size=micro_batch_size, nproc=nproc, fsdp_timeout_s=timeout,
+                        recipe=recipe, dtype=dtype, overwrite=overwrite, sampler_args=list(sampler_arg),
+                        learner_args=list(learner_arg))
+    path, n = run_capture(cfg, console)
+    console.print(f"capture written to [bold]{path}[/] ({engine}, {n} sequences)")
 
 
 def _side_dir(arg: str) -> tuple[Path, str]:

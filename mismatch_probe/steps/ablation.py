@@ -46,12 +46,11 @@ def run_ablation(engines: Any, seqs: list[list[int]], n_prompt: list[int], kinds
                  num_layers: int, min_frac: float = 0.05, progress: Any = None) -> dict[str, Any]:
     """Rank op classes, then the layers of the top class, by their share of the gap.
 
-    ``engines`` stay loaded for every pass (the plugin and the learner's recipe switch op sets in
-    place); ``seqs`` are the sequences to score (the caller picks the ones that carry the gap).
+    ``engines`` stay loaded for every pass (each runner's ``recipe_applied`` switches op sets in
+    place, the sampler's plugin and the learner's patch alike); ``seqs`` are the sequences to score
+    (the caller picks the ones that carry the gap).
     ``progress``: a ``rich.progress.Progress``; each pass gets a bar named by its op set, advanced
     after the sampler and after the learner scored."""
-    from mismatch_probe.probes.vllm import plugin as vllm_plugin
-
     mask = np.concatenate([np.arange(1, len(s)) >= n for s, n in zip(seqs, n_prompt, strict=True)])
     learner, sampler = engines.learner, engines.sampler
     passes: list[dict[str, Any]] = []
@@ -66,17 +65,15 @@ def run_ablation(engines: Any, seqs: list[list[int]], n_prompt: list[int], kinds
         where = "" if layers is None else f" @ layers {sorted(layers)}"
         desc = f"pass {len(passes) + 1}: {', '.join(sorted(ops)) or 'engine (none aligned)'}{where}"
         task = None if progress is None else progress.add_task(desc, total=2)
-        vllm_plugin.activate("strict", ops=sorted(ops), layers=None if layers is None else sorted(layers))
-        try:
+        subset = {"ops": sorted(ops), "layers": None if layers is None else sorted(layers)}
+        with sampler.recipe_applied("strict", **subset):
             ls = np.concatenate(sampler.score(seqs))
-            if task is not None:
-                progress.advance(task)
-            with learner.recipe_applied("strict", ops=sorted(ops), layers=None if layers is None else sorted(layers)):
-                ll = np.concatenate(learner.score(seqs))
-            if task is not None:
-                progress.advance(task)
-        finally:
-            vllm_plugin.activate("strict", ops=[])
+        if task is not None:
+            progress.advance(task)
+        with learner.recipe_applied("strict", **subset):
+            ll = np.concatenate(learner.score(seqs))
+        if task is not None:
+            progress.advance(task)
         g = float(np.abs(ll - ls)[mask].mean()) if mask.any() else 0.0
         passes.append({"ops": sorted(ops), "layers": None if layers is None else sorted(layers), "gap": g})
         seen[(ops, layers)] = g

@@ -51,7 +51,7 @@ def local_errors(cfg: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFra
     ``engines`` is a loaded :class:`Engines` (the sampler's and the learner's modules)."""
     import torch
 
-    from mismatch_probe.probes.replay import hf_replay, op_inputs, vllm_replay
+    from mismatch_probe.probes.replay import op_inputs
 
     n_layers = int(cfg.get("num_layers", 0))
     full_l = learner[learner["values"].notna()]
@@ -79,8 +79,8 @@ def local_errors(cfg: dict[str, Any], learner: pd.DataFrame, sampler: pd.DataFra
         l_in, s_in = [_tensors(full_l, i, keys) for i in ins], [_tensors(full_s, i, keys) for i in ins]
         lo, so = _tensors(full_l, op, keys), _tensors(full_s, op, keys)
         try:
-            si = engines.sampler.llm.apply_model(lambda model, op=op, xs=l_in, p=pos: vllm_replay(model, op, xs, p))[0]
-            li = hf_replay(engines.learner.model, op, s_in, pos)
+            si = engines.sampler.replay(op, l_in, pos)
+            li = engines.learner.replay(op, s_in, pos)
         except Exception as e:  # noqa: BLE001 - an engine that cannot replay this op: say so, go on
             skipped.append(op)
             failures[op] = f"{type(e).__name__}: {e}"[:300]
@@ -120,23 +120,26 @@ def _whole_sequences(keys: set[tuple[int, int]], max_rows: int) -> list[tuple[in
     return out
 
 
+DEFAULT_LONGEST = 511  # runs without sequences.parquet: vLLM's context for bisect is then 512 positions
+
+
 class Engines:
     """Both engines loaded once for bisect: vLLM (with the alignment plugin built in but idle, so
     ablation can switch op classes on and off between passes) and the HF learner."""
 
-    def __init__(self, cfg: dict[str, Any], align: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], align: bool, longest: int | None = None) -> None:
         """Each side runs the recipe it ran in the run (``config.recipes``); ``align`` (ablation,
-        engine recipes only) builds vLLM with the strict plugin, idle until switched on."""
-        from mismatch_probe.probes.hf.runner import HfLearner
+        engine recipes only) builds vLLM with the strict plugin, idle until switched on.
+        ``longest``: tokens of the run's longest sequence (vLLM's context, probes.factory.max_model_len)."""
+        from mismatch_probe.probes import engine_args as ea
+        from mismatch_probe.probes.factory import EngineSpec, build_runner
         from mismatch_probe.probes.models import inspect_model_dir
-        from mismatch_probe.probes.vllm.runner import VllmSampler
 
         self.align = align
         ms, ml = inspect_model_dir(Path(cfg["sampler_model_dir"])), inspect_model_dir(Path(cfg["model_dir"]))
         dtype = cfg.get("dtype", "bfloat16")
         recipes = cfg.get("recipes") or {}
-        from mismatch_probe.probes import engine_args as ea
-
+        longest = DEFAULT_LONGEST if longest is None else longest
         # the run's own engine settings (--sampler-arg / --learner-arg), checked again for this use
         s_recipe = "strict" if align else recipes.get("sampler")
         raw = ea.split_pairs(cfg.get("sampler_args"), "--sampler-arg")
@@ -144,30 +147,26 @@ class Engines:
         self.dropped = {k: raw.pop(k) for k in ("tensor_parallel_size", "distributed_executor_backend") if k in raw}
         skw, sauto = ea.sampler_kwargs(raw, capture_on=True, recipe=s_recipe or "engine")
         lkw = ea.learner_kwargs(ea.split_pairs(cfg.get("learner_args"), "--learner-arg"), ml.path)
-        self.sampler = VllmSampler(ms.path, ms.vocab_size, max_model_len=min(ms.max_positions, 512), dtype=dtype,
-                                   recipe=s_recipe, llm_kwargs=skw)
-        self.sampler.info.auto.update(sauto)
-        attn = lkw.pop("attn_implementation", "sdpa")
-        self.learner = HfLearner(ml.path, ml.vocab_size, dtype=dtype, recipe=None if align else recipes.get("learner"),
-                                 attn_implementation=attn, model_kwargs=lkw)
+        self.sampler = build_runner(EngineSpec(
+            "vllm", ms, longest, dtype=dtype, engine_kwargs=skw, engine_auto=sauto, recipe=s_recipe,
+            recipe_ops=frozenset() if align else None,  # built with the plugin; idle until ablation asks
+        ))
+        self.learner = build_runner(EngineSpec(
+            "hf", ml, longest, dtype=dtype, engine_kwargs=lkw, recipe=None if align else recipes.get("learner"),
+        ))
 
     def __enter__(self) -> Engines:
         self.sampler.__enter__()
-        if self.align:
-            from mismatch_probe.probes.vllm import plugin as vllm_plugin
-
-            self.sampler.llm.apply_model(vllm_plugin.tag_modules)
-            vllm_plugin.activate("strict", ops=[])  # built with the plugin; idle until ablation asks
-        self.learner.__enter__()
+        try:
+            self.learner.__enter__()
+        except BaseException:
+            self.sampler.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.learner.__exit__(*exc)
         self.sampler.__exit__(*exc)
-        if self.align:
-            from mismatch_probe.probes.vllm import plugin as vllm_plugin
-
-            vllm_plugin.deactivate()
 
 
 def load_op_errors(run_dir: Path) -> pd.DataFrame:

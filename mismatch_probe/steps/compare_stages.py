@@ -17,7 +17,8 @@ from mismatch_probe.analysis.token_gaps import (
     trainer_pairs,
     with_topk,
 )
-from mismatch_probe.probes.base import GenerateParams, Rollout
+from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
+from mismatch_probe.probes.factory import EngineSpec, build_runner
 from mismatch_probe.run.schema import atomic_write_json, read_table, write_table
 from mismatch_probe.steps import ops_stage
 from mismatch_probe.steps.progress import step
@@ -35,24 +36,23 @@ def _record(run: RunWriter, side: str, runner: Any) -> None:
     run.write_manifest()
 
 
+def longest_sequence(cfg: CompareConfig, prep: Prepared) -> int:
+    """Tokens of the longest sequence this run scores: the longest prompt plus the longest response
+    (--max-tokens, or the given / recorded responses)."""
+    return max(len(p) for p in prep.prompt_ids) + max([cfg.max_tokens] + [len(s.response_token_ids or []) for s in prep.specs])
+
+
 def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progress) -> list[Rollout]:
     """Generate (or take the given responses), then rescore every full sequence as a prefill."""
-    from mismatch_probe.probes.vllm.runner import VllmSampler
-
-    max_len = max(len(p) for p in prep.prompt_ids) + max(
-        [cfg.max_tokens] + [len(s.response_token_ids or []) for s in prep.specs]
+    plan = cfg.capture_plan()
+    spec = EngineSpec(
+        "vllm", prep.sampler_model, longest_sequence(cfg, prep), dtype=cfg.dtype, seed=cfg.seed,
+        engine_kwargs=prep.sampler_kwargs, engine_auto=prep.sampler_auto, recipe=cfg.side_recipe("sampler"),
+        capture=plan, ops_dest=run.path("sampler/ops.parquet"),  # streamed while the engine runs
+        topk=cfg.resolved_topk(),
     )
-    sampler = VllmSampler(
-        prep.sampler_model.path,
-        prep.sampler_model.vocab_size,
-        max_model_len=min(prep.sampler_model.max_positions, max(max_len + 1, 64)),  # rescoring generates 1 token
-        seed=cfg.seed,
-        dtype=cfg.dtype,
-        recipe=cfg.side_recipe("sampler"),
-        llm_kwargs=prep.sampler_kwargs,
-    )
-    sampler.info.auto.update(prep.sampler_auto)
-    sampler.topk = cfg.resolved_topk()
+    sampler = build_runner(spec)
+    assert isinstance(sampler, SamplerRunner)
     with step(progress, "loading vLLM sampler"):
         sampler.__enter__()
     try:
@@ -79,9 +79,7 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
         if short:
             run.manifest["notes"].append(f"{len(short)} sequences of a single token were left out (nothing to score)")
             rollouts = [r for r in rollouts if len(r.token_ids) >= 2]
-        sampler.capture = cfg.capture_plan()
-        sampler.ops_dest = run.path("sampler/ops.parquet")  # streamed while the engine runs
-        run.manifest["capture"] = ops_stage.describe_capture(sampler.capture)
+        run.manifest["capture"] = ops_stage.describe_capture(plan)
         with step(progress, f"rescoring {len(rollouts)} sequences as a prefill"):
             prefill = sampler.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts])
         ops_stage.write_ops(run, "sampler", sampler)
@@ -89,8 +87,8 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
         _record(run, "sampler", sampler)
         sampler.__exit__(None, None, None)
     dec, pre = decode_table(rollouts), tokens_table(rollouts, prefill, "prefill")
-    if sampler.topk:
-        dec, pre = sampler_topk_tables(dec, pre, rollouts, sampler.prefill_topk or [])
+    if spec.topk:
+        dec, pre = sampler_topk_tables(dec, pre, rollouts, getattr(sampler, "prefill_topk", None) or [])
     table = pa.concat_tables([dec, pre], promote_options="default")  # --rollouts: no decode top-K
     write_table(run.path("sampler/tokens.parquet"), table, "tokens")
     seqs = {
@@ -179,80 +177,49 @@ def write_trainer_tokens(run: RunWriter, prep: Prepared, rollouts: list[Rollout]
 
 def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rollout], progress: Progress) -> None:
     """Teacher-forced learner forward on exactly the sampler's token ids."""
-    from mismatch_probe.probes.hf.runner import HfLearner
-
-    learner: Any
-    if cfg.learner == "fsdp":
-        from mismatch_probe.probes.fsdp.runner import FsdpLearner
-
-        learner = FsdpLearner(
-            prep.model.path,
-            prep.model.vocab_size,
-            micro_batch_size=cfg.micro_batch_size,
-            dtype=cfg.dtype,
-            nproc=cfg.nproc,
-            timeout_s=cfg.fsdp_timeout_s,
-            mp_param_dtype=cfg.fsdp_param_dtype,
-            mp_reduce_dtype=cfg.fsdp_reduce_dtype,
-            attn_implementation=prep.learner_kwargs.get("attn_implementation", "sdpa"),
-            model_kwargs={k: v for k, v in prep.learner_kwargs.items() if k != "attn_implementation"},
-            recipe=cfg.side_recipe("learner"),
-        )
-        learner.seq_meta = [(r.seq_id, r.prompt_id, len(r.prompt_ids)) for r in rollouts]
-        learner.dataset_dest = run.path("learner/tokens_by_rank")  # moved in only after all ranks finished
-        learner.ops_dataset_dest = run.path("learner/ops_by_rank")  # where op capture is on
-    else:
-        learner = HfLearner(
-            prep.model.path,
-            prep.model.vocab_size,
-            micro_batch_size=cfg.micro_batch_size,
-            dtype=cfg.dtype,
-            recipe=cfg.side_recipe("learner"),
-            attn_implementation=prep.learner_kwargs.get("attn_implementation", "sdpa"),
-            model_kwargs={k: v for k, v in prep.learner_kwargs.items() if k != "attn_implementation"},
-        )
+    fsdp = cfg.learner == "fsdp"
+    topk = cfg.resolved_topk() if cfg.learner == "hf" else 0
+    spec = EngineSpec(
+        cfg.learner, prep.model, longest_sequence(cfg, prep), dtype=cfg.dtype, engine_kwargs=prep.learner_kwargs,
+        recipe=cfg.side_recipe("learner"), capture=cfg.capture_plan(),
+        # FSDP: the rank datasets, moved in only after all ranks finished; HF: streamed while the engine runs
+        ops_dest=run.path("learner/ops_by_rank" if fsdp else "learner/ops.parquet"),
+        tokens_dest=run.path("learner/tokens_by_rank") if fsdp else None,
+        seq_meta=tuple((r.seq_id, r.prompt_id, len(r.prompt_ids)) for r in rollouts) if fsdp else None,
+        topk=topk, topk_support=topk_support(run) if topk else {},
+        micro_batch_size=cfg.micro_batch_size, nproc=cfg.nproc, timeout_s=cfg.fsdp_timeout_s,
+        mp_param_dtype=cfg.fsdp_param_dtype, mp_reduce_dtype=cfg.fsdp_reduce_dtype,
+        row_parallel_slices=row_parallel_slices(cfg, prep),
+    )
+    learner = build_runner(spec)
     with step(progress, f"loading {learner.name.upper()} learner"):
         learner.__enter__()
     try:
-        _tp_row_split(cfg, prep, learner)
         ops_stage.learner_preflight(prep, run, learner)
-        learner.capture = cfg.capture_plan()
-        if cfg.resolved_topk() and cfg.learner == "hf":
-            learner.topk = cfg.resolved_topk()
-            learner.topk_support = topk_support(run)
-        if cfg.learner != "fsdp":
-            learner.ops_dest = run.path("learner/ops.parquet")  # streamed while the engine runs
         with step(progress, "learner forward (teacher-forced)", total=len(rollouts)) as advance:
-            learner.progress = advance
-            scores = learner.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts])
+            scores = learner.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts], progress=advance)
         ops_stage.write_ops(run, "learner", learner)
     finally:
         _record(run, "learner", learner)
         learner.__exit__(None, None, None)
     table = tokens_table(rollouts, scores, "learner")
-    if getattr(learner, "topk_out", None):
-        table = with_topk(table, learner.topk_out, LEARNER_TOPK_COLUMNS)
+    topk_out = getattr(learner, "topk_out", None)
+    if topk_out:
+        table = with_topk(table, topk_out, LEARNER_TOPK_COLUMNS)
     write_table(run.path("learner/tokens.parquet"), table, "tokens")
 
 
-def _tp_row_split(cfg: CompareConfig, prep: Prepared, learner: Any) -> None:
-    """Strict recipe on both sides and a tensor-parallel sampler: the learner's row-parallel linears
-    reduce K in the sampler's N slices (kernels/strict/tp.py), so both compute one reduction tree."""
+def row_parallel_slices(cfg: CompareConfig, prep: Prepared) -> int:
+    """Strict recipe on both sides, an HF learner and a tensor-parallel sampler: the learner's
+    row-parallel linears reduce K in the sampler's N slices (kernels/strict/tp.py), so both compute
+    one reduction tree (N); else 1."""
     from mismatch_probe.kernels.recipes import parse
 
     n = int(prep.sampler_kwargs.get("tensor_parallel_size") or 1)
     recipes = [parse(cfg.side_recipe(side)) for side in ("learner", "sampler")]
-    if n <= 1 or getattr(learner, "model", None) is None or any(r.is_engine or r.nvfp4 for r in recipes):
-        return
-    from mismatch_probe.probes.hf.tp import split_row_parallel
-
-    names = split_row_parallel(learner.model, n)
-    learner.info.settings["row_parallel_k_slices"] = n
-    learner.info.auto["row_parallel_k_slices"] = {
-        "value": n,
-        "reason": f"the sampler splits o_proj/down_proj along K over {n} TP ranks: the learner's strict linear "
-        f"reduces K in the same {n} slices (fp32 partials, fixed tree, one rounding) on {len(names)} modules",
-    }
+    if n <= 1 or cfg.learner != "hf" or any(r.is_engine or r.nvfp4 for r in recipes):
+        return 1
+    return n
 
 
 def compare_tokens(run: RunWriter, progress: Progress) -> dict[str, Any]:

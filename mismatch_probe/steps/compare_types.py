@@ -14,6 +14,17 @@ from mismatch_probe.errors import UsageError
 from mismatch_probe.probes.models import ModelInfo
 from mismatch_probe.steps.prompts import PromptSpec
 
+
+def capture_plan(mode: str, rules: list[str], full_rows: int | None, topk: int, full_logits: bool) -> Any:
+    """The CapturePlan of ``--capture`` / ``--capture-rule`` / ``--capture-full-rows`` /
+    ``--capture-topk`` / ``--full-logits`` (None when capture is off)."""
+    from mismatch_probe.probes.capture import build_plan
+
+    if (full_rows or 0) < 0 or topk < 0:
+        raise UsageError("--capture-full-rows and --capture-topk must be >= 0")
+    return build_plan(mode, list(rules), full_rows, topk, full_logits)
+
+
 LEARNERS = ("hf", "fsdp")
 SAMPLERS = ("vllm",)
 
@@ -71,13 +82,8 @@ class CompareConfig:
         return 20 if self.capture != "off" and self.learner == "hf" else 0
 
     def capture_plan(self) -> Any:
-        """The CapturePlan of ``--capture`` / ``--capture-rule`` / ``--capture-full-rows`` /
-        ``--capture-topk`` / ``--full-logits`` (None when capture is off)."""
-        from mismatch_probe.probes.capture import build_plan
-
-        if (self.capture_full_rows or 0) < 0 or self.capture_topk < 0:
-            raise UsageError("--capture-full-rows and --capture-topk must be >= 0")
-        return build_plan(self.capture, self.capture_rules, self.capture_full_rows, self.capture_topk, self.full_logits)
+        """The CapturePlan of this run's capture options (None when capture is off)."""
+        return capture_plan(self.capture, self.capture_rules, self.capture_full_rows, self.capture_topk, self.full_logits)
 
     def validate(self) -> None:
         from mismatch_probe.validate import compare_values

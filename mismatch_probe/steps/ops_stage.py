@@ -40,28 +40,19 @@ def tokenizer_mismatches(specs: list[Any], prompt_ids: list[list[int]], encode: 
 
 def sampler_preflight(prep: Prepared, run: RunWriter, sampler: Any) -> None:
     """With the sampler loaded: its tokenization of the prompts, and the weights it holds."""
-    from mismatch_probe.probes.parity import sampler_weight_digests
-
-    mismatched = tokenizer_mismatches(prep.specs, prep.prompt_ids, sampler.llm.get_tokenizer().encode)
+    mismatched = tokenizer_mismatches(prep.specs, prep.prompt_ids, sampler.encode)
     run.manifest.setdefault("parity", {})["tokenizer"] = {"ok": not mismatched, "mismatches": mismatched}
-    atomic_write_json(run.path("sampler/weights.json"), sampler_weight_digests(sampler.llm, prep.sampler_model.path))
+    atomic_write_json(run.path("sampler/weights.json"), sampler.weight_digests())
 
 
 def learner_preflight(prep: Prepared, run: RunWriter, learner: Any) -> None:
     """Compare the learner's weights with the digests the sampler stage recorded."""
     import json
 
-    from mismatch_probe.probes.parity import weight_parity
-
     path = run.path("sampler/weights.json")
     if not path.exists():
         return
-    model = getattr(learner, "model", None)
-    if model is None:  # e.g. FSDP: ranks load the learner checkpoint; compare with that
-        import transformers
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(prep.model.path, dtype="auto")
-    res = weight_parity(model, json.loads(path.read_text()), prep.sampler_model.path)
+    res = learner.weight_parity(json.loads(path.read_text()), prep.sampler_model.path)
     run.manifest.setdefault("parity", {})["weights"] = {k: v for k, v in res.items() if k != "differences"} | {
         "n_differences": len(res["differences"])
     }

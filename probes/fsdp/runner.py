@@ -55,22 +55,28 @@ class FsdpLearner(HfModelRunner):
         timeout_s: float = 300.0,
         mp_param_dtype: str | None = None,
         mp_reduce_dtype: str = "float32",
+        seq_meta: list[tuple[int, int, int]] | tuple[tuple[int, int, int], ...] | None = None,
+        dataset_dest: Path | None = None,
+        ops_dataset_dest: Path | None = None,
         **common: Any,
     ) -> None:
-        """``common``: the keyword arguments of :class:`HfModelRunner` (``recipe``: applied on every rank)."""
+        """``common``: the keyword arguments of :class:`HfModelRunner` (``recipe``: applied on every rank).
+
+        ``seq_meta``: (seq_id, prompt_id, n_prompt_tokens) per sequence of each score() call; default:
+        seq_id from score()'s seq_ids (else the index), prompt_id = seq_id, every scored token
+        counted as a response token. Its seq_ids win over score()'s. ``dataset_dest`` /
+        ``ops_dataset_dest``: where the per-rank datasets go after a successful score() (tokens; ops
+        where ``capture`` is set); None: they are discarded with the temp folder."""
         super().__init__(model_dir, vocab_size, **common)
         self.nproc = nproc
         self.timeout_s = timeout_s
         self.mp_param_dtype = mp_param_dtype or self.dtype
         self.mp_reduce_dtype = mp_reduce_dtype
-        # (seq_id, prompt_id, n_prompt_tokens) per sequence of the next score() call; default:
-        # seq_id from score()'s seq_ids (else the index), prompt_id = seq_id, every scored token
-        # counted as a response token. Its seq_ids win over score()'s.
-        self.seq_meta: list[tuple[int, int, int]] | None = None
-        # Where the per-rank datasets go after a successful score() (tokens; ops where
-        # ``self.capture`` is set); None: they are discarded with the temp folder.
-        self.dataset_dest: Path | None = None
-        self.ops_dataset_dest: Path | None = None
+        self.seq_meta: list[tuple[int, int, int]] | None = (
+            None if seq_meta is None else [(int(a), int(b), int(c)) for a, b, c in seq_meta]
+        )
+        self.dataset_dest: Path | None = None if dataset_dest is None else Path(dataset_dest)
+        self.ops_dataset_dest: Path | None = None if ops_dataset_dest is None else Path(ops_dataset_dest)
         self.last_wall_s: float | None = None  # launch to all ranks done, of the last score()
         self.last_log = ""  # tail of the launcher's and ranks' output of the last score()
         self.rank_timings: dict[int, dict[str, Any]] = {}  # per rank: setup_s (init+load+shard), forward_s
@@ -328,13 +334,17 @@ def merge_rank_dataset(
 def merge_rank_ops(root: Path, world: int) -> Any:
     """Read the per-rank ops dataset (``root/rank=R/part.parquet``) into one ``ops`` table;
     every captured (op, seq_id, pos) must appear exactly once."""
-    import pyarrow.dataset as ds
+    import pyarrow as pa
 
     from mismatch_probe.run.schema import conform, read_table
 
-    for r in range(world):
-        read_table(root / f"rank={r}" / "part.parquet", "ops")  # schema version check
-    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    parts = []
+    for r in range(world):  # read_table: schema version check, and the packed layout of a streamed capture unpacked
+        t = read_table(root / f"rank={r}" / "part.parquet", "ops")
+        if "rank" in t.column_names:
+            t = t.drop_columns(["rank"])
+        parts.append(t.append_column("rank", pa.array(np.full(len(t), r, dtype=np.int32))))
+    table = pa.concat_tables(parts, promote_options="default")
     keys = table.select(["op", "seq_id", "pos", "rank"]).to_pandas()
     dup = keys.duplicated(["op", "seq_id", "pos"], keep=False)
     if dup.any():

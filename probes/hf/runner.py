@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,18 +109,20 @@ class HfModelRunner(Runner):
         dtype: str = "bfloat16",
         device: str | None = None,
         attn_implementation: str = "sdpa",
-        progress: Any = None,
+        progress: Callable[[int], None] | None = None,
         model_kwargs: dict[str, Any] | None = None,
         recipe: str | None = None,
+        capture: Any = None,
+        ops_dest: Path | None = None,
+        auto: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        super().__init__(vocab_size)
+        super().__init__(vocab_size, capture=capture, ops_dest=ops_dest, auto=auto, progress=progress)
         self.model_dir = Path(model_dir)
         self.micro_batch_size = micro_batch_size
         self.dtype = dtype
         self.device = device
         self.attn_implementation = attn_implementation
         self.model_kwargs = dict(model_kwargs or {})  # --learner-arg: other from_pretrained kwargs (config overrides)
-        self.progress = progress  # callable(n_done) or None
         self.recipe = recipe  # kernels.recipes name (None / 'engine': the model's own ops)
 
     def _choose_device(self) -> None:
@@ -146,6 +148,21 @@ class HfModelRunner(Runner):
             "transformers_version": transformers.__version__,
         }
 
+    def weight_parity(self, digests: dict[str, Any], sampler_dir: Path) -> dict[str, Any]:
+        """This learner's weights against the sampler's ``digests`` (see probes.parity): the model it
+        holds, or (FSDP: the ranks hold the shards) the checkpoint it loads, read here."""
+        from mismatch_probe.probes.parity import weight_parity
+
+        model = self._parity_model()
+        if model is None:
+            import transformers
+
+            model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype="auto")
+        return weight_parity(model, digests, Path(sampler_dir))
+
+    def _parity_model(self) -> Any:
+        return None
+
 
 class HfLearner(HfModelRunner):
     """Single-process HF model, micro-batched with right padding (as RL learners do)."""
@@ -157,18 +174,25 @@ class HfLearner(HfModelRunner):
         model_dir: Path,
         vocab_size: int,
         *,
-        recipe_ops: set[str] | None = None,
-        recipe_layers: set[int] | None = None,
+        recipe_ops: set[str] | frozenset[str] | None = None,
+        recipe_layers: set[int] | frozenset[int] | None = None,
+        topk: int = 0,
+        topk_support: Mapping[int, Mapping[str, np.ndarray]] | None = None,
+        row_parallel_slices: int = 1,
         **common: Any,
     ) -> None:
-        """``common``: the keyword arguments of :class:`HfModelRunner`."""
+        """``common``: the keyword arguments of :class:`HfModelRunner`. ``topk`` (--topk K): record
+        own top-K, entropy, sampled-token rank and the logprobs at the sampler's top-K ids of
+        ``topk_support`` (seq_id -> name -> sampler ids [len-1, K], -1: none); ``row_parallel_slices``
+        N > 1: the row-parallel linears reduce K in N slices as a TP = N sampler does (strict)."""
         super().__init__(model_dir, vocab_size, **common)
         self.recipe_ops = recipe_ops  # subset of op classes / decoder layers patched (bisect's ablation)
         self.recipe_layers = recipe_layers
         self._patch: Any = None
         self.model: Any = None
-        self.topk = 0  # --topk K: record own top-K, entropy, sampled-token rank, logprobs at the sampler's top-K
-        self.topk_support: dict[int, dict[str, np.ndarray]] = {}  # seq_id -> name -> sampler ids [len-1, K] (-1: none)
+        self.topk = topk
+        self.topk_support: dict[int, dict[str, np.ndarray]] = {int(k): dict(v) for k, v in (topk_support or {}).items()}
+        self.row_parallel_slices = row_parallel_slices
         self.topk_out: dict[int, dict[str, np.ndarray]] = {}  # seq_id -> recorded arrays (see record_topk)
 
     def _load_impl(self) -> None:
@@ -188,7 +212,24 @@ class HfLearner(HfModelRunner):
         ).to(self.device)
         self.model.eval()
         self._apply_recipe()
+        self._split_row_parallel()
         self.info.settings.update(self._model_settings())
+
+    def _split_row_parallel(self) -> None:
+        """Strict recipe and a tensor-parallel sampler: the row-parallel linears reduce K in the
+        sampler's N slices (kernels/strict/tp.py), so both compute one reduction tree."""
+        n = self.row_parallel_slices
+        if n <= 1:
+            return
+        from mismatch_probe.probes.hf.tp import split_row_parallel
+
+        names = split_row_parallel(self.model, n)
+        self.info.settings["row_parallel_k_slices"] = n
+        self.info.auto["row_parallel_k_slices"] = {
+            "value": n,
+            "reason": f"the sampler splits o_proj/down_proj along K over {n} TP ranks: the learner's strict linear "
+            f"reduces K in the same {n} slices (fp32 partials, fixed tree, one rounding) on {len(names)} modules",
+        }
 
     def _apply_recipe(self) -> None:
         """Patch the model's ops with the recipe (probes.hf.patch); calibrate static NVFP4 scales."""
@@ -208,9 +249,7 @@ class HfLearner(HfModelRunner):
         self.info.settings["recipe"] = self._patch.describe() | {"calibrated_linears": n_cal}
 
     @contextlib.contextmanager
-    def recipe_applied(self, recipe: str, ops: Any = None, layers: Any = None) -> Iterator[None]:
-        """Score under ``recipe`` restricted to op classes ``ops`` and decoder ``layers`` (bisect's
-        ablation), on top of the recipe the learner was built with; restored on exit."""
+    def _recipe_impl(self, recipe: str, ops: list[str] | None, layers: list[int] | None) -> Iterator[None]:
         from mismatch_probe.probes.hf.patch import patch, token_logprobs_fn
 
         handle = patch(self.model, recipe, ops=ops, layers=layers)
@@ -225,6 +264,19 @@ class HfLearner(HfModelRunner):
     def nvfp4_state(self, name: str) -> Any:
         """The NVFP4 linear state of the patched HF module ``name`` (None: not an NVFP4 linear)."""
         return None if self._patch is None else self._patch.nvfp4.get(name)
+
+    def linear_weight(self, name: str) -> Any:
+        """The weight of the HF linear module ``name`` (e.g. ``model.layers.0.self_attn.q_proj``)."""
+        self._check_loaded()
+        return self.model.get_submodule(name).weight.detach()
+
+    def _replay_impl(self, op: str, inputs: list[Any], pos: Any) -> Any:
+        from mismatch_probe.probes.replay import hf_replay
+
+        return hf_replay(self.model, op, inputs, pos)
+
+    def _parity_model(self) -> Any:
+        return self.model
 
     def _unload_impl(self) -> None:
         if self._patch is not None:

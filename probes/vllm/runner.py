@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +71,17 @@ class VllmSampler(SamplerRunner):
         memory_fraction: float | None = None,
         llm_kwargs: dict[str, Any] | None = None,
         recipe: str | None = None,
-        recipe_ops: set[str] | None = None,
-        recipe_layers: set[int] | None = None,
+        recipe_ops: set[str] | frozenset[str] | None = None,
+        recipe_layers: set[int] | frozenset[int] | None = None,
+        topk: int = 0,
+        capture: Any = None,
+        ops_dest: Path | None = None,
+        auto: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        super().__init__(vocab_size)
+        """``recipe_ops`` / ``recipe_layers``: the subset of op classes / decoder layers the recipe
+        patches (an empty set: the plugin is built in but idle until ``recipe_applied``); ``topk``
+        (--topk K): keep the top-K logprobs of every position (decode and prefill)."""
+        super().__init__(vocab_size, capture=capture, ops_dest=ops_dest, auto=auto)
         self.model_dir = Path(model_dir)
         self.recipe = recipe  # kernels.recipes name, installed by probes.vllm.plugin (None: vLLM's own ops)
         self.recipe_ops = recipe_ops  # subset of op classes / decoder layers (bisect's ablation)
@@ -84,7 +93,7 @@ class VllmSampler(SamplerRunner):
         self.memory_fraction = memory_fraction
         self.llm_kwargs = dict(llm_kwargs or {})
         self.llm: Any = None
-        self.topk = 0  # --topk K: keep the top-K logprobs of every position (decode and prefill)
+        self.topk = topk
         self.prefill_topk: list[tuple[np.ndarray, np.ndarray]] | None = None  # per scored seq: ids, lps [len-1, K]
         self.tp = 1  # tensor_parallel_size (probes/vllm/tp.py)
 
@@ -134,8 +143,15 @@ class VllmSampler(SamplerRunner):
         recipe = parse(self.recipe or "engine")
         # before the engine starts: the plugin keeps the weights at load
         vllm_plugin.activate(recipe, ops=self.recipe_ops, layers=self.recipe_layers)
-        self.llm = vllm.LLM(**kwargs)
-        self.info.settings["recipe"] = self._finish_recipe(recipe)
+        from mismatch_probe.kernels.nvfp4 import linear as nvfp4_linear
+
+        # vLLM's warm-up forwards (profile, dummy runs) come before the calibration pass
+        nvfp4_linear.CALIBRATION["warmup"] = recipe.linear == "nvfp4-static"
+        try:
+            self.llm = vllm.LLM(**kwargs)
+            self.info.settings["recipe"] = self._finish_recipe(recipe)
+        finally:
+            nvfp4_linear.CALIBRATION["warmup"] = False
         self.info.settings.update(
             {k: v for k, v in kwargs.items() if k != "model"}
             | {"vllm_version": vllm.__version__, "device": "cpu" if on_cpu else "cuda"}
@@ -167,6 +183,47 @@ class VllmSampler(SamplerRunner):
                 nvfp4_linear.CALIBRATION["on"] = False
         desc["plugin_overrides"] = vllm_plugin.installed()
         return desc
+
+    @contextlib.contextmanager
+    def _recipe_impl(self, recipe: str, ops: list[str] | None, layers: list[int] | None) -> Iterator[None]:
+        """The plugin's process-wide state switched to ``recipe`` (``ops``, ``layers``), back to the
+        runner's own recipe after (vLLM keeps its modules: the overrides defer to the original)."""
+        from mismatch_probe.kernels.recipes import parse
+        from mismatch_probe.probes.vllm import plugin as vllm_plugin
+
+        own = parse(self.recipe or "engine")
+        if own.is_engine:
+            raise RuntimeError("recipe_applied needs a sampler built with a recipe (e.g. strict with no ops: idle)")
+        vllm_plugin.activate(recipe, ops=ops, layers=layers)
+        try:
+            yield
+        finally:
+            vllm_plugin.activate(own, ops=self.recipe_ops, layers=self.recipe_layers)
+
+    def encode(self, text: str) -> list[int]:
+        """The sampler's own tokenization of ``text``."""
+        self._check_loaded()
+        return list(self.llm.get_tokenizer().encode(text))
+
+    def weight_digests(self) -> dict[str, Any]:
+        """Digests of the weights the engine holds, keyed by checkpoint name (see probes.parity)."""
+        from mismatch_probe.probes.parity import sampler_weight_digests
+
+        self._check_loaded()
+        return sampler_weight_digests(self.llm, self.model_dir)
+
+    def nvfp4_state(self, name: str) -> Any:
+        """The NVFP4 linear state of vLLM's module ``name`` (e.g. ``model.layers.0.self_attn.qkv_proj``),
+        or None where the plugin holds none."""
+        from mismatch_probe.probes.vllm.plugin import nvfp4_state
+
+        self._check_loaded()
+        return self.llm.apply_model(lambda m: nvfp4_state(m.get_submodule(name)))[0]
+
+    def _replay_impl(self, op: str, inputs: list[Any], pos: Any) -> Any:
+        from mismatch_probe.probes.replay import vllm_replay
+
+        return self.llm.apply_model(lambda model: vllm_replay(model, op, inputs, pos))[0]
 
     def _unload_impl(self) -> None:
         from mismatch_probe.probes.vllm import plugin as vllm_plugin

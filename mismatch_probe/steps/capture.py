@@ -1,0 +1,116 @@
+"""``capture``: one engine only, on the sequences of an earlier run, written as a capture folder
+(``OUT/ENGINE/tokens.parquet`` and ops, ``OUT/sequences.parquet``, the manifest) to compare later
+with ``diff``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from mismatch_probe.errors import UsageError
+from mismatch_probe.probes.factory import ENGINES
+from mismatch_probe.steps.compare_types import capture_plan
+
+
+@dataclass
+class CaptureConfig:
+    """The resolved configuration of one ``capture`` (the manifest records it under ``config``)."""
+
+    engine: str
+    source: Path  # --from: the run whose sequences are scored
+    out: Path
+    model: str | None = None  # default: the run's learner model
+    capture: str = "stats"
+    capture_rules: list[str] = field(default_factory=list)
+    capture_full_rows: int | None = None
+    capture_topk: int = 8
+    full_logits: bool = False
+    micro_batch_size: int = 8
+    nproc: int = 2
+    fsdp_timeout_s: float = 300.0
+    recipe: str | None = None  # hf, vllm (the FSDP capture runs the engine's ops)
+    dtype: str = "bfloat16"
+    overwrite: bool = False
+    sampler_args: list[str] = field(default_factory=list)
+    learner_args: list[str] = field(default_factory=list)
+
+    @property
+    def side(self) -> str:
+        return "sampler" if self.engine == "vllm" else "learner"
+
+    def engine_args(self, model_dir: Path, plan: Any) -> tuple[dict[str, Any], dict[str, dict]]:
+        """The engine's typed --sampler-arg (vllm) or --learner-arg (hf, fsdp); the other side's is an error."""
+        from mismatch_probe.probes import engine_args
+
+        mine, other = ("--sampler-arg", "--learner-arg") if self.engine == "vllm" else ("--learner-arg", "--sampler-arg")
+        if self.learner_args if self.engine == "vllm" else self.sampler_args:
+            raise UsageError(f"{other} does not apply to --engine {self.engine} (use {mine})")
+        if self.engine == "vllm":
+            raw = engine_args.split_pairs(self.sampler_args, mine)
+            return engine_args.sampler_kwargs(raw, capture_on=plan is not None, recipe=self.recipe or "engine")
+        return engine_args.learner_kwargs(engine_args.split_pairs(self.learner_args, mine), model_dir), {}
+
+    def manifest_config(self) -> dict[str, Any]:
+        return {"engine": self.engine, "from": str(self.source), "capture": self.capture,
+                "capture_rules": list(self.capture_rules), "capture_full_rows": self.capture_full_rows,
+                "capture_topk": self.capture_topk, "full_logits": self.full_logits,
+                "micro_batch_size": self.micro_batch_size, "dtype": self.dtype, "nproc": self.nproc,
+                "timeout": self.fsdp_timeout_s, "recipe": self.recipe, "sampler_args": list(self.sampler_args),
+                "learner_args": list(self.learner_args)}
+
+
+def run_capture(cfg: CaptureConfig, console: Console) -> tuple[Path, int]:
+    """Everything ``mismatch-probe capture`` does; returns the capture folder and the number of sequences."""
+    from mismatch_probe.analysis.token_gaps import tokens_table
+    from mismatch_probe.probes.base import Rollout
+    from mismatch_probe.probes.factory import EngineSpec, build_runner
+    from mismatch_probe.probes.models import resolve_model
+    from mismatch_probe.run.rundir import RunWriter, load_manifest
+    from mismatch_probe.run.schema import read_table, write_table
+    from mismatch_probe.steps.ops_stage import describe_capture
+
+    engine = cfg.engine
+    if engine not in ENGINES:
+        raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    manifest = load_manifest(cfg.source)
+    if not (cfg.source / "sequences.parquet").exists():
+        raise UsageError(f"{cfg.source} has no sequences.parquet; run compare first")
+    seqs = read_table(cfg.source / "sequences.parquet", "sequences")
+    mi = resolve_model(cfg.model or manifest["config"]["model_dir"])
+    plan = capture_plan(cfg.capture, cfg.capture_rules, cfg.capture_full_rows, cfg.capture_topk, cfg.full_logits)
+    d = seqs.to_pydict()
+    kwargs, auto = cfg.engine_args(mi.path, plan)
+    with RunWriter(cfg.out, overwrite=cfg.overwrite) as run:
+        run.manifest["kind"] = "capture"
+        conf = cfg.manifest_config()
+        run.manifest["config"] = {**{k: conf[k] for k in ("engine", "from")}, "model_dir": str(mi.path),
+                                  "model_type": mi.model_type, "num_layers": mi.num_layers,
+                                  **{k: v for k, v in conf.items() if k not in ("engine", "from")}}
+        run.manifest["capture"] = describe_capture(plan)
+        fsdp = engine == "fsdp"
+        spec = EngineSpec(
+            engine, mi, max(len(t) for t in d["token_ids"]), dtype=cfg.dtype, engine_kwargs=kwargs, engine_auto=auto,
+            recipe=None if fsdp else cfg.recipe, capture=plan,
+            # FSDP: the rank datasets; HF, vLLM: streamed while the engine runs
+            ops_dest=run.path(f"{engine}/ops_by_rank" if fsdp else f"{engine}/ops.parquet"),
+            tokens_dest=run.path(f"{engine}/tokens_by_rank") if fsdp else None,
+            seq_meta=tuple(zip(d["seq_id"], d["prompt_id"], d["n_prompt"], strict=True)) if fsdp else None,
+            micro_batch_size=cfg.micro_batch_size, nproc=cfg.nproc, timeout_s=cfg.fsdp_timeout_s,
+        )
+        with console.status(f"{engine}: loading and scoring {len(d['seq_id'])} sequences"), build_runner(spec) as runner:
+            scores = runner.score(d["token_ids"], d["seq_id"])
+            run.manifest["engines"][cfg.side] = {"engine": runner.info.engine, **runner.info.settings}
+            run.manifest["auto"].update({f"{engine}.{k}": v for k, v in runner.info.auto.items()})
+            run.manifest["notes"].extend(runner.info.notes)
+        rollouts = [Rollout(seq_id=s, prompt_id=p, prompt_ids=t[:n], response_ids=t[n:])
+                    for s, p, n, t in zip(d["seq_id"], d["prompt_id"], d["n_prompt"], d["token_ids"], strict=True)]
+        source_name = "prefill" if cfg.side == "sampler" else "learner"
+        write_table(run.path(f"{engine}/tokens.parquet"), tokens_table(rollouts, scores, source_name), "tokens")
+        if runner.ops is not None:
+            write_table(run.path(f"{engine}/ops.parquet"), runner.ops, "ops")
+        write_table(run.path("sequences.parquet"), seqs, "sequences")
+        path = run.finish()
+    return path, len(d["seq_id"])
