@@ -6,6 +6,7 @@
    interleaved round by round, on the Qwen3-0.6B shape (4 x 1,024 tokens) and the Qwen3-8B shape
    (2 x 1,024 tokens), random weights built in memory; logprobs checked bitwise against capture
    off; the streamed table checked equal, row for row, to the recorder's in-memory per-row table.
+   ``MODE@thread``: the same with the writer thread instead of the writer process.
 2. ``mismatch-probe compare`` with the default capture vs ``--capture off`` (same prompts, seeds:
    same sequences, checked), Qwen3-0.6B-shaped checkpoint, 64 sequences x 256 generated tokens;
    wall time of each command, and the op comparison of the two engines' tables
@@ -74,7 +75,9 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     rows: dict[str, int] = {}
     for i in range(rounds + 1):
         for mode in modes:
-            r.capture = plans[mode]
+            base_mode, _, variant = mode.partition("@")  # MODE@thread: the writer thread, not the writer process
+            os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
+            r.capture = plans[base_mode]
             dest = tmp / f"{shape}-{mode}.parquet"
             dest.unlink(missing_ok=True)
             r.ops_dest = dest if r.capture is not None else None
@@ -100,8 +103,9 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
         if base:
             row["x_off"] = row["seconds"] / statistics.median(base)
             row["x_off_per_round"] = statistics.median(t / o for t, o in zip(times[mode], base, strict=True))
-        if check_tables and plans[mode] is not None:  # the streamed (packed) table == the in-memory per-row one
-            r.capture, r.ops_dest = plans[mode], None
+        plan = plans[mode.partition("@")[0]]
+        if check_tables and plan is not None:  # the streamed (packed) table == the in-memory per-row one
+            r.capture, r.ops_dest = plan, None
             r.score(seqs, ids)
             mem = r.ops
             disk = read_table(tmp / f"{shape}-{mode}.parquet", "ops")
@@ -222,14 +226,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a check of this script on a CPU)")
-    ap.add_argument("--quick", action="store_true", help="3 rounds, one compare each, no table checks, no 'default' mode")
+    ap.add_argument("--quick", action="store_true", help="3 rounds, one compare, no table checks, off/digest/stats")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--skip-score", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     rounds = 3 if a.quick else a.rounds
-    modes = ["off", "digest", "stats"] + ([] if a.quick else ["default"])
+    modes = ["off", "digest", "stats"] + ([] if a.quick else ["default", "digest@thread", "stats@thread"])
     res: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "argv": sys.argv,
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": a.device}
     import torch

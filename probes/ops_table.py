@@ -200,8 +200,10 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
         stats = st[arena]  # a view where the arena rows are one slice
         if not stats_on.all():
             stats = stats[stats_on]
+        stats, counts = np.ascontiguousarray(stats[:, :3], "<f8"), np.ascontiguousarray(stats[:, 3:], "<i4")
     else:
-        stats, n_stats = None, np.zeros(len(segs), np.int64)
+        stats = counts = None
+        n_stats = np.zeros(len(segs), np.int64)
     has_topk = np.array([s.has_topk for s in segs], bool)
     if tv is not None and has_topk.any():
         kk = int(tv.shape[1])
@@ -226,7 +228,8 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
         pa.array(ks),
         pa.BinaryArray.from_buffers(pa.binary(), len(segs), [None, pa.py_buffer(roff), pa.py_buffer(np.concatenate(runs))]),
         _blob_col(d, ks * 8),
-        _blob_col(stats, n_stats * 40),
+        _blob_col(stats, n_stats * 24),
+        _blob_col(counts, n_stats * 8),
         _blob_col(vals, n_full * width * itemsize),
         pa.array(topk_k.astype(np.int32)),
         _blob_col(t_ids, t_rows * topk_k * 4),

@@ -13,7 +13,8 @@ Columns of a packed row (``n`` = its tokens, ``s`` = those of them kept in ``sta
 - ``runs``: int32 [r, 4]: ``seq_id``, first ``pos``, token count, mode (1 digest, 2 stats, 3 full)
   of each stretch of consecutive positions of one sequence in one mode, in row order;
 - ``digest``: uint64 [n], the ``mp64`` digest of each row;
-- ``stats``: float64 [s, 5] (``sum, sum_sq, abs_max, n_nan, n_inf``), null when s = 0;
+- ``stats``: float64 [s, 3] (``sum, sum_sq, abs_max``) and ``counts``: int32 [s, 2] (``n_nan,
+  n_inf``; compressed: nearly all zeros), null when s = 0;
 - ``values``: the raw bytes of the ``full`` rows, concatenated in row order, null when none;
 - ``topk_ids`` / ``topk_values``: int32 / float32 [s, topk_k] of ``logits`` rows, null when none.
 """
@@ -44,6 +45,7 @@ PACKED_SCHEMA = pa.schema([
     ("runs", pa.binary()),
     ("digest", pa.large_binary()),
     ("stats", pa.large_binary()),
+    ("counts", pa.large_binary()),
     ("values", pa.large_binary()),
     ("topk_k", pa.int32()),
     ("topk_ids", pa.large_binary()),
@@ -158,9 +160,10 @@ def unpack(table: pa.Table) -> pa.Table:
     stats_on = modes >= STATS
     width = np.asarray(table.column("width"), np.int64)
     s5 = np.zeros((total, 5))
-    st = blob(table.column("stats"), "<f8").reshape(-1, 5)
+    st = blob(table.column("stats"), "<f8").reshape(-1, 3)
     if st.size:
-        s5[stats_on] = st
+        s5[stats_on, :3] = st
+        s5[stats_on, 3:] = blob(table.column("counts"), "<i4").reshape(-1, 2)
     nan = np.where(stats_on[:, None], s5, np.nan)
     values = unpack_values(table, k)
     # shape: the packed row's list, once per token
