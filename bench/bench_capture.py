@@ -242,10 +242,10 @@ def _table_sha(path: Path) -> str:
     """sha256 of the digest and stats columns in (op, seq_id, pos) order (values excluded)."""
     import hashlib
 
-    import pyarrow.parquet as pq
+    from mismatch_probe.run.schema import read_table
 
     cols = ["op", "seq_id", "pos", "digest", "sum", "sum_sq", "abs_max", "n_nan", "n_inf"]
-    t = pq.read_table(path, columns=cols).sort_by([("op", "ascending"), ("seq_id", "ascending"), ("pos", "ascending")])
+    t = read_table(path, "ops").select(cols).sort_by([("op", "ascending"), ("seq_id", "ascending"), ("pos", "ascending")])
     h = hashlib.sha256()
     for c in cols[3:]:
         h.update(t.column(c).to_numpy(zero_copy_only=False).astype(str if c == "digest" else float).tobytes())
@@ -254,11 +254,10 @@ def _table_sha(path: Path) -> str:
 
 def _check_full_rows(path: Path) -> dict[str, Any]:
     """Digests recorded on the device vs the numpy reference on the kept raw values."""
-    import pyarrow.parquet as pq
-
     from mismatch_probe.probes.digest import digest_bytes_ref, hex_digests
+    from mismatch_probe.run.schema import read_table
 
-    t = pq.read_table(path, columns=["op", "dtype", "digest", "values"]).to_pandas()
+    t = read_table(path, "ops").select(["op", "dtype", "digest", "values"]).to_pandas()
     t = t[t["values"].notna()]
     if t.empty:
         return {"rows": 0}
