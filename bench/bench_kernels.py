@@ -12,7 +12,7 @@
    M <= 64 also cuBLAS and the auto path with the weights rotating over 3 copies (the NVFP4 weight,
    40 MiB, fits the L2 when one repeats).
    The default decode path on CUDA is the native (CUDA C++) kernel when it builds; the Triton
-   decode variants run with ``DECODE_CFG["NATIVE"] = False``.
+   decode variants run on the weight retuned with ``DecodeTuning(native=False)``.
 4. ``sweep``: rows identical for M in {1..3, 7..9, ..., 1000, 4096, 8192} at two row offsets, decode
    (native and Triton) and prefill paths, repeated runs (N = K = 8192).
 5. ``moe``: Qwen3-30B-A3B experts (128, top-8, hidden 2048, intermediate 768), 16384 and 64 tokens:
@@ -20,6 +20,11 @@
 6. ``e2e``: HF forward of a Qwen3-0.6B-shaped model (random weights, built in memory): bf16 vs
    ``nvfp4-per-token`` linears only on 4 x 1024 tokens and on 1 x 16 (decode-shaped: the native
    decode GEMM), the whole ``nvfp4-per-token`` recipe on 1 x 256.
+
+Tuning (``--nseg-long-k``, ``--two-launch``, ``--native-variant``) is one ``GemmTuning`` value
+(``mismatch_probe.kernels.nvfp4.tuning``) passed to every weight this script prepares, to the named
+checks and to the e2e forward's NVFP4 linears; per-variant rows retune a weight with
+``TCWeight.tuned``.
 
 Kernel timings: ``triton.testing.do_bench_cudagraph`` medians (launch overhead excluded, as under
 CUDA graphs in a serving engine); a few rows also without graphs. The HF forward: wall time of
@@ -45,7 +50,24 @@ import triton
 ROWS: list[dict[str, Any]] = []
 NOTES: list[str] = []
 GRAPH = {"on": True}
-SEL: dict[str, Any] = {"variants": None, "triton_all": True}  # --variants / --triton-decode: rows to run
+SEL: dict[str, Any] = {"variants": None, "triton_all": True, "tuning": None}  # --variants / --triton-decode / tuning
+
+
+def tuning():  # noqa: ANN201
+    """The GemmTuning of this run (the recipes' default unless the flags change it)."""
+    from mismatch_probe.kernels.nvfp4.tuning import DEFAULT
+
+    return SEL["tuning"] or DEFAULT
+
+
+def retuned(tw, **parts):  # noqa: ANN001, ANN003, ANN201
+    """``tw`` (its prepared tensors shared) under this run's tuning with ``parts`` replaced (dicts of
+    fields, as ``GemmTuning.with_``); the native layout is made once on ``tw`` first."""
+    from mismatch_probe.kernels.nvfp4 import native
+
+    if native.available() and not tw.grouped:
+        native.decode_ok(tw)
+    return tw.tuned(tw.tuning.with_(**parts))
 
 
 def variants() -> list[int]:
@@ -85,10 +107,11 @@ def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
 
-def decode_inputs(n: int, k: int, rows: int, *, per_row: bool = False, quant=None, gen=None):  # noqa: ANN001, ANN201
+def decode_inputs(n: int, k: int, rows: int, *, per_row: bool = False, quant=None, gen=None, tun=None):  # noqa: ANN001, ANN201
     """The GEMM benchmarks' shared set-up: a bf16 weight [n, k] (randn) quantized (per-row amax if
-    ``per_row``) and prepared for tc_linear, bf16 activations [rows, k] quantized per token and their
-    fp16 GEMM operand. ``quant``: the quantizer (default ``nvfp4_quantize``); ``gen``: a generator."""
+    ``per_row``) and prepared for tc_linear (under ``tun``, default :func:`tuning`), bf16 activations
+    [rows, k] quantized per token and their fp16 GEMM operand. ``quant``: the quantizer (default
+    ``nvfp4_quantize``); ``gen``: a generator."""
     from types import SimpleNamespace
 
     from mismatch_probe.kernels import nvfp4_quantize
@@ -99,7 +122,7 @@ def decode_inputs(n: int, k: int, rows: int, *, per_row: bool = False, quant=Non
     wq = q(w, per_token=per_row)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     aq = q(x, per_token=True)
-    return SimpleNamespace(w=w, wq=wq, tw=T.prepare(wq), x=x, aq=aq, aop=T.act_operand(aq))
+    return SimpleNamespace(w=w, wq=wq, tw=T.prepare(wq, tun or tuning()), x=x, aq=aq, aop=T.act_operand(aq))
 
 
 def take_rows(a, off: int, m: int):  # noqa: ANN001, ANN201
@@ -135,13 +158,13 @@ def sweep_paths(aq, x: torch.Tensor, tw, full: torch.Tensor, ms) -> tuple[int, l
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
     n_cmp, bad = 0, []
+    tw_triton = retuned(tw, decode={"native": False})
     for m, off, sub in sweep_cases(aq, ms):
         want = full[off:off + m]
         for p in ("decode", "decode-triton", "prefill", "tc_linear") if m <= 64 else ("prefill",):
             n_cmp += 1
-            T.DECODE_CFG["NATIVE"] = p != "decode-triton"
-            got = T.tc_linear(x[off:off + m], tw) if p == "tc_linear" else T.tc_matmul(sub, tw, path=p.split("-")[0])
-            T.DECODE_CFG.pop("NATIVE")
+            twp = tw_triton if p == "decode-triton" else tw
+            got = T.tc_linear(x[off:off + m], twp) if p == "tc_linear" else T.tc_matmul(sub, twp, path=p.split("-")[0])
             if not eq(got, want):
                 bad.append((m, off, p))
     return n_cmp, bad
@@ -163,7 +186,7 @@ def section(fn):  # noqa: ANN001, ANN201
 def checks() -> None:
     from mismatch_probe.kernels.checks import kind_label, run_checks
 
-    res = run_checks(device="cuda")
+    res = run_checks(device="cuda", tuning=tuning())
     for r in res:
         print(f"[check] {r.status:4s} {r.seconds:6.2f}s {r.name} [{kind_label(r.exact, r.bound)}]: {r.detail[:200]}")
     ran = [r for r in res if r.status != "skip"]
@@ -175,9 +198,8 @@ def checks() -> None:
     from mismatch_probe.kernels.nvfp4 import native
 
     for v in variants():  # every native decode variant (K/128/NSEG = 2 there)
-        native.NATIVE_CFG["variant"] = v
-        res = run_checks(["tc_gemm_decode_vs_reference", "tc_grouped_vs_reference"], device="cuda")
-        native.NATIVE_CFG.clear()
+        res = run_checks(["tc_gemm_decode_vs_reference", "tc_grouped_vs_reference"], device="cuda",
+                         tuning=tuning().with_(native={"variant": v}))
         note(f"named checks with native decode variant {v} {native.VARIANTS[v]}: "
              f"{[(r.name, r.status, r.detail[:120]) for r in res]}")
 
@@ -219,7 +241,7 @@ def rotation(w: torch.Tensor, tw, n: int = 3):  # noqa: ANN001, ANN201
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
     ws = [w] + [torch.randn_like(w) for _ in range(n - 1)]
-    return ws, [tw] + [T.prepare(nvfp4_quantize(v)) for v in ws[1:]]
+    return ws, [tw] + [T.prepare(nvfp4_quantize(v), tw.tuning) for v in ws[1:]]
 
 
 def rotating(f, n: int = 3):  # noqa: ANN001, ANN201
@@ -264,62 +286,62 @@ def linear() -> None:
                      ("decode ns BN32", {"BN": 32, "BM": bm}),
                      ("decode ns BN64 s3", {"BN": 64, "BM": bm, "num_stages": 3}),
                      ("decode ns BN64 cpi2", {"BN": 64, "BM": bm, "CPI": 2}), ("decode no-asm", {"USE_ASM": False}))
+            from mismatch_probe.kernels.nvfp4.tuning import DecodeTuning
+
             for name, cfg in tcfgs if SEL["triton_all"] else tcfgs[:1]:
-                T.DECODE_CFG.clear()
-                T.DECODE_CFG.update(cfg, NATIVE=False)
+                twc = retuned(tw, decode=DecodeTuning.from_config({**cfg, "NATIVE": False}))
                 try:
-                    ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
+                    ok = eq(T.tc_matmul(a, twc, path="decode", a_op=op), full[:m])
                 except Exception as e:
                     note(f"{tag} {name} failed: {type(e).__name__}: {str(e)[:800]}")
                     continue
-                rec(f"{tag} NVFP4 {name}", lambda: T.tc_matmul(a, tw, path="decode", a_op=op), m=m, cublas_ms=cub,
+                rec(f"{tag} NVFP4 {name}", lambda: T.tc_matmul(a, twc, path="decode", a_op=op), m=m, cublas_ms=cub,
                     rows_eq_prefill=ok)
-            T.DECODE_CFG.clear()
             from mismatch_probe.kernels.nvfp4 import native
 
             for v in variants():
                 if v == 3 and m > 16:
                     continue  # the same instance as variant 0 there
-                native.NATIVE_CFG["variant"] = v
-                r_ = native.decode_variant(m, tw)
-                opv = T.decode_operand(op, tw, m)
+                twv = retuned(tw, native={"variant": v})
+                r_ = native.decode_variant(m, twv)
+                opv = T.decode_operand(op, twv, m)
                 try:
-                    ok = eq(T.tc_matmul(a, tw, path="decode", a_op=opv), full[:m])
+                    ok = eq(T.tc_matmul(a, twv, path="decode", a_op=opv), full[:m])
                 except Exception as e:
                     note(f"{tag} native variant {v} failed: {type(e).__name__}: {str(e)[:800]}")
                     continue
                 lab = ", ".join(str(r_[key]) for key in ("pipeline", "scales", "decode") if key in r_)
                 rec(f"{tag} NVFP4 decode native v{v} ({lab}, {r_['STAGES']} stages x {r_['CPS']} chunks)",
-                    lambda: T.tc_matmul(a, tw, path="decode", a_op=opv), m=m, cublas_ms=cub, rows_eq_prefill=ok)
-            native.NATIVE_CFG.clear()
+                    lambda: T.tc_matmul(a, twv, path="decode", a_op=opv), m=m, cublas_ms=cub, rows_eq_prefill=ok)
             rec(f"{tag} NVFP4 prefill path", lambda: T.tc_matmul(a, tw, path="prefill", a_op=op), m=m, cublas_ms=cub)
         GRAPH["on"] = False
         rec(f"{tag} cuBLAS bf16, no CUDA graph", lambda: x @ w.t(), m=m)
         rec(f"{tag} NVFP4 linear incl. quantize, no CUDA graph", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub)
         GRAPH["on"] = True
     note(f"N=K=8192 records: M=16 {T.kernel_record(16, tw)}; M=8192 {T.kernel_record(8192, tw)}")
-    note(f"N=K=8192: nseg={tw.nseg}, decode chunk {tw.bkc}; Triton decode config M=16: {T.decode_config(16)}; "
-         f"prefill: {T.prefill_config(tw.nseg, 8192 // tw.nseg)}")
+    note(f"N=K=8192: nseg={tw.nseg}, decode chunk {tw.bkc}; Triton decode config M=16: "
+         f"{T.decode_config(16, tuning=tw.tuning.decode)}; "
+         f"prefill: {T.prefill_config(tw.nseg, 8192 // tw.nseg, tw.tuning.prefill)}")
 
 
 @section
 def sweep() -> None:
     from mismatch_probe.kernels.nvfp4 import native
 
-    _sweep(f"default (native decode variant {native.default_variant()})")
-    _sweep(f"default (native decode variant {native.default_variant()}), padded rows and K segments", 1000, 2048)
+    dv = tuning().native.variant
+    dv = native.default_variant() if dv is None else dv
+    _sweep(f"default (native decode variant {dv})")
+    _sweep(f"default (native decode variant {dv}), padded rows and K segments", 1000, 2048)
     for v in variants():
-        if v not in (native.default_variant(), 3):
-            native.NATIVE_CFG["variant"] = v
-            _sweep(f"native decode variant {v} {native.VARIANTS[v]}")
-            native.NATIVE_CFG.clear()
+        if v not in (dv, 3):
+            _sweep(f"native decode variant {v} {native.VARIANTS[v]}", tun=tuning().with_(native={"variant": v}))
 
 
-def _sweep(label: str, n: int = 8192, k: int = 8192) -> None:
+def _sweep(label: str, n: int = 8192, k: int = 8192, tun=None) -> None:  # noqa: ANN001
     from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
-    d = decode_inputs(n, k, 8192 + 64)
+    d = decode_inputs(n, k, 8192 + 64, tun=tun)
     wq, tw, X, aq = d.wq, d.tw, d.x, d.aq
     full = T.tc_matmul(aq, tw, path="prefill")
     bad = [] if eq(T.tc_matmul(aq, tw, path="prefill"), full) else ["repeat"]
@@ -332,14 +354,13 @@ def _sweep(label: str, n: int = 8192, k: int = 8192) -> None:
 
 @section
 def moe() -> None:
-    from mismatch_probe.kernels import moe_route, nvfp4_quantize, quantize_expert_weights
+    from mismatch_probe.kernels import gather_rows, moe_route, nvfp4_quantize, quantize_expert_weights
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
-    from mismatch_probe.kernels.nvfp4.grouped import gather_rows
 
     e, top, hidden, inter = 128, 8, 2048, 768
     for name, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
         wb = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.05
-        tw = T.prepare(quantize_expert_weights(wb))
+        tw = T.prepare(quantize_expert_weights(wb), tuning())
         wt = wb.transpose(1, 2)
         for t in (16384, 64):
             ids = torch.topk(torch.rand(t, e, device="cuda"), top, dim=1).indices
@@ -366,10 +387,9 @@ def moe() -> None:
             if other:
                 rec(f"{tag} NVFP4 grouped {other}", lambda: T.tc_grouped(a, offsets, tw, path=other, a_op=aop),
                     grouped_mm_ms=gm, rows_eq_auto=eq(T.tc_grouped(a, offsets, tw, path=other, a_op=aop), y))
-                T.DECODE_CFG.update({"SWAP": True})
-                rec(f"{tag} NVFP4 grouped decode swap", lambda: T.tc_grouped(a, offsets, tw, path="decode", a_op=aop),
-                    grouped_mm_ms=gm, rows_eq_auto=eq(T.tc_grouped(a, offsets, tw, path="decode", a_op=aop), y))
-                T.DECODE_CFG.clear()
+                tws = retuned(tw, decode={"swap": True})
+                rec(f"{tag} NVFP4 grouped decode swap", lambda: T.tc_grouped(a, offsets, tws, path="decode", a_op=aop),
+                    grouped_mm_ms=gm, rows_eq_auto=eq(T.tc_grouped(a, offsets, tws, path="decode", a_op=aop), y))
             rec(f"{tag} NVFP4 grouped incl. per-token quantize + gather",
                 lambda: T.tc_grouped(gather_rows(nvfp4_quantize(x, per_token=True), perm // top), offsets, tw),
                 grouped_mm_ms=gm)
@@ -412,6 +432,8 @@ def e2e() -> None:
                                   (small, "nvfp4-per-token, whole recipe (strict norm/act/rope/attention too)", None, 1)):
         base, lb = timed("bf16 (engine)", inp, runs=runs)
         with patch(model, "nvfp4-per-token", ops=ops) as h:
+            for st in h.nvfp4.values():  # this run's tuning (weights are prepared at the first call)
+                st.tuning = tuning()
             t, lo = timed(label, inp, runs=runs, warm=1 if ops is None else 2)
             ROWS[-1]["vs_bf16"] = base / t
             summ = h.describe().get("nvfp4_kernels") or {}
@@ -471,24 +493,24 @@ def main() -> int:
     ap.add_argument("--native-variant", type=int, default=None, help="the native decode variant to use by default")
     ap.add_argument("--variants", default=None, help="native decode variants for the per-variant rows (default: all)")
     ap.add_argument("--nseg-long-k", type=int, default=None,
-                    help="tc_linear.NSEG_LONG_K: split a K of at least this in two where the tiles fill the GPU (changes bits)")
+                    help="SegmentRule.long_k: split a K of at least this in two where the tiles fill the GPU (changes bits)")
     ap.add_argument("--two-launch", nargs="?", const="on", choices=("on", "off"), default=None,
-                    help="tc_linear.PREFILL_TWO_LAUNCH: two-segment prefill as two launches (on: the default since 21:11)")
+                    help="PrefillTuning.two_launch: two-segment prefill as two launches (on: the default since 21:11)")
     ap.add_argument("--triton-decode", choices=("all", "default"), default="all",
                     help="Triton decode configs timed in 'linear' (default: only the default config)")
     args = ap.parse_args()
     SEL["variants"] = None if args.variants is None else {int(v) for v in args.variants.split(",")}
     SEL["triton_all"] = args.triton_decode == "all"
-    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.kernels.nvfp4.tuning import DEFAULT
 
+    parts: dict[str, dict[str, Any]] = {}
     if args.nseg_long_k is not None:
-        T.NSEG_LONG_K = args.nseg_long_k
+        parts["segments"] = {"long_k": args.nseg_long_k or None}
     if args.two_launch is not None:
-        T.PREFILL_TWO_LAUNCH = args.two_launch == "on"
+        parts["prefill"] = {"two_launch": args.two_launch == "on"}
     if args.native_variant is not None:
-        from mismatch_probe.kernels.nvfp4 import native
-
-        native.DEFAULT_VARIANT = native.HOPPER_VARIANT = args.native_variant
+        parts["native"] = {"variant": args.native_variant}
+    SEL["tuning"] = DEFAULT.with_(**parts)
     if not torch.cuda.is_available():
         print("error: the benchmarks need a CUDA GPU (none found)", file=sys.stderr)
         return 2
@@ -498,9 +520,10 @@ def main() -> int:
     try:
         from mismatch_probe.kernels.nvfp4 import native
 
-        info["native_default_variant"] = native.default_variant()
-        info["nseg_long_k"] = T.NSEG_LONG_K
-        info["prefill_two_launch"] = T.PREFILL_TWO_LAUNCH
+        nv = SEL["tuning"].native.variant
+        info["native_default_variant"] = native.default_variant() if nv is None else nv
+        info["nseg_long_k"] = SEL["tuning"].segments.long_k
+        info["prefill_two_launch"] = SEL["tuning"].prefill.two_launch
     except ImportError:
         pass
     print(info, flush=True)

@@ -3,7 +3,7 @@
 
     python bench/probe_native.py --out DIR [--only build,checks,quant,decode]
 
-1. ``build``: compile ``kernels/nvfp4/csrc/nvfp4_native.cu`` (timed).
+1. ``build``: compile ``kernels/nvfp4/csrc/`` (``nvfp4_native.cu`` and the headers it includes; timed).
 2. ``checks``: the named checks of ``kernels/checks.py`` with the native backend on (the bf16
    quantizer checks and the tensor-core GEMM checks run it), then at 8192^2: native quantizer ==
    reference (random, tie-heavy, NaN/Inf rows; codes, scales, amax; fp16 operand == Triton's), and
@@ -23,7 +23,19 @@ import os
 import time
 
 import torch
-from bench_kernels import NOTES, ROWS, decode_inputs, eq, note, quant_setup, rec, section, table, take_rows  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    NOTES,
+    ROWS,
+    decode_inputs,
+    eq,
+    note,
+    quant_setup,
+    rec,
+    retuned,
+    section,
+    table,
+    take_rows,
+)
 
 MS = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64)
 
@@ -89,15 +101,14 @@ def d_checks() -> None:
         d = decode_inputs(n, k, 160, per_row=per_row, quant=nvfp4_quantize_ref, gen=g)
         tw, aq, aop = d.tw, d.aq, d.aop
         full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
+        tw_triton = retuned(tw, decode={"native": False})
         bad, nat = [], 0
         for m in ms:
             for off in (0, 37):
                 sub = take_rows(aq, off, m)
                 nat += int(T.use_native(tw, aop, tw.nseg))
                 y = T.tc_matmul(sub, tw, path="decode")
-                T.DECODE_CFG["NATIVE"] = False
-                yt = T.tc_matmul(sub, tw, path="decode")
-                T.DECODE_CFG.pop("NATIVE")
+                yt = T.tc_matmul(sub, tw_triton, path="decode")
                 if not eq(y, full[off:off + m]):
                     bad.append((m, off, "native"))
                 if not eq(yt, full[off:off + m]):
@@ -147,16 +158,14 @@ def decode() -> None:
         x8 = x.to(torch.float8_e4m3fn)
         rec(f"{tag} FP8 _scaled_mm", lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
             m=m, cublas_ms=cub)
-        T.DECODE_CFG["NATIVE"] = False
-        rec(f"{tag} Triton decode", lambda: T.tc_matmul(a, tw, path="decode", a_op=op), m=m, cublas_ms=cub,
-            rows_eq_prefill=eq(T.tc_matmul(a, tw, path="decode", a_op=op), ref))
-        T.DECODE_CFG.pop("NATIVE")
+        twt = retuned(tw, decode={"native": False})
+        rec(f"{tag} Triton decode", lambda: T.tc_matmul(a, twt, path="decode", a_op=op), m=m, cublas_ms=cub,
+            rows_eq_prefill=eq(T.tc_matmul(a, twt, path="decode", a_op=op), ref))
         for v in native.VARIANTS:
-            native.NATIVE_CFG["variant"] = v
+            twv = retuned(tw, native={"variant": v})
             lab = f" v{v}: {native.VARIANTS[v]}"
-            rec(f"{tag} native decode" + lab, lambda: T.tc_matmul(a, tw, path="decode", a_op=op),
-                m=m, cublas_ms=cub, rows_eq_prefill=eq(T.tc_matmul(a, tw, path="decode", a_op=op), ref))
-        native.NATIVE_CFG.clear()
+            rec(f"{tag} native decode" + lab, lambda: T.tc_matmul(a, twv, path="decode", a_op=op),
+                m=m, cublas_ms=cub, rows_eq_prefill=eq(T.tc_matmul(a, twv, path="decode", a_op=op), ref))
         rec(f"{tag} native linear incl. per-token quantize", lambda: T.tc_linear(x, tw), m=m, cublas_ms=cub,
             rows_eq_prefill=eq(T.tc_linear(x, tw), ref))
     wb = 8192 * 8192 // 2 + 8192 * 8192 // 16

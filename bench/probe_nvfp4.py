@@ -3,10 +3,13 @@
 
     python bench/probe_nvfp4.py --out DIR [--only checks,quantize,gemm,moe,decode,nseg]
 
-``nseg``: the K-segment rule's candidates (``tc_linear.NSEG_TARGET`` / ``NSEG_MAX``; ``--nseg-targets``)
+``nseg``: the K-segment rule's candidates (``tuning.SegmentRule`` target / max_segments; ``--nseg-targets``)
 side by side at N = K = 8192 and at layer shapes, with the bitwise row checks of every path
 (BENCHMARKS.md); ``--nseg-variants`` adds native decode variants per rule, ``--nseg-prefill-cfgs``
 prefill config overrides at NSEG > 1.
+
+Configs are tried by retuning the prepared weight (``TCWeight.tuned`` with a ``GemmTuning`` whose parts
+are built from the config dicts below: ``DecodeTuning.from_config``, ``PrefillTuning.from_config``).
 
 Prints a table last; writes ``probe.json``. Timings: triton.testing.do_bench median (ms).
 """
@@ -30,11 +33,26 @@ from bench_kernels import (  # noqa: E402, F401
     note,
     print_notes,
     rec,
+    retuned,
     rows_table,
     section,
     sweep_paths,
     take_rows,
 )
+
+
+def with_decode(tw, cfg: dict):  # noqa: ANN001, ANN201
+    """``tw`` under its tuning with the decode config keys ``cfg`` (as DECODE configs are written here)."""
+    from mismatch_probe.kernels.nvfp4.tuning import DecodeTuning
+
+    return retuned(tw, decode=DecodeTuning.from_config(cfg))
+
+
+def with_prefill(tw, cfg: dict):  # noqa: ANN001, ANN201
+    """``tw`` under its tuning with the prefill config keys ``cfg``."""
+    from mismatch_probe.kernels.nvfp4.tuning import PrefillTuning
+
+    return retuned(tw, prefill=PrefillTuning.from_config(cfg))
 
 
 @section
@@ -135,17 +153,15 @@ def gemm() -> None:
                          ("ns BM64 BN64 s4 (wgmma)", {"SWAP": False, "BM": 64, "BN": 64})]
         variants = [(nm.format(bm=bm), c) for nm, c in variants]
         for name, cfg in variants:
-            T.DECODE_CFG.clear()
-            T.DECODE_CFG.update(cfg)
+            pwc = with_decode(pw, cfg)
             try:
-                y = T.tc_matmul(a, pw, path="decode", a_op=aop_m)
+                y = T.tc_matmul(a, pwc, path="decode", a_op=aop_m)
                 same = eq(y, full[:m]) if "NSEG" not in cfg else None
             except Exception as e:
                 note(f"decode M={m} {name} failed: {type(e).__name__}: {str(e)[:1500]}")
                 continue
-            rec(f"M={m} decode {name}", lambda: T.tc_matmul(a, pw, path="decode", a_op=aop_m), m=m, cublas_ms=cub,
+            rec(f"M={m} decode {name}", lambda: T.tc_matmul(a, pwc, path="decode", a_op=aop_m), m=m, cublas_ms=cub,
                 rows_eq_prefill=same)
-        T.DECODE_CFG.clear()
         rec(f"M={m} tc_linear auto incl. quantize", lambda: T.tc_linear(x, pw), m=m, cublas_ms=cub)
         GRAPH["on"] = False
         rec(f"M={m} tc_linear auto incl. quantize, no CUDA graph", lambda: T.tc_linear(x, pw), m=m, cublas_ms=cub)
@@ -159,16 +175,14 @@ def gemm() -> None:
     for name, cfg in (("default 128x256x64 w8 s3 G16", {}), ("128x256x64 w8 s4 G16", {"num_stages": 4}),
                       ("128x256x64 w8 s3 G32", {"GROUP_M": 32}),
                       ("128x128x64 w8 s4 G16 (nseg>1 config)", {"BN": 128, "num_stages": 4})):
-        T.PREFILL_CFG.clear()
-        T.PREFILL_CFG.update(cfg)
+        pwp = with_prefill(pw, cfg)
         try:
-            y = T.tc_matmul(aq, pw, path="prefill", a_op=aop)
+            y = T.tc_matmul(aq, pwp, path="prefill", a_op=aop)
             same = eq(y, full)
         except Exception as e:
             note(f"prefill {name} failed: {type(e).__name__}: {str(e)[:1500]}")
             continue
-        rec(f"M=8192 prefill {name}", lambda: T.tc_matmul(aq, pw, path="prefill", a_op=aop), cublas_ms=cub, rows_eq=same)
-    T.PREFILL_CFG.clear()
+        rec(f"M=8192 prefill {name}", lambda: T.tc_matmul(aq, pwp, path="prefill", a_op=aop), cublas_ms=cub, rows_eq=same)
     rec("M=8192 tc_linear auto incl. quantize", lambda: T.tc_linear(X, pw), cublas_ms=cub)
     # batch invariance at several M, row offsets, both paths
     bad = []
@@ -199,20 +213,17 @@ def gemm() -> None:
         rec(f"N={n2} K={k2} M=16 cuBLAS", lambda: xb @ wb2.t())
         for nm, c in (("swap", {}), ("ns BN32", {"SWAP": False, "BN": 32, "BM": 16}),
                       ("ns BN16 cpi2", {"SWAP": False, "BN": 16, "BM": 16, "CPI": 2})):
-            T.DECODE_CFG.clear()
-            T.DECODE_CFG.update(c)
-            ok = eq(T.tc_matmul(a16, p2, path="decode", a_op=op16), f2[:16])
-            rec(f"N={n2} K={k2} M=16 decode {nm} (nseg={p2.nseg})", lambda: T.tc_matmul(a16, p2, path="decode", a_op=op16),
+            p2c = with_decode(p2, c)
+            ok = eq(T.tc_matmul(a16, p2c, path="decode", a_op=op16), f2[:16])
+            rec(f"N={n2} K={k2} M=16 decode {nm} (nseg={p2.nseg})", lambda: T.tc_matmul(a16, p2c, path="decode", a_op=op16),
                 rows_eq_prefill=ok)
-        T.DECODE_CFG.clear()
         rec(f"N={n2} K={k2} M=16 decode + quantize, tc_linear", lambda: T.tc_linear(xb, p2))
 
 
 @section
 def moe() -> None:
-    from mismatch_probe.kernels import moe_route, nvfp4_quantize, quantize_expert_weights
+    from mismatch_probe.kernels import gather_rows, moe_route, nvfp4_quantize, quantize_expert_weights
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
-    from mismatch_probe.kernels.nvfp4.grouped import gather_rows
 
     e, top, hidden, inter = 128, 8, 2048, 768
     for name, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
@@ -232,20 +243,18 @@ def moe() -> None:
             gm = rec(f"{tag} torch._grouped_mm bf16", lambda: torch._grouped_mm(xa, wt, offs=offs32))
             for p, c in ((("decode", {}), ("decode", {"SWAP": False, "BN": 32}), ("prefill", {})) if t <= 64 else
                          (("prefill", {}),)):
-                T.DECODE_CFG.clear()
-                T.DECODE_CFG.update(c)
-                y = T.tc_grouped(a, offsets, pg, path=p, a_op=aop)
+                pgc = with_decode(pg, c)
+                y = T.tc_grouped(a, offsets, pgc, path=p, a_op=aop)
                 off = offsets.tolist()
                 bad = []
                 for ex in (0, 5, 77, 127):
                     r0, r1 = off[ex], off[ex + 1]
                     if r1 > r0:
                         sub = type(a)(a.codes[r0:r1], a.scales[r0:r1], a.amax[r0:r1], True)
-                        if not eq(T.tc_matmul(sub, pg.expert(ex), path=p), y[r0:r1]):
+                        if not eq(T.tc_matmul(sub, pgc.expert(ex), path=p), y[r0:r1]):
                             bad.append(ex)
-                rec(f"{tag} grouped {p} {c}", lambda: T.tc_grouped(a, offsets, pg, path=p, a_op=aop), grouped_mm_ms=gm,
+                rec(f"{tag} grouped {p} {c}", lambda: T.tc_grouped(a, offsets, pgc, path=p, a_op=aop), grouped_mm_ms=gm,
                     grouped_eq_per_expert=not bad)
-            T.DECODE_CFG.clear()
             y1 = T.tc_grouped(a, offsets, pg, path="decode", a_op=aop)
             y2 = T.tc_grouped(a, offsets, pg, path="prefill", a_op=aop)
             note(f"{tag}: grouped decode == grouped prefill: {eq(y1, y2)}")
@@ -254,9 +263,8 @@ def moe() -> None:
 @section
 def decode() -> None:
     """Decode-path variants (bytes in flight per SM: chunks per step x stages; warps), rows vs prefill."""
-    from mismatch_probe.kernels import moe_route, nvfp4_quantize, quantize_expert_weights
+    from mismatch_probe.kernels import gather_rows, moe_route, nvfp4_quantize, quantize_expert_weights
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
-    from mismatch_probe.kernels.nvfp4.grouped import gather_rows
 
     d = decode_inputs(8192, 8192, 64)
     w, tw, X, aq, aop = d.w, d.tw, d.x, d.aq, d.aop
@@ -270,16 +278,14 @@ def decode() -> None:
         op = aop[:m]
         cub = rec(f"M={m} cuBLAS bf16", lambda: x @ w.t())
         for name, cfg in variants:
-            T.DECODE_CFG.clear()
-            T.DECODE_CFG.update(cfg)
+            twc = with_decode(tw, cfg)
             try:
-                ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
+                ok = eq(T.tc_matmul(a, twc, path="decode", a_op=op), full[:m])
             except Exception as e:
                 note(f"M={m} {name} failed: {type(e).__name__}: {str(e)[:600]}")
                 continue
-            rec(f"M={m} decode BN64 {name}", lambda: T.tc_matmul(a, tw, path="decode", a_op=op), cublas_ms=cub,
+            rec(f"M={m} decode BN64 {name}", lambda: T.tc_matmul(a, twc, path="decode", a_op=op), cublas_ms=cub,
                 rows_eq_prefill=ok)
-        T.DECODE_CFG.clear()
     e, top = 128, 8
     for name, nn, kk in (("gate_up", 1536, 2048), ("down", 2048, 768)):
         wq = quantize_expert_weights(torch.randn(e, nn, kk, device="cuda", dtype=torch.bfloat16) * 0.05)
@@ -291,15 +297,13 @@ def decode() -> None:
         y0 = T.tc_grouped(a, offsets, pg, path="prefill", a_op=aop2)
         for vname, cfg in (("cpi1 s4 (default)", {}), ("cpi2 s4", {"CPI": 2}), ("cpi2 s6", {"CPI": 2, "num_stages": 6}),
                            ("cpi4 s4", {"CPI": 4})):
-            T.DECODE_CFG.clear()
-            T.DECODE_CFG.update(cfg)
-            ok = eq(T.tc_grouped(a, offsets, pg, path="decode", a_op=aop2), y0)
-            rec(f"MoE {name} T=64 grouped decode {vname}", lambda: T.tc_grouped(a, offsets, pg, path="decode", a_op=aop2),
+            pgc = with_decode(pg, cfg)
+            ok = eq(T.tc_grouped(a, offsets, pgc, path="decode", a_op=aop2), y0)
+            rec(f"MoE {name} T=64 grouped decode {vname}", lambda: T.tc_grouped(a, offsets, pgc, path="decode", a_op=aop2),
                 rows_eq_prefill=ok)
-        T.DECODE_CFG.clear()
 
 
-# (NSEG_TARGET, NSEG_MAX) candidates of tc_linear.nseg_for, and the layer shapes (N, K) timed beside
+# (SegmentRule.target, .max_segments) candidates of tc_linear.nseg_for, and the layer shapes (N, K) timed beside
 # N = K = 8192: Qwen3-8B q/o, gate/up, down; Qwen3-0.6B gate/up, q
 NSEG_CANDIDATES = ((128, 8), (256, 8), (512, 8), (1024, 8))
 NSEG_SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (3072, 1024), (2048, 1024))
@@ -321,6 +325,7 @@ def nseg() -> None:
     from mismatch_probe.kernels.checks import TC_MS, tc_within_bound
     from mismatch_probe.kernels.nvfp4 import native
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.kernels.nvfp4.tuning import DEFAULT
 
     n = k = NSEG_NK
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
@@ -341,8 +346,8 @@ def nseg() -> None:
     NSEG_SUMMARY.update(cublas={str(m): v for m, v in cub.items()}, candidates=summary,
                         shapes_cublas={f"N={n2} K={k2}": [c16, c4096] for n2, k2, *_, c16, c4096 in shapes})
     for target, cap in NSEG_OPTS["candidates"]:
-        T.NSEG_TARGET, T.NSEG_MAX = target, cap
-        tw = T.prepare(wq)
+        rule = DEFAULT.with_(segments={"target": target, "max_segments": cap})
+        tw = T.prepare(wq, rule)
         tag = f"[target {target} max {cap}] N=K={n} nseg={tw.nseg}"
         full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
         bad = [] if eq(T.tc_matmul(aq, tw, path="prefill", a_op=aop), full) else ["repeat prefill"]
@@ -350,34 +355,30 @@ def nseg() -> None:
         row["prefill_8192"] = rec(f"{tag} M={NSEG_ROWS} prefill", lambda: T.tc_matmul(aq, tw, path="prefill", a_op=aop),
                                   cublas_ms=cub[NSEG_ROWS], nseg=tw.nseg)
         for cfg in NSEG_OPTS["prefill_cfgs"] if tw.nseg > 1 else ():
-            T.PREFILL_CFG.update(cfg)
-            ok = eq(T.tc_matmul(aq, tw, path="prefill", a_op=aop), full)
+            twp = with_prefill(tw, cfg)
+            ok = eq(T.tc_matmul(aq, twp, path="prefill", a_op=aop), full)
             row[f"prefill_8192 {cfg}"] = rec(f"{tag} M={NSEG_ROWS} prefill {cfg}",
-                                             lambda: T.tc_matmul(aq, tw, path="prefill", a_op=aop),
+                                             lambda: T.tc_matmul(aq, twp, path="prefill", a_op=aop),
                                              cublas_ms=cub[NSEG_ROWS], rows_eq=ok, nseg=tw.nseg)
-            T.PREFILL_CFG.clear()
             if not ok:
                 bad.append((NSEG_ROWS, 0, f"prefill {cfg}"))
         for m in (1, 16, 64):
             a = take_rows(aq, 0, m)
             op = aop[:m]
             for v in (None, *NSEG_OPTS["variants"]):  # None: the default variant
-                if v is not None:
-                    native.NATIVE_CFG["variant"] = v
-                opd = T.decode_operand(op, tw, m)
-                ok = eq(T.tc_matmul(a, tw, path="decode", a_op=opd), full[:m])
+                twv = tw if v is None else retuned(tw, native={"variant": v})
+                opd = T.decode_operand(op, twv, m)
+                ok = eq(T.tc_matmul(a, twv, path="decode", a_op=opd), full[:m])
                 name = "native decode" if v is None else f"native decode v{v}"
-                row[f"{name} M={m}"] = rec(f"{tag} M={m} {name}", lambda: T.tc_matmul(a, tw, path="decode", a_op=opd),
+                row[f"{name} M={m}"] = rec(f"{tag} M={m} {name}", lambda: T.tc_matmul(a, twv, path="decode", a_op=opd),
                                            cublas_ms=cub[m], rows_eq_prefill=ok, nseg=tw.nseg)
-                native.NATIVE_CFG.pop("variant", None)
                 if not ok:
                     bad.append((m, 0, name))
             if m == 16:
-                T.DECODE_CFG["NATIVE"] = False
-                ok = eq(T.tc_matmul(a, tw, path="decode", a_op=op), full[:m])
-                row["triton decode M=16"] = rec(f"{tag} M=16 Triton decode", lambda: T.tc_matmul(a, tw, path="decode", a_op=op),
+                twt = retuned(tw, decode={"native": False})
+                ok = eq(T.tc_matmul(a, twt, path="decode", a_op=op), full[:m])
+                row["triton decode M=16"] = rec(f"{tag} M=16 Triton decode", lambda: T.tc_matmul(a, twt, path="decode", a_op=op),
                                                 cublas_ms=cub[m], rows_eq_prefill=ok, nseg=tw.nseg)
-                T.DECODE_CFG.clear()
                 x16 = X[:16]
                 row["linear M=16"] = rec(f"{tag} M=16 linear incl. quantize", lambda: T.tc_linear(x16, tw),
                                          cublas_ms=cub[m], nseg=tw.nseg)
@@ -392,7 +393,7 @@ def nseg() -> None:
         note(f"{tag}: {row['rows']}; vs per-block reference (64 rows): {row['tolerance']}; "
              f"record M=16: {T.kernel_record(16, tw)}")
         for n2, k2, wq2, a2, aop2, cub16, cub4096 in shapes:
-            tp = T.prepare(wq2)
+            tp = T.prepare(wq2, rule)
             t2 = f"[target {target} max {cap}] N={n2} K={k2} nseg={tp.nseg}"
             f2 = T.tc_matmul(a2, tp, path="prefill", a_op=aop2)
             bad2 = []
@@ -409,27 +410,24 @@ def nseg() -> None:
                 "prefill_4096": rec(f"{t2} M={NSEG_ROWS2} prefill", lambda: T.tc_matmul(a2, tp, path="prefill", a_op=aop2),
                                     cublas_ms=cub4096, nseg=tp.nseg)}
             for cfg in NSEG_OPTS["prefill_cfgs"] if tp.nseg > 1 else ():  # e.g. {"TWO_LAUNCH": true} at NSEG 2
-                T.PREFILL_CFG.update(cfg)
-                ok = eq(T.tc_matmul(a2, tp, path="prefill", a_op=aop2), f2)
+                tpp = with_prefill(tp, cfg)
+                ok = eq(T.tc_matmul(a2, tpp, path="prefill", a_op=aop2), f2)
                 row[f"N={n2} K={k2}"][f"prefill_4096 {cfg}"] = rec(
-                    f"{t2} M={NSEG_ROWS2} prefill {cfg}", lambda: T.tc_matmul(a2, tp, path="prefill", a_op=aop2),
+                    f"{t2} M={NSEG_ROWS2} prefill {cfg}", lambda: T.tc_matmul(a2, tpp, path="prefill", a_op=aop2),
                     cublas_ms=cub4096, rows_eq=ok, nseg=tp.nseg)
-                T.PREFILL_CFG.clear()
             if tp.nseg == 2:  # variant 15's other choice for the two K segments (in the CTA or across CTAs)
                 inside = not native.fused_segments(16, tp, 2)
-                native.NATIVE_CFG["KS2"] = inside
-                ok = eq(T.tc_matmul(a16, tp, path="decode", a_op=op16), f2[:16])
+                tpk = retuned(tp, native={"ks2": inside})
+                ok = eq(T.tc_matmul(a16, tpk, path="decode", a_op=op16), f2[:16])
                 lab = "inside the CTA (KS2)" if inside else "across CTAs + reduce"
                 row[f"N={n2} K={k2}"][f"decode_16 segments {lab}"] = rec(
                     f"{t2} M=16 native decode, K segments {lab}",
-                    lambda: T.tc_matmul(a16, tp, path="decode", a_op=op16), cublas_ms=cub16, rows_eq_prefill=ok, nseg=tp.nseg)
-                native.NATIVE_CFG.pop("KS2", None)
+                    lambda: T.tc_matmul(a16, tpk, path="decode", a_op=op16), cublas_ms=cub16, rows_eq_prefill=ok, nseg=tp.nseg)
             if bad2:
                 note(f"{t2}: decode rows differ from prefill at M {bad2}")
         summary.append(row)
         with open(os.path.join(OUT_DIR["path"], "nseg.json"), "w") as f:  # after each candidate (a cut-off run keeps them)
             json.dump({"rows": ROWS, "notes": NOTES, "nseg": NSEG_SUMMARY}, f, indent=1)
-    T.NSEG_TARGET, T.NSEG_MAX = 128, 8
 
 
 NSEG_SUMMARY: dict = {}
@@ -476,7 +474,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="checks,quantize,gemm,moe")
     ap.add_argument("--nseg-targets", default=",".join(str(t) for t, _ in NSEG_CANDIDATES),
-                    help="NSEG_TARGET candidates of the nseg section (NSEG_MAX 8)")
+                    help="SegmentRule.target candidates of the nseg section (max_segments 8)")
     ap.add_argument("--nseg-variants", default="", help="native decode variants timed beside the default (nseg)")
     ap.add_argument("--nseg-prefill-cfgs", default="[]", help="JSON list of prefill config overrides timed at NSEG > 1")
     args = ap.parse_args()

@@ -24,6 +24,10 @@ one call per timing): checks the script, times nothing.
   ``nvfp4-per-token`` linears with the new and the old prefill loop (logits compared bitwise) and
   with one K segment everywhere; 1 x 16 tokens (decode path) with the rule's segments and with 1.
 
+Configs are tried on a weight retuned with ``TCWeight.tuned`` (``PrefillTuning.from_config`` of the
+config dicts below; ``DecodeTuning(native=...)``); the e2e forwards give their NVFP4 linears the
+``GemmTuning`` to run.
+
 Writes ``probe_prefill.json``; prints a table last. Timings: ``bench_kernels.bench`` medians.
 """
 
@@ -66,20 +70,26 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _cfg(cfg: dict) -> None:
-    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+def _cfg(wt, cfg: dict):  # noqa: ANN001, ANN202
+    """``wt`` (same tensors, same nseg) with the prefill config keys ``cfg`` (as PrefillTuning.from_config)."""
+    from mismatch_probe.kernels.nvfp4.tuning import PrefillTuning
 
-    T.PREFILL_CFG.clear()
-    T.PREFILL_CFG.update(cfg)
+    return wt.tuned(wt.tuning.with_(prefill=PrefillTuning.from_config(cfg)))
 
 
-def _weights(n: int, k: int, per_row: bool):  # noqa: ANN202
+def _native(wt, native: bool):  # noqa: ANN001, ANN202
+    """``wt`` with the native decode kernel allowed or not (same bits)."""
+    return wt.tuned(wt.tuning.with_(decode={"native": native}))
+
+
+def _weights(n: int, k: int, per_row: bool, native: bool = True):  # noqa: ANN202
     from mismatch_probe.kernels import nvfp4_quantize
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.kernels.nvfp4.tuning import DEFAULT
 
     w = torch.randn(n, k, device=RUN["dev"], dtype=torch.bfloat16)
     wq = nvfp4_quantize(w, per_token=per_row)
-    return w, wq, T.prepare(wq)
+    return w, wq, T.prepare(wq, DEFAULT.with_(decode={"native": native}))
 
 
 @section
@@ -87,15 +97,14 @@ def prefill() -> None:
     from mismatch_probe.kernels import nvfp4_quantize
     from mismatch_probe.kernels.nvfp4 import tc_linear as T
 
-    T.DECODE_CFG["NATIVE"] = False  # the build runs in the background; nothing here uses decode
     for name, (n, k) in [*SHAPES.items(), ("8192^2", (8192, 8192))]:
         n, k = n // RUN["dim"], k // RUN["dim"]
-        w, _, tw = _weights(n, k, name == "gate/up")
+        # native off: the build runs in the background; nothing here uses decode
+        w, _, tw = _weights(n, k, name == "gate/up", native=False)
         tw1 = dataclasses.replace(tw, nseg=1)
         X = torch.randn(RUN["ms"][-1], k, device=RUN["dev"], dtype=torch.bfloat16)
         aq = nvfp4_quantize(X, per_token=True)
         aop = T.act_operand(aq)
-        _cfg({})
         full = T.tc_matmul(aq, tw, path="prefill", a_op=aop)
         for m in RUN["ms"]:
             x, a, op = X[:m], take_rows(aq, 0, m), aop[:m]
@@ -107,18 +116,16 @@ def prefill() -> None:
                 if m == RUN["ms"][1]:
                     variants += [(f"new {lab}", cfg, tw) for lab, cfg in TILES.items()]
             for lab, cfg, wt in variants:
-                _cfg(cfg)
+                wc = _cfg(wt, cfg)
                 try:
-                    got = T.tc_matmul(a, wt, path="prefill", a_op=op)
+                    got = T.tc_matmul(a, wc, path="prefill", a_op=op)
                 except Exception as e:  # a tile config that does not fit
                     note(f"{tag} {lab} failed: {type(e).__name__}: {str(e)[:300]}")
                     continue
                 same = eq(got, full[:m]) if wt is tw else None
-                rec(f"{tag} prefill {lab}", lambda: T.tc_matmul(a, wt, path="prefill", a_op=op), shape=name, m=m,
+                rec(f"{tag} prefill {lab}", lambda: T.tc_matmul(a, wc, path="prefill", a_op=op), shape=name, m=m,
                     kind=lab, cublas_ms=cub, rows_eq_new=same)
-        _cfg({})
-        note(f"{name}: nseg {tw.nseg}, prefill config {T.prefill_config(tw.nseg, k // tw.nseg)}")
-    T.DECODE_CFG.pop("NATIVE", None)
+        note(f"{name}: nseg {tw.nseg}, prefill config {T.prefill_config(tw.nseg, k // tw.nseg, tw.tuning.prefill)}")
 
 
 @section
@@ -140,11 +147,10 @@ def decode() -> None:
             for lab, native in (("Triton", False), ("native", True)):
                 if native and not BUILD.get("ok"):
                     continue
-                T.DECODE_CFG["NATIVE"] = native
+                wn = _native(wt, native)
                 rec(f"{name} N={n} K={k} M=16 decode {lab} NSEG={s}{' (rule)' if s == tw.nseg else ''}",
-                    lambda: T.tc_matmul(a, wt, path="decode", a_op=op), shape=name, m=16, kind=f"decode {lab}",
-                    nseg=s, cublas_ms=cub, rows_eq_prefill=eq(T.tc_matmul(a, wt, path="decode", a_op=op), ref))
-            T.DECODE_CFG.pop("NATIVE", None)
+                    lambda: T.tc_matmul(a, wn, path="decode", a_op=op), shape=name, m=16, kind=f"decode {lab}",
+                    nseg=s, cublas_ms=cub, rows_eq_prefill=eq(T.tc_matmul(a, wn, path="decode", a_op=op), ref))
 
 
 @section
@@ -158,11 +164,9 @@ def sweep() -> None:
         _, wq, tw = _weights(n, k, per_row)
         X = torch.randn(max(RUN["tc_ms"] or TC_MS) + 64, k, device=RUN["dev"], dtype=torch.bfloat16)
         aq = nvfp4_quantize(X, per_token=True)
-        _cfg({})
         full = T.tc_matmul(aq, tw, path="prefill")
         bad = [] if eq(T.tc_matmul(aq, tw, path="prefill"), full) else ["repeat"]
-        _cfg({"FLAT": False})
-        if not eq(T.tc_matmul(aq, tw, path="prefill"), full):
+        if not eq(T.tc_matmul(aq, _cfg(tw, {"FLAT": False}), path="prefill"), full):
             bad.append("old loop, full M")
         n_cmp = 2
         for m, off, sub in sweep_cases(aq, RUN["tc_ms"] or TC_MS):
@@ -171,14 +175,10 @@ def sweep() -> None:
             if m <= 64:
                 paths += [("decode-triton", {}, False)] + ([("decode-native", {}, True)] if BUILD.get("ok") else [])
             for p, cfg, native in paths:
-                _cfg(cfg)
-                if native is not None:
-                    T.DECODE_CFG["NATIVE"] = native
+                wp = _cfg(tw, cfg) if native is None else _native(_cfg(tw, cfg), native)
                 n_cmp += 1
-                if not eq(T.tc_matmul(sub, tw, path=p.split("-")[0]), want):
+                if not eq(T.tc_matmul(sub, wp, path=p.split("-")[0]), want):
                     bad.append((m, off, p))
-                T.DECODE_CFG.pop("NATIVE", None)
-            _cfg({})
             n_cmp += 1
             if not eq(T.tc_linear(X[off:off + m], tw), want):
                 bad.append((m, off, "tc_linear"))
@@ -219,7 +219,7 @@ def _model() -> tuple[torch.nn.Module, torch.Tensor]:
 
 @section
 def e2e() -> None:
-    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.kernels.nvfp4.tuning import DEFAULT, PrefillTuning
     from mismatch_probe.probes.hf.patch import patch
 
     model, ids = _model()
@@ -239,16 +239,15 @@ def e2e() -> None:
         runs = [("nvfp4-per-token linears, new prefill loop", {}, 8), ("nvfp4-per-token linears, old prefill loop",
                 {"FLAT": False}, 8), ("nvfp4-per-token linears, NSEG=1 everywhere", {}, 1)]
         for label, pcfg, nmax in runs if inp.shape[1] > 64 else (runs[0], runs[2]):
-            _cfg(pcfg)
-            T.NSEG_MAX = nmax
+            tun = DEFAULT.with_(segments={"max_segments": nmax}, prefill=PrefillTuning.from_config(pcfg))
             with patch(model, "nvfp4-per-token", ops=["linear"]) as h:
+                for st in h.nvfp4.values():  # weights are prepared at the first call
+                    st.tuning = tun
                 _, outs[label] = timed(label, inp, base)
                 summ = h.describe().get("nvfp4_kernels") or {}
                 paths = sorted({p for s in summ.values() for p in s["paths_used"]})
                 note(f"e2e {tuple(inp.shape)} {label}: {len(summ)} NVFP4 linears, paths {paths}, logits vs bf16 "
                      f"max |d| {float((outs[label].float() - lb.float()).abs().max()):.3g}")
-            T.NSEG_MAX = 8
-            _cfg({})
         if len(outs) == 3:
             a, b = outs[runs[0][0]], outs[runs[1][0]]
             note(f"e2e {tuple(inp.shape)}: logits new loop == old loop bitwise: {bool(torch.equal(a, b))}")
@@ -269,7 +268,6 @@ def wide() -> None:
         x = torch.randn(m, k, device=RUN["dev"], dtype=torch.bfloat16)
         a = nvfp4_quantize(x, per_token=True)
         op = T.act_operand(a)
-        _cfg({})
         ref = T.tc_matmul(a, tw, path="prefill", a_op=op)
         tag = f"{name} N={n} K={k} NSEG={tw.nseg} M={m}"
         cub = rec(f"{tag} cuBLAS bf16", lambda: x @ w.t(), shape=name, m=m, kind="cublas")
@@ -280,22 +278,21 @@ def wide() -> None:
         variants += ([("NSEG=1 weights", {}, tw1), ("NSEG=1 weights BN128 s4", {"BN": 128, "num_stages": 4}, tw1)]
                      if tw.nseg > 1 else [("NSEG=2 BN256 w16", w16, tw2)])
         for lab, cfg, wt in variants:
-            _cfg(cfg)
+            wc = _cfg(wt, cfg)
             try:
-                same = eq(T.tc_matmul(a, wt, path="prefill", a_op=op), ref) if wt is tw else None
+                same = eq(T.tc_matmul(a, wc, path="prefill", a_op=op), ref) if wt is tw else None
             except Exception as e:
                 note(f"{tag} {lab} failed: {type(e).__name__}: {str(e)[:300]}")
                 continue
-            rec(f"{tag} prefill {lab}", lambda: T.tc_matmul(a, wt, path="prefill", a_op=op), shape=name, m=m,
+            rec(f"{tag} prefill {lab}", lambda: T.tc_matmul(a, wc, path="prefill", a_op=op), shape=name, m=m,
                 kind=lab, cublas_ms=cub, rows_eq_new=same)
-        _cfg({})
 
 
 @section
 def e2e_gpu() -> None:
     """4 x 1024 forward, bf16 vs nvfp4-per-token linears (rule's segments; 1 segment): eager wall
     time, the sum of GPU kernel times of one forward (torch.profiler), and CUDA-graph replays."""
-    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+    from mismatch_probe.kernels.nvfp4.tuning import DEFAULT
     from mismatch_probe.probes.hf.patch import patch
 
     model, ids = _model()
@@ -335,10 +332,10 @@ def e2e_gpu() -> None:
 
     measure("bf16")
     for label, nmax in (("nvfp4-per-token linears", 8), ("nvfp4-per-token linears, NSEG=1 everywhere", 1)):
-        T.NSEG_MAX = nmax
-        with patch(model, "nvfp4-per-token", ops=["linear"]):
+        with patch(model, "nvfp4-per-token", ops=["linear"]) as h:
+            for st in h.nvfp4.values():
+                st.tuning = DEFAULT.with_(segments={"max_segments": nmax})
             measure(label)
-        T.NSEG_MAX = 8
     base = ROWS[-3]
     for r in ROWS[-3:]:
         note(f"e2e_gpu {r['name']}: eager {r['ms']:.1f} ms ({base['ms'] / r['ms']:.2f}x bf16 speed); kernels "
@@ -376,8 +373,8 @@ def _min_k_rule(min_k: int) -> None:
 
     rule = T.nseg_for
 
-    def capped(n: int, k: int, grouped: bool = False) -> int:
-        s = rule(n, k, grouped)
+    def capped(n: int, k: int, grouped: bool = False, rule_: object = T.DEFAULT.segments) -> int:
+        s = rule(n, k, grouped, rule_)
         while s > 1 and k // s < min_k:
             s //= 2
         return s
