@@ -17,6 +17,7 @@ Timings per mode (median of ``--repeats``):
     python bench/bench_capture.py --device cpu --shapes llama-129m --seq-len 512 --seqs-per-mb 4 --mbs 2
     python bench/bench_capture.py --cli-check   # `capture --engine hf` off vs stats, 16 sequences, CPU
     python bench/bench_capture.py --rss         # peak RSS vs number of tokens (64 x 2,048 tokens)
+    python bench/bench_capture.py --writer-check --repeats 3   # the writer alone: per-row vs packed, op comparison
 """
 
 from __future__ import annotations
@@ -488,6 +489,80 @@ def _rss_child(n_seqs: int, seq_len: int) -> None:
                       "buffer_rows": r.info.settings["capture"]["buffer_rows"], "threads": torch.get_num_threads()}))
 
 
+def writer_check(repeats: int) -> list[dict[str, Any]]:
+    """The writer alone on the rows of one Qwen3-0.6B-shaped score() (4 x 1,024 tokens, 478 ops of
+    1,024 bf16 columns, chunks of 2^20 rows, random digests and stats): the per-row table of schema
+    v2 (``_build_table`` + ``StreamWriter``) vs the packed layout (``_build_packed`` +
+    ``PackedWriter``), interleaved; then ``op_errors_run`` on two packed captures of those rows (what
+    compare's op-errors stage runs) and ``read_table`` unpacking one."""
+    from mismatch_probe.analysis.op_errors import op_errors_run
+    from mismatch_probe.probes.ops_table import DIGEST, STATS, _build_packed, _build_table, _ops_schema, _Rows
+    from mismatch_probe.run.ops_packed import PackedWriter
+    from mismatch_probe.run.schema import StreamWriter, read_table
+
+    b, t, layers = 4, 1024, 28
+    n = b * t
+    seq, pos = np.repeat(np.arange(b), t), np.tile(np.arange(t), b)
+    kinds = ["input_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.rope_q", "attn.rope_k",
+             "attn.core", "attn.o", "resid_mid", "post_attn_norm", "mlp.gate", "mlp.up", "mlp.act", "mlp.down", "out"]
+    ops = ["embed"] + [f"{i}.{k}" for i in range(layers) for k in kinds] + ["final_norm"]
+    rng = np.random.default_rng(0)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-writer-"))
+    out = []
+    for mode, code in (("digest", DIGEST), ("stats", STATS)):
+        rows = _Rows(np.arange(n), seq, pos, np.full(n, code, np.int8), np.zeros(0, np.int64), stats=code >= STATS)
+        per = (1 << 20) // n
+        chunks = [[(op, "bfloat16", [1024], 1024, 2, rows, j * n, True) for j, op in enumerate(ops[a : a + per])]
+                  for a in range(0, len(ops), per)]
+        total = len(ops) * n
+        dig = rng.integers(0, 2**63, total, dtype=np.int64)
+        st = rng.standard_normal((total, 5)) if code >= STATS else None
+        if st is not None:
+            st[:, 3:] = 0.0
+
+        def write(kind: str, path: Path, chunks: list = chunks, dig: Any = dig, st: Any = st) -> float:
+            t0 = time.perf_counter()
+            w = PackedWriter(path) if kind == "packed" else StreamWriter(path, "ops", _ops_schema())
+            base = 0
+            for segs in chunks:
+                m = len(segs) * n
+                s = None if st is None else st[base : base + m]
+                build = _build_packed if kind == "packed" else _build_table
+                w.write(build(segs, dig[base : base + m].view(np.uint64), s, None, None, None))
+                base += m
+            w.close()
+            return time.perf_counter() - t0
+
+        secs: dict[str, list[float]] = {"per-row": [], "packed": []}
+        for _ in range(repeats):
+            for kind in secs:
+                secs[kind].append(write(kind, tmp / mode / ("learner" if kind == "packed" else "rows") / "ops.parquet"))
+        (tmp / mode / "sampler").mkdir(exist_ok=True)
+        (tmp / mode / "sampler" / "ops.parquet").write_bytes((tmp / mode / "learner" / "ops.parquet").read_bytes())
+        cmp_s, unpack_s = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            errs = op_errors_run(tmp / mode, layers)
+            cmp_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            read_table(tmp / mode / "learner" / "ops.parquet", "ops")
+            unpack_s.append(time.perf_counter() - t0)
+        row = {"mode": mode, "rows": total, "tokens": n, "per_row_s": statistics.median(secs["per-row"]),
+               "packed_s": statistics.median(secs["packed"]), "per_row_all": secs["per-row"], "packed_all": secs["packed"],
+               "per_row_mb": (tmp / mode / "rows" / "ops.parquet").stat().st_size / 1e6,
+               "packed_mb": (tmp / mode / "learner" / "ops.parquet").stat().st_size / 1e6,
+               "op_errors_run_s": statistics.median(cmp_s), "op_rows_compared": int(errs.n_rows.sum()),
+               "read_unpack_s": statistics.median(unpack_s), "load_1min": os.getloadavg()[0]}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{'mode':7} {'rows':>9} {'per-row s':>9} {'packed s':>8} {'speed-up':>8} {'per-row MB':>10} {'packed MB':>9} "
+          f"{'compare s':>9} {'unpack s':>8}")
+    for r in out:
+        print(f"{r['mode']:7} {r['rows']:9d} {r['per_row_s']:9.3f} {r['packed_s']:8.3f} {r['per_row_s'] / r['packed_s']:8.1f} "
+              f"{r['per_row_mb']:10.1f} {r['packed_mb']:9.1f} {r['op_errors_run_s']:9.3f} {r['read_unpack_s']:8.3f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -503,6 +578,8 @@ def main() -> None:
     ap.add_argument("--cli-check", action="store_true")
     ap.add_argument("--cli-seq-len", type=int, default=512)
     ap.add_argument("--rss", action="store_true")
+    ap.add_argument("--writer-check", action="store_true", help="the writer alone: per-row vs packed ops.parquet, "
+                    "and the op comparison, on the rows of a 0.6B-shaped score() (CPU)")
     ap.add_argument("--kernel-bench", action="store_true", help="CUDA: the digest kernel alone per (BLOCK, WARPS)")
     ap.add_argument("--profile", action="store_true", help="CUDA: torch.profiler of one forward per --profile-modes")
     ap.add_argument("--profile-modes", default="off,digest@hooks,digest", help="modes profiled side by side")
@@ -518,6 +595,8 @@ def main() -> None:
         res["cli"] = cli_check(a.cli_seq_len, 16, a.repeats)
     elif a.rss:
         res["rss"] = rss_check([16, 64], 2048)
+    elif a.writer_check:
+        res["writer"] = writer_check(a.repeats)
     else:
         import torch
 
