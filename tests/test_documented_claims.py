@@ -16,9 +16,10 @@ import json
 from pathlib import Path
 
 import pandas as pd
-import pyarrow.parquet as pq
 import pytest
 from mp_testlib import cli, load_json
+
+from mismatch_probe.run.schema import read_table
 
 pytestmark = pytest.mark.vllm
 
@@ -76,7 +77,7 @@ def test_dtype_float32_both_engines_and_parity_preflight_passes(runs: dict[str, 
     wp = load_json(run / "compare/weight_parity.json")
     assert wp["ok"] and wp["differences"] == [], wp["differences"][:3]  # fp32 weights digest equal
     for side in ("learner", "sampler"):
-        assert set(pq.read_table(run / f"{side}/ops.parquet", columns=["dtype"]).column(0).to_pylist()) == {"float32"}
+        assert set(read_table(run / f"{side}/ops.parquet", "ops").column("dtype").to_pylist()) == {"float32"}
 
 
 def test_digest_and_stats_capture_through_compare(runs: dict[str, Path]) -> None:

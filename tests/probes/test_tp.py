@@ -24,6 +24,7 @@ from mismatch_probe.errors import UsageError
 from mismatch_probe.probes.capture import CapturePlan, CaptureRule
 from mismatch_probe.probes.recorder import OpRecorder
 from mismatch_probe.probes.vllm import tp as vllm_tp
+from mismatch_probe.run.schema import read_table
 
 TP_ARGS = ("--sampler-arg", "tensor_parallel_size=2", "--sampler-arg", "max_num_seqs=16",
            "--learner-arg", "attn_implementation=eager", "--n", "1", "--max-tokens", "8")
@@ -37,7 +38,7 @@ def tp_strict_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _ops(run: Path, side: str):
-    return pq.read_table(run / side / "ops.parquet").to_pandas()
+    return read_table(run / side / "ops.parquet", "ops").to_pandas()
 
 
 # ---- the real TP = 2 run ------------------------------------------------------------------
@@ -131,7 +132,7 @@ def test_tp2_engine_mode_qwen3_capture_rows_are_the_tp1_rows(real_run_qwen3: Pat
     cap = tmp_path / "tp2"
     cli("capture", "--engine", "vllm", "--from", str(real_run_qwen3), "--out", str(cap),
         "--sampler-arg", "tensor_parallel_size=2", check=True)
-    s2, s1 = pq.read_table(cap / "vllm/ops.parquet").to_pandas(), _ops(real_run_qwen3, "sampler")
+    s2, s1 = read_table(cap / "vllm/ops.parquet", "ops").to_pandas(), _ops(real_run_qwen3, "sampler")
     _check_tp2_rows_are_tp1_rows(s2, s1, f"{real_run_qwen3}:sampler", cap, tmp_path / "diff")
     assert load_json(cap / "manifest.json")["engines"]["sampler"]["tensor_parallel_size"] == 2
     # why TP = 2 differs from layer 0's attn.o on (README): vLLM's row-parallel o_proj rounds each rank's
@@ -164,7 +165,7 @@ def test_tp2_moe_compare_rows_are_the_tp1_rows_and_weights_match(tmp_path: Path)
     # every parameter, the experts' included: 4 layers x (q, k, v, o, q/k norms, 2 layer norms, router,
     # fused gate_up and down of the experts) + embedding, final norm, lm_head
     assert wp["n_params"] == 4 * 11 + 3
-    s2, s1 = _ops(run, "sampler"), pq.read_table(cap / "vllm/ops.parquet").to_pandas()
+    s2, s1 = _ops(run, "sampler"), read_table(cap / "vllm/ops.parquet", "ops").to_pandas()
     assert {"0.moe.router_logits", "0.moe.out"} <= set(s2["op"])
     _check_tp2_rows_are_tp1_rows(s2, s1, f"{run}:sampler", cap, tmp_path / "diff")
 
