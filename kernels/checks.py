@@ -20,11 +20,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .nvfp4 import ref as R
 from .nvfp4.common import INTERPRET
+from .nvfp4.tuning import DEFAULT, GemmTuning
 
 
 @dataclass
@@ -33,10 +35,15 @@ class Check:
 
     name: str
     what: str
-    fn: Callable[[torch.device, bool], str]
+    fn: Callable[..., str]  # fn(device, big) -> detail; the tc_* checks also take tuning=GemmTuning
     exact: bool
     bound: str = ""  # the tolerance, in words ("max |diff| <= 1 bf16 ulp"); empty for exact checks
     gpu_only: bool = False
+
+    @property
+    def tuned(self) -> bool:
+        """A check of the recipes' GEMM (tc_linear): it runs under a given :class:`GemmTuning`."""
+        return self.name.startswith("tc_")
 
     def __post_init__(self) -> None:
         if self.exact == bool(self.bound):
@@ -338,19 +345,19 @@ def tc_within_bound(got: torch.Tensor, a: R.NVFP4Tensor, w: R.NVFP4Tensor) -> st
 
 
 def _tc_gemm_check(path: str, m: int, n: int, k: int):
-    def run(dev: torch.device, big: bool) -> str:
+    def run(dev: torch.device, big: bool, tuning: GemmTuning = DEFAULT) -> str:
         from .nvfp4.tc_linear import prepare, tc_matmul
 
         nn_, kk_ = (n * 16, k * 8) if big else (n, k)
         w = _to(_weights(nn_, kk_, 31), dev)
         a = R.nvfp4_quantize_ref(torch.randn(m, kk_, generator=_gen(32)).to(torch.bfloat16).to(dev), per_token=True)
-        tw = prepare(w)
+        tw = prepare(w, tuning)
         return f"M={m} N={nn_} K={kk_} path={path} nseg={tw.nseg}: " + tc_within_bound(tc_matmul(a, tw, path=path), a, w)
 
     return run
 
 
-def _tc_grouped_check(dev: torch.device, big: bool) -> str:
+def _tc_grouped_check(dev: torch.device, big: bool, tuning: GemmTuning = DEFAULT) -> str:
     from .nvfp4.moe import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
     from .nvfp4.tc_linear import prepare, tc_grouped
 
@@ -362,7 +369,7 @@ def _tc_grouped_check(dev: torch.device, big: bool) -> str:
     ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(t)]).to(dev)
     perm, off = moe_route(ids, e)
     a = gather_rows(R.nvfp4_quantize_ref(x, per_token=True), perm // top)
-    tw = prepare(wq)
+    tw = prepare(wq, tuning)
     msgs = []
     for path in ("decode", "prefill"):
         y = tc_grouped(a, off, tw, path=path)
@@ -375,14 +382,14 @@ def _tc_grouped_check(dev: torch.device, big: bool) -> str:
     return f"{t} tokens, {e} experts, paths {msgs}: every expert's rows within the bound"
 
 
-def _tc_rows_identical(dev: torch.device, big: bool) -> str:
+def _tc_rows_identical(dev: torch.device, big: bool, tuning: GemmTuning = DEFAULT) -> str:
     """Rows identical for every M in TC_MS at two row offsets, decode and prefill paths, vs the
     full-M prefill output (and repeated runs identical)."""
     from .nvfp4.tc_linear import prepare, tc_matmul
 
     n, k = 1024, 1024
     w = _to(_weights(n, k, 35), dev)
-    tw = prepare(w)
+    tw = prepare(w, tuning)
     x = torch.randn(max(TC_MS) + 64, k, generator=_gen(36)).to(torch.bfloat16).to(dev)
     a = R.nvfp4_quantize_ref(x, per_token=True)
     full = tc_matmul(a, tw, path="prefill")
@@ -395,7 +402,7 @@ def _tc_rows_identical(dev: torch.device, big: bool) -> str:
     return f"N=K={n} (nseg {tw.nseg}): {len(TC_MS)} values of M x 2 offsets, decode and prefill: identical rows"
 
 
-def _tc_grouped_eq_per_expert(dev: torch.device, big: bool) -> str:
+def _tc_grouped_eq_per_expert(dev: torch.device, big: bool, tuning: GemmTuning = DEFAULT) -> str:
     from .nvfp4.moe import GroupedNVFP4Weights, gather_rows, moe_route, quantize_expert_weights
     from .nvfp4.tc_linear import prepare, tc_grouped, tc_matmul
 
@@ -407,7 +414,7 @@ def _tc_grouped_eq_per_expert(dev: torch.device, big: bool) -> str:
     ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(t)]).to(dev)
     perm, off = moe_route(ids, e)
     a = gather_rows(R.nvfp4_quantize_ref(x, per_token=True), perm // top)
-    tw = prepare(wq)
+    tw = prepare(wq, tuning)
     ol = off.tolist()
     y0 = tc_grouped(a, off, tw, path="prefill")
     for path in ("decode", "prefill"):
@@ -490,9 +497,11 @@ CHECKS: list[Check] = [
 ]
 
 
-def run_checks(names: list[str] | None = None, device: str | None = None) -> list[CheckResult]:
+def run_checks(names: list[str] | None = None, device: str | None = None,
+               tuning: GemmTuning | None = None) -> list[CheckResult]:
     """Run the checks (all, or those named). GPU-only checks are skipped without CUDA; with CUDA,
-    shapes are the larger 'big' variants."""
+    shapes are the larger 'big' variants. ``tuning``: the GEMM tuning the ``tc_*`` checks run under
+    (default: the recipes' :data:`tuning.DEFAULT`; the benches pass others, e.g. a native variant)."""
     dev = torch.device(device or ("cpu" if INTERPRET else "cuda"))
     big = dev.type == "cuda"
     known = {c.name for c in CHECKS}
@@ -509,7 +518,8 @@ def run_checks(names: list[str] | None = None, device: str | None = None) -> lis
             continue
         t0 = time.perf_counter()
         try:
-            detail, status = c.fn(dev, big), "pass"
+            kw: dict[str, Any] = {"tuning": tuning} if tuning is not None and c.tuned else {}
+            detail, status = c.fn(dev, big, **kw), "pass"
         except AssertionError as e:
             detail, status = str(e), "fail"
         except Exception as e:  # a crash is a failure too, with its reason

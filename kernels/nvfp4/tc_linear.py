@@ -103,9 +103,10 @@ class TCWeight:
                         self.bkc, self.nseg, False, None if self._op is None else self._op[e], tuning=self.tuning)
 
     def tuned(self, tuning: GemmTuning) -> TCWeight:
-        """The same weight (its prepared tensors shared) under another tuning; ``nseg`` follows the new
-        :class:`tuning.SegmentRule` (bench/probe: compare configs on one weight)."""
-        return replace(self, tuning=tuning, nseg=nseg_for(self.n, self.k, self.grouped, tuning.segments))
+        """The same weight (its prepared tensors shared) under another tuning (bench/probe: compare
+        configs on one weight); ``nseg`` follows a changed :class:`tuning.SegmentRule`, else stays."""
+        same = tuning.segments == self.tuning.segments
+        return replace(self, tuning=tuning, nseg=self.nseg if same else nseg_for(self.n, self.k, self.grouped, tuning.segments))
 
 
 def weight_operand(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -175,3 +175,19 @@ def test_nseg_long_k() -> None:
     assert T.nseg_for(8192, 4096) == 1 and T.nseg_for(1024, 8192) == 8 and T.nseg_for(8192, 8192, grouped=True) == 1
     off = SegmentRule(long_k=None)
     assert T.nseg_for(8192, 8192, rule=off) == 1 and T.nseg_for(28672, 8192, rule=off) == 1
+
+
+def test_tuned_keeps_a_forced_nseg_and_checks_take_a_tuning() -> None:
+    """TCWeight.tuned changes nseg only with the segment rule (a probe's forced nseg survives a config
+    change); the tc_* named checks run under a given tuning (the benches' per-variant checks)."""
+    import dataclasses
+
+    from mismatch_probe.kernels.checks import CHECKS, run_checks
+
+    tw = T.prepare(R.nvfp4_quantize_ref(torch.randn(48, 256, generator=_g(16))))
+    forced = dataclasses.replace(tw, nseg=1)
+    assert tw.nseg == 2 and forced.tuned(DEFAULT.with_(decode={"native": False})).nseg == 1
+    assert forced.tuned(DEFAULT.with_(segments={"target": 1})).nseg == 1 and tw.tuned(GemmTuning()).nseg == 2
+    assert {c.name for c in CHECKS if c.tuned} == {c.name for c in CHECKS if c.name.startswith("tc_")}
+    (res,) = run_checks(["tc_gemm_decode_vs_reference"], tuning=DEFAULT.with_(decode={"cpi": 2}))
+    assert res.status == "pass", res.detail
