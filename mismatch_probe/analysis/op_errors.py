@@ -67,15 +67,137 @@ _KEYS = ("op", "seq_id", "pos", "dtype", "digest", "values")
 
 
 class _Side:
-    """One capture's columns for the comparison, one entry per (op, seq_id, pos) row: ``op`` and
-    ``dtype`` as codes into the shared name lists, ``seq``/``pos`` int64, ``digest`` as uint64 (mp64
-    digests of a packed file) or an Arrow string array, ``values`` an Arrow binary array (or None:
-    no row kept values)."""
+    """One capture's rows for the comparison: per token row its join key parts (``op`` code into
+    the shared name list, ``seq_id``, ``pos``), ``dtype`` code, digest (uint64 for mp64 digests of
+    a packed file, else an Arrow string array), and the rows kept in ``full``: ``full_idx`` (their
+    row numbers, ascending) and ``full_vals`` (their bytes, an Arrow binary array in that order)."""
 
-    def __init__(self, op: np.ndarray, seq: np.ndarray, pos: np.ndarray, dtype: np.ndarray, digest: Any,
-                 values: Any, kind: str) -> None:
-        self.op, self.seq, self.pos, self.dtype = op, seq, pos, dtype
-        self.digest, self.values, self.kind = digest, values, kind
+    kind = "mp64"
+    digest: Any = None
+    full_idx: np.ndarray = np.zeros(0, np.int64)
+    full_vals: Any = None
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def seq_range(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def pos_max(self) -> int:
+        raise NotImplementedError
+
+    def keys(self, smax: int, pmax: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def dtype_at(self, idx: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def set_full(self, idx: np.ndarray, vals: Any) -> None:
+        self.full_idx, self.full_vals = idx, vals
+
+    def values_at(self, idx: np.ndarray) -> Any:
+        """The kept bytes of rows ``idx`` (each one kept in ``full``)."""
+        import pyarrow as pa
+
+        return self.full_vals.take(pa.array(np.searchsorted(self.full_idx, idx)))
+
+
+class _RowSide(_Side):
+    """A per-row ops table (one row per op and token)."""
+
+    def __init__(self, op: np.ndarray, seq: np.ndarray, pos: np.ndarray, dtype: np.ndarray, digest: Any, values: Any,
+                 kind: str) -> None:
+        import pyarrow as pa
+
+        self.op, self.seq, self.pos, self.dtype, self.digest, self.kind = op, seq, pos, dtype, digest, kind
+        valid = np.asarray(values.is_valid(), bool) if len(values) else np.zeros(0, bool)
+        idx = np.nonzero(valid)[0]
+        self.set_full(idx, values.take(pa.array(idx)) if idx.size else None)
+
+    def size(self) -> int:
+        return self.op.size
+
+    def seq_range(self) -> tuple[int, int]:
+        return int(self.seq.min(initial=0)), int(self.seq.max(initial=0))
+
+    def pos_max(self) -> int:
+        return int(self.pos.max(initial=0))
+
+    def keys(self, smax: int, pmax: int) -> np.ndarray:
+        return (self.op * smax + self.seq) * pmax + self.pos
+
+    def dtype_at(self, idx: np.ndarray) -> np.ndarray:
+        return self.dtype[idx]
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.op, self.seq, self.pos, self.dtype
+
+
+class _PackedSide(_Side):
+    """A packed ops table (run/ops_packed.py): keys made from its runs (one ``repeat`` per token),
+    digests as uint64, the ``full`` rows' bytes cut from the values blob; nothing else per token."""
+
+    def __init__(self, t: Any, ops: dict[str, int], dtypes: dict[str, int]) -> None:
+        import pyarrow.compute as pc
+
+        from mismatch_probe.run import ops_packed as P
+
+        self.n = np.asarray(t.column("n"), np.int64)
+        runs = P.blob(t.column("runs"), np.int32).reshape(-1, 4).astype(np.int64)
+        nruns = np.asarray(pc.binary_length(t.column("runs")).fill_null(0), np.int64) // 16 if len(self.n) else \
+            np.zeros(0, np.int64)
+        self.run_row = np.repeat(np.arange(self.n.size), nruns)
+        self.runs = runs
+        self.start = np.zeros(runs.shape[0], np.int64)
+        np.cumsum(runs[:-1, 2], out=self.start[1:])
+        self.total = int(runs[:, 2].sum())
+        self.opc = _codes(t.column("op"), ops) if len(self.n) else np.zeros(0, np.int64)
+        self.dtc = _codes(t.column("dtype"), dtypes) if len(self.n) else np.zeros(0, np.int64)
+        self.row_start = np.zeros(self.n.size + 1, np.int64)
+        np.cumsum(self.n, out=self.row_start[1:])
+        self.digest = P.digests_u64(t)
+        full = np.nonzero(runs[:, 3] == P.FULL)[0]
+        if full.size:  # the token rows of the full runs, ascending, and their bytes in that order
+            idx = np.concatenate([np.arange(self.start[r], self.start[r] + runs[r, 2]) for r in full])
+            row = self.run_row[full]
+            width = np.asarray(t.column("width"), np.int64)[row] * np.asarray(t.column("itemsize"), np.int64)[row]
+            lens = np.repeat(width, runs[full, 2])
+            off = np.zeros(idx.size + 1, np.int64)
+            np.cumsum(lens, out=off[1:])
+            import pyarrow as pa
+
+            data = P.blob(t.column("values"), np.uint8)
+            self.set_full(idx, pa.LargeBinaryArray.from_buffers(pa.large_binary(), idx.size,
+                                                                [None, pa.py_buffer(off), pa.py_buffer(data)]))
+
+    def size(self) -> int:
+        return self.total
+
+    def seq_range(self) -> tuple[int, int]:
+        s = self.runs[:, 0]
+        return int(s.min(initial=0)), int(s.max(initial=0))
+
+    def pos_max(self) -> int:
+        r = self.runs
+        return int((r[:, 1] + r[:, 2] - 1).max(initial=0))
+
+    def keys(self, smax: int, pmax: int) -> np.ndarray:
+        r = self.runs
+        base = (self.opc[self.run_row] * smax + r[:, 0]) * pmax + r[:, 1] - self.start
+        return np.repeat(base, r[:, 2]) + np.arange(self.total, dtype=np.int64)
+
+    def dtype_at(self, idx: np.ndarray) -> np.ndarray:
+        return self.dtc[np.searchsorted(self.row_start, idx, side="right") - 1]
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per token row: op code, seq_id, pos, dtype code (the rank files of FSDP, merged)."""
+        r, cnt = self.runs, self.runs[:, 2]
+        row = np.repeat(self.run_row, cnt)
+        pos = np.arange(self.total, dtype=np.int64) - np.repeat(self.start - r[:, 1], cnt)
+        return self.opc[row], np.repeat(r[:, 0], cnt), pos, self.dtc[row]
 
 
 def _codes(col: Any, names: dict[str, int]) -> np.ndarray:
@@ -95,42 +217,37 @@ def _side_from_table(t: Any, ops: dict[str, int], dtypes: dict[str, int]) -> _Si
     d = t.column("digest")
     first = next((v for v in d.drop_null().slice(0, 1).to_pylist()), None) if len(d) else None
     kind = "blake2b" if first is not None and str(first).startswith("blake2b:") else "mp64"
-    return _Side(_codes(t.column("op"), ops), np.asarray(t.column("seq_id"), np.int64), np.asarray(t.column("pos"), np.int64),
-                 _codes(t.column("dtype"), dtypes), d.combine_chunks(), t.column("values").combine_chunks(), kind)
-
-
-def side_from_packed(t: Any, ops: dict[str, int], dtypes: dict[str, int]) -> _Side:
-    """A packed ops table (run/ops_packed.py, as read from disk) -> :class:`_Side`, without
-    unpacking it into per-row strings: digests stay uint64, values are cut only for ``full`` rows."""
-    from mismatch_probe.run import ops_packed as P
-
-    k = P.token_keys(t)
-    row = k["row"]
-    op = _codes(t.column("op"), ops)[row] if len(row) else np.zeros(0, np.int64)
-    dt = _codes(t.column("dtype"), dtypes)[row] if len(row) else np.zeros(0, np.int64)
-    full = P.unpack_values(t, k) if (k["mode"] == P.FULL).any() else None
-    return _Side(op, k["seq_id"], k["pos"], dt, P.digests_u64(t), full, "mp64")
+    return _RowSide(_codes(t.column("op"), ops), np.asarray(t.column("seq_id"), np.int64),
+                    np.asarray(t.column("pos"), np.int64), _codes(t.column("dtype"), dtypes), d.combine_chunks(),
+                    t.column("values").combine_chunks(), kind)
 
 
 _DENSE_MAX = 1 << 27  # key-space size up to which the join uses a dense index (4 bytes an entry)
 
 
-def _join(a: _Side, b: _Side, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of ``a`` and ``b`` with the same (op, seq_id, pos), as index pairs in ``a``'s row order
-    (a sort-merge join on one int64 key; a key twice on one side is an error)."""
-    smax = int(max(a.seq.max(initial=0), b.seq.max(initial=0))) + 1
-    pmax = int(max(a.pos.max(initial=0), b.pos.max(initial=0))) + 1
-    if float(n_ops) * smax * pmax >= 2.0**62 or min(a.seq.min(initial=0), b.seq.min(initial=0)) < 0:
+def _join(a: _Side, b: _Side, n_ops: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of ``a`` and ``b`` with the same (op, seq_id, pos), as index pairs in ``a``'s row order,
+    and the op code of each pair (a dense index over the key space, or a sort-merge join on one
+    int64 key; a key twice on one side is an error)."""
+    (sa0, sa1), (sb0, sb1) = a.seq_range(), b.seq_range()
+    smax = max(sa1, sb1) + 1
+    pmax = max(a.pos_max(), b.pos_max()) + 1
+    if float(n_ops) * smax * pmax >= 2.0**62 or min(sa0, sb0) < 0:
         raise ValueError("op rows: (op, seq_id, pos) out of the comparable range")
-    ka = (a.op * smax + a.seq) * pmax + a.pos
-    kb = (b.op * smax + b.seq) * pmax + b.pos
-    space = n_ops * smax * pmax
-    if space <= _DENSE_MAX:  # a dense index over the key space: one scatter, one gather, no sort
+    ka = a.keys(smax, pmax)
+    kb = b.keys(smax, pmax)
+    ia, ib = _match(ka, kb, n_ops * smax * pmax)
+    return ia, ib, ka[ia] // (smax * pmax)
+
+
+def _match(ka: np.ndarray, kb: np.ndarray, space: int) -> tuple[np.ndarray, np.ndarray]:
+    dup = "op rows: an (op, seq_id, pos) row appears twice on one side (merge validate: one_to_one)"
+    if space <= _DENSE_MAX:  # one scatter, one gather, no sort
         where = np.full(space, -1, np.int32 if max(ka.size, kb.size) < 1 << 31 else np.int64)
         for k in (ka, kb):
             where[k] = np.arange(k.size)
             if (where[k] != np.arange(k.size)).any():
-                raise ValueError("op rows: an (op, seq_id, pos) row appears twice on one side (merge validate: one_to_one)")
+                raise ValueError(dup)
             if k is ka:
                 where[k] = -1
         j = where[ka]
@@ -140,7 +257,7 @@ def _join(a: _Side, b: _Side, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
     sb = kb[ob]
     for k in (np.sort(ka), sb):
         if k.size > 1 and (k[1:] == k[:-1]).any():
-            raise ValueError("op rows: an (op, seq_id, pos) row appears twice on one side (merge validate: one_to_one)")
+            raise ValueError(dup)
     j = np.searchsorted(sb, ka)
     j = np.minimum(j, max(sb.size - 1, 0))
     hit = (sb[j] == ka) if sb.size else np.zeros(ka.size, bool)
@@ -162,37 +279,36 @@ def _equal_digests(a: _Side, b: _Side, ia: np.ndarray, ib: np.ndarray) -> np.nda
     return np.asarray(pc.equal(xa, xb).fill_null(False), bool)
 
 
-def _raw(values: Any, idx: np.ndarray) -> tuple[bytes, list[int]]:
-    """The bytes of rows ``idx`` of a binary column, concatenated, and each row's length."""
+def _raw(sub: Any) -> tuple[bytes, list[int]]:
+    """The bytes of a binary array's rows, concatenated, and each row's length."""
     import pyarrow as pa
 
     from mismatch_probe.run.ops_packed import blob
 
-    sub = values.take(pa.array(idx))
     lens = np.asarray(pa.compute.binary_length(sub).fill_null(0), np.int64)
     return blob(sub, np.uint8).tobytes(), lens.tolist()
 
 
 def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], num_layers: int) -> pd.DataFrame:
-    ia, ib = _join(a, b, len(op_names))
-    op = a.op[ia]
     n_ops = len(op_names)
+    ia, ib, op = _join(a, b, n_ops)
     n_rows = np.bincount(op, minlength=n_ops)
     eq = _equal_digests(a, b, ia, ib)
     n_eq = np.bincount(op, weights=eq, minlength=n_ops)
-    dl, ds = a.dtype[ia], b.dtype[ib]
+    dl, ds = a.dtype_at(ia), b.dtype_at(ib)
     n_dt_diff = np.bincount(op, weights=dl != ds, minlength=n_ops)
     first = np.full(n_ops, -1, np.int64)  # each op's first joined row (in a's order): its dtype names the op's
+    first[op[::-1]] = np.arange(op.size - 1, -1, -1)  # the last write of a repeated index wins: the first row
     present = np.nonzero(n_rows)[0]
-    order = np.argsort(op, kind="stable")
-    first[present] = order[np.searchsorted(op[order], present)]
     same_digest = a.kind == b.kind
-    full = np.zeros(ia.size, bool)
-    if a.values is not None and b.values is not None and ia.size:
-        import pyarrow as pa
-
-        full = np.asarray(a.values.is_valid().take(pa.array(ia)), bool) & np.asarray(b.values.is_valid().take(pa.array(ib)), bool)
-    fi = np.nonzero(full)[0]  # the joined rows both sides kept in full, grouped by op (in a's order within one)
+    # the joined rows both sides kept in full, grouped by op (in a's order within one)
+    fa = np.searchsorted(a.full_idx, ia)
+    fb = np.searchsorted(b.full_idx, ib)
+    in_a = (fa < a.full_idx.size) & (a.full_idx[np.minimum(fa, max(a.full_idx.size - 1, 0))] == ia) if a.full_idx.size else \
+        np.zeros(ia.size, bool)
+    in_b = (fb < b.full_idx.size) & (b.full_idx[np.minimum(fb, max(b.full_idx.size - 1, 0))] == ib) if b.full_idx.size else \
+        np.zeros(ib.size, bool)
+    fi = np.nonzero(in_a & in_b)[0]
     fi = fi[np.argsort(op[fi], kind="stable")]
     fcut = np.searchsorted(op[fi], np.arange(n_ops + 1))
     rows = []
@@ -206,14 +322,12 @@ def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], nu
                "dtype": dname_l if same_dtype else f"{dname_l}|{dname_s}", "n_rows": int(n_rows[c]),
                "bitwise_equal_frac": float(n_eq[c] / n_rows[c]) if same_dtype else 0.0}
         sel = fi[fcut[c] : fcut[c + 1]]
-        if same_dtype and not same_digest:
-            if sel.size:
-                raw_l, raw_s = _raw(a.values, ia[sel]), _raw(b.values, ib[sel])
-                row["bitwise_equal_frac"] = float(np.mean(_rows_equal(raw_l, raw_s)))
-            else:
-                row["bitwise_equal_frac"] = math.nan
         if sel.size:
-            vl, vs = pd.Series(_split(*_raw(a.values, ia[sel]))), pd.Series(_split(*_raw(b.values, ib[sel])))
+            vl = pd.Series(_split(*_raw(a.values_at(ia[sel]))))
+            vs = pd.Series(_split(*_raw(b.values_at(ib[sel]))))
+        if same_dtype and not same_digest:
+            row["bitwise_equal_frac"] = float(np.mean([x == y for x, y in zip(vl, vs, strict=True)])) if sel.size else math.nan
+        if sel.size:
             ref = decode_rows(vl, dtype_names[dl[sel[0]]])
             got = decode_rows(vs, dtype_names[ds[sel[0]]])
             row.update(error_stats(got, ref) if ref.shape == got.shape else {"rel_l2": math.nan})
@@ -229,10 +343,6 @@ def _split(buf: bytes, lens: list[int]) -> list[bytes]:
         out.append(buf[o : o + n])
         o += n
     return out
-
-
-def _rows_equal(a: tuple[bytes, list[int]], b: tuple[bytes, list[int]]) -> list[bool]:
-    return [x == y for x, y in zip(_split(*a), _split(*b), strict=True)]
 
 
 OP_ERRORS_COLUMNS = ["op", "layer", "kind", "exec_order", "dtype", "n_rows", "bitwise_equal_frac", "max_abs_diff",
@@ -270,27 +380,33 @@ def _read_side(path: Any, ops: dict[str, int], dtypes: dict[str, int]) -> _Side:
     from mismatch_probe.run.schema import SCHEMA_VERSION, read_schema_version, read_table
 
     if read_schema_version(path) <= SCHEMA_VERSION and is_packed(pq.read_schema(path)):
-        return side_from_packed(pq.read_table(path), ops, dtypes)
+        return _PackedSide(pq.read_table(path), ops, dtypes)
     return _side_from_table(read_table(path, "ops").select(list(_KEYS)), ops, dtypes)
 
 
 def _concat(parts: list[_Side]) -> _Side:
+    """The rank files of one side as one :class:`_RowSide` (rows of all ranks, in rank order)."""
     import pyarrow as pa
 
     if len(parts) == 1:
         return parts[0]
-    cat = {f: np.concatenate([getattr(p, f) for p in parts]) for f in ("op", "seq", "pos", "dtype")}
+    cols = [p.columns() for p in parts]
+    out = object.__new__(_RowSide)
+    out.op, out.seq, out.pos, out.dtype = (np.concatenate([c[i] for c in cols]) for i in range(4))
     digs = [p.digest for p in parts]
     if all(isinstance(d, np.ndarray) for d in digs):
-        digest: Any = np.concatenate(digs)
+        out.digest = np.concatenate(digs)
     else:
         from mismatch_probe.run.ops_packed import hex_strings
 
-        digest = pa.concat_arrays([hex_strings(d) if isinstance(d, np.ndarray) else d.cast(pa.string()) for d in digs])
-    vals = [p.values if p.values is not None else pa.nulls(p.op.size, pa.binary()) for p in parts]
-    values = pa.concat_arrays([v.cast(pa.large_binary()) for v in vals])
+        out.digest = pa.concat_arrays([hex_strings(d) if isinstance(d, np.ndarray) else d.cast(pa.string()) for d in digs])
+    base = np.cumsum([0] + [p.size() for p in parts])
+    idx = np.concatenate([p.full_idx + b for p, b in zip(parts, base, strict=False)])
+    vals = [p.full_vals.cast(pa.large_binary()) for p in parts if p.full_vals is not None]
+    out.set_full(idx, pa.concat_arrays(vals) if vals else None)
     kinds = {p.kind for p in parts}
-    return _Side(cat["op"], cat["seq"], cat["pos"], cat["dtype"], digest, values, kinds.pop() if len(kinds) == 1 else "mixed")
+    out.kind = kinds.pop() if len(kinds) == 1 else "mixed"
+    return out
 
 
 def op_errors_run(run_dir: Any, num_layers: int) -> pd.DataFrame | None:

@@ -168,3 +168,21 @@ def test_packed_stream_without_padding_equals_in_memory(tmp_path, batched):
         mem = OpRecorder(plan, sink=None, batched=batched)
         rec_all(mem)
         assert_same_rows(G.sorted_rows(read_table(dest, "ops")), G.sorted_rows(mem.table()))
+
+
+def test_op_errors_of_rank_partitioned_sides(tmp_path):
+    # FSDP writes one ops file per rank: the ranks of a side are merged before the join
+    from mismatch_probe.analysis.op_errors import op_errors_run
+    from mismatch_probe.run.schema import write_table
+
+    want = pq.read_table(G.GOLDEN)
+    seq = np.asarray(want.column("seq_id"))
+    for r, keep in enumerate((seq < 3, seq >= 3)):
+        write_table(tmp_path / "learner/ops_by_rank" / f"rank={r}" / "part.parquet", want.filter(pa.array(keep)), "ops")
+    rec = OpRecorder(G.plan(), sink=tmp_path / "sampler/ops_by_rank/rank=0/part.parquet")
+    G.record(rec)
+    rec.close()
+    OpRecorder(G.plan(), sink=tmp_path / "sampler/ops_by_rank/rank=1/part.parquet").close()  # a rank with no rows
+    got = op_errors_run(tmp_path, num_layers=2)
+    assert len(got) == 15 and (got.bitwise_equal_frac == 1.0).all() and got.n_rows.sum() == want.num_rows
+    assert got.rel_l2.notna().sum() > 0  # the full rows compared across the merged ranks
