@@ -127,12 +127,12 @@ class NVFP4Linear:
 
     def prepared(self, w: torch.Tensor, key: Any = None) -> list[Any]:
         """The shards as :class:`tc_linear.TCWeight` (decode layout, fp16 operand), once per weight
-        version."""
+        version and tuning (a new :attr:`tuning` prepares them again)."""
         from .tc_linear import prepare
 
         wk = _weight_key(w)
         hit = self._tcache.get(key)
-        if hit is not None and hit[0] == wk:
+        if hit is not None and hit[0] == wk and all(t.tuning is self.tuning for t in hit[1]):
             return hit[1]
         tws = [prepare(q, self.tuning) for q in self.weight(w, key)]
         self._tcache[key] = (wk, tws)

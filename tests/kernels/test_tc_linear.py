@@ -191,3 +191,21 @@ def test_tuned_keeps_a_forced_nseg_and_checks_take_a_tuning() -> None:
     assert {c.name for c in CHECKS if c.tuned} == {c.name for c in CHECKS if c.name.startswith("tc_")}
     (res,) = run_checks(["tc_gemm_decode_vs_reference"], tuning=DEFAULT.with_(decode={"cpi": 2}))
     assert res.status == "pass", res.detail
+
+
+def test_nvfp4_linear_carries_its_tuning(monkeypatch) -> None:
+    """NVFP4Linear is made from the scheme (name or Scheme) and a GemmTuning; its prepared weights run
+    under that tuning, and a new tuning prepares them again."""
+    monkeypatch.setattr(NL, "use_kernels", lambda t: True)
+    w = torch.randn(48, 256, generator=_g(17)).to(torch.bfloat16)
+    x = torch.randn(3, 256, generator=_g(18)).to(torch.bfloat16)
+    lin = NL.NVFP4Linear(NL.SCHEMES["nvfp4-per-token"])
+    assert lin.scheme.name == "nvfp4-per-token" and lin.tuning is DEFAULT
+    y = lin(x, w)
+    (tw,) = lin.prepared(w)
+    assert tw.tuning is DEFAULT and tw.nseg == 2
+    lin.tuning = DEFAULT.with_(segments={"target": 1})  # one K segment: other bits, within the tolerance
+    (tw1,) = lin.prepared(w)
+    assert tw1.nseg == 1 and tw1.tuning is lin.tuning and lin.prepared(w)[0] is tw1
+    y1 = lin(x, w)
+    assert y1.shape == y.shape and (y1.float() - y.float()).abs().max() <= 2 ** -6 * y.float().abs().max()
