@@ -1,4 +1,6 @@
-"""The optional native (CUDA C++) backend: ``csrc/nvfp4_native.cu``, built at first use.
+"""The optional native (CUDA C++) backend: ``csrc/`` (``nvfp4_native.cu`` and the headers it includes,
+one per role: ``common.cuh``, the three decode pipelines ``decode_cpasync.cuh`` / ``decode_bulk.cuh`` /
+``decode_wg.cuh``, ``quantize.cuh``, ``launch.cuh``, ``dispatch.cuh``), built at first use.
 
 Built with ``torch.utils.cpp_extension.load`` (nvcc + ninja on the GPU machine) into a cache
 folder (``$MISMATCH_PROBE_NATIVE_CACHE``, default ``<cache>/native`` under ``$MISMATCH_PROBE_CACHE``,
