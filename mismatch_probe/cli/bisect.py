@@ -30,7 +30,8 @@ def bisect(
     """Find the first op where the engines differ and rank ops by the error they introduce."""
     from mismatch_probe.run.reader import BISECT, RunDir
     from mismatch_probe.run.schema import atomic_write_json
-    from mismatch_probe.steps.bisect import Engines, first_divergent, load_op_errors, local_errors
+    from mismatch_probe.steps.bisect import Engines, first_divergent, load_op_errors, local_errors, longest_sequence, nvfp4_reason
+    from mismatch_probe.steps.bisect import ablation as ablation_step
     from mismatch_probe.steps.ops_stage import read_ops
     from mismatch_probe.validate import at_least, fraction
 
@@ -56,7 +57,7 @@ def bisect(
         if ablation and not (run / "sequences.parquet").exists():
             raise UsageError(f"{run} has no sequences.parquet (written by compare); rerun compare or pass --no-ablation")
         learner_ops = read_ops(run, "learner")
-        with console.status("loading both engines"), Engines(cfg, align=ablation) as engines:
+        with console.status("loading both engines"), Engines(cfg, align=ablation, longest=longest_sequence(run)) as engines:
             if engines.dropped:
                 result["sampler_unsharded"] = {"dropped": engines.dropped, "reason": "replay and ablation switch ops "
                                                "inside one process: bisect runs the sampler with tensor_parallel_size=1"}
@@ -67,11 +68,11 @@ def bisect(
                 if failures:
                     result["replay_failures"] = failures
             if fd0 is not None and not engine_run:
-                reason = _nvfp4_reason(cfg, fd0["op"], learner_ops, engines)
+                reason = nvfp4_reason(cfg, fd0["op"], learner_ops, engines)
                 if reason is not None:
                     result["first_divergent"]["reason"] = reason
             if ablation:
-                result.update(_ablation(run, cfg, engines, min_share, ablation_seqs))
+                result.update(ablation_step(run, cfg, engines, min_share, ablation_seqs, console))
     atomic_write_json(rd.file(BISECT), result)
 
     fd = result["first_divergent"]
@@ -110,68 +111,3 @@ def bisect(
         console.print(at)
         console.print(f"{result['ablation_passes']} passes; all aligned: gap {result['gap_all_aligned']:.3e}")
     console.print(f"written {escape(str(rd.file(BISECT)))}", highlight=False)
-
-
-def _ablation(run: Path, cfg: dict, engines: object, min_share: float, n_seqs: int) -> dict:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from mismatch_probe.kernels.recipes import OP_KINDS
-    from mismatch_probe.run.schema import read_table
-    from mismatch_probe.steps.ablation import run_ablation
-
-    seqs = read_table(run / "sequences.parquet", "sequences").to_pydict()
-    from mismatch_probe.families.registry import families
-
-    spec = families().get(cfg.get("model_type", ""))
-    moe = spec.moe if spec else cfg.get("model_type") == "qwen3_moe"
-    picked = _gap_sequences(run, seqs["seq_id"], n_seqs)
-    kinds = [k for k in OP_KINDS if moe or k != "moe"]
-    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*cols, console=console, transient=False) as progress:
-        res = run_ablation(engines, [seqs["token_ids"][i] for i in picked], [seqs["n_prompt"][i] for i in picked], kinds,
-                           int(cfg.get("num_layers", 0)), min_share, progress=progress)
-    return {
-        "ablation_seq_ids": [int(seqs["seq_id"][i]) for i in picked],
-        "ablation": res["ranking"],
-        "ablation_note": res["metric"],
-        "ablation_passes": res["n_passes"],
-        "ablation_trace": res["passes"],
-        "gap_engine": res["gap_engine"],
-        "gap_all_aligned": res["gap_all_aligned"],
-    }
-
-
-def _gap_sequences(run: Path, seq_ids: list[int], n: int) -> list[int]:
-    """Indices (into ``seq_ids``) of the sequences the ablation scores: those with a nonzero gap
-    (mean |dlogp| over response tokens, learner vs sampler prefill, from the run's tokens), the
-    ``n`` largest (n <= 0: all of them). All sequences when the tokens are missing or none differs."""
-    import pandas as pd
-
-    every = list(range(len(seq_ids)))
-    cols = ["seq_id", "pos", "is_response", "logprob", "source"]
-    try:
-        lt = pd.read_parquet(run / "learner/tokens.parquet", columns=cols)
-        st = pd.read_parquet(run / "sampler/tokens.parquet", columns=cols)
-    except (OSError, ValueError, KeyError):
-        return every
-    j = lt[lt.is_response].merge(st[st.is_response & (st.source == "prefill")], on=["seq_id", "pos"], suffixes=("_l", "_s"))
-    gap = (j.logprob_l - j.logprob_s).abs().groupby(j.seq_id).mean()
-    differ = sorted((i for i in every if float(gap.get(seq_ids[i], 0.0)) > 0), key=lambda i: (-float(gap[seq_ids[i]]), i))
-    if not differ:
-        return every
-    return sorted(differ[:n] if n > 0 else differ)
-
-
-def _nvfp4_reason(cfg: dict, op: str, learner: object, engines: object) -> dict | None:
-    """The reason a first divergent quantized linear differs (see mismatch_probe.analysis.nvfp4_reason)."""
-    from mismatch_probe.analysis.nvfp4_reason import explain_linear
-    from mismatch_probe.probes.replay import op_inputs
-    from mismatch_probe.steps.bisect import _tensors
-
-    full = learner[learner["values"].notna()]
-    ins = op_inputs(op, int(cfg.get("num_layers", 0)), set(full.op), cfg.get("model_type"))
-    if not ins or ins[0] not in set(full.op):
-        return None
-    rows = full[full.op == ins[0]]
-    x = _tensors(full, ins[0], sorted(zip(rows.seq_id, rows.pos)))
-    return explain_linear(op, x, engines)

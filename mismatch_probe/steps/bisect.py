@@ -176,3 +176,81 @@ def load_op_errors(run_dir: Path) -> pd.DataFrame:
     if not p.exists():
         raise SchemaError(f"{run_dir} has no op capture (compare/op_errors.parquet); run compare with --capture full")
     return read_table(p, "op_errors").to_pandas()
+
+
+def longest_sequence(run_dir: Path) -> int | None:
+    """Tokens of the run's longest sequence (vLLM's context for bisect), None without sequences.parquet."""
+    from mismatch_probe.run.reader import SEQUENCES, RunDir
+
+    rd = RunDir(run_dir)
+    if not rd.has(SEQUENCES):
+        return None
+    return max((len(t) for t in rd.sequences().column("token_ids").to_pylist()), default=None)
+
+
+def ablation(run_dir: Path, cfg: dict[str, Any], engines: Engines, min_share: float, n_seqs: int,
+             console: Any = None) -> dict[str, Any]:
+    """Ablation over the run's largest-gap sequences (see :mod:`.ablation`): bisect.json's ablation
+    entries. ``console``: where each pass's progress bar goes (None: no bars)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mismatch_probe.families.registry import families
+    from mismatch_probe.kernels.recipes import OP_KINDS
+    from mismatch_probe.run.reader import RunDir
+    from mismatch_probe.steps.ablation import run_ablation
+
+    seqs = RunDir(run_dir).sequences().to_pydict()
+    spec = families().get(cfg.get("model_type", ""))
+    moe = spec.moe if spec else cfg.get("model_type") == "qwen3_moe"
+    picked = gap_sequences(run_dir, seqs["seq_id"], n_seqs)
+    kinds = [k for k in OP_KINDS if moe or k != "moe"]
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*cols, console=console, transient=False, disable=console is None) as progress:
+        res = run_ablation(engines, [seqs["token_ids"][i] for i in picked], [seqs["n_prompt"][i] for i in picked], kinds,
+                           int(cfg.get("num_layers", 0)), min_share, progress=progress)
+    return {
+        "ablation_seq_ids": [int(seqs["seq_id"][i]) for i in picked],
+        "ablation": res["ranking"],
+        "ablation_note": res["metric"],
+        "ablation_passes": res["n_passes"],
+        "ablation_trace": res["passes"],
+        "gap_engine": res["gap_engine"],
+        "gap_all_aligned": res["gap_all_aligned"],
+    }
+
+
+def gap_sequences(run_dir: Path, seq_ids: list[int], n: int) -> list[int]:
+    """Indices (into ``seq_ids``) of the sequences the ablation scores: those with a nonzero gap
+    (mean |dlogp| over response tokens, learner vs sampler prefill, from the run's tokens), the
+    ``n`` largest (n <= 0: all of them). All sequences when the tokens are missing or none differs."""
+    from mismatch_probe.run.reader import RunDir
+
+    every = list(range(len(seq_ids)))
+    cols = ["seq_id", "pos", "is_response", "logprob", "source"]
+    rd = RunDir(run_dir)
+    try:
+        lt = rd.tokens("learner").select(cols).to_pandas()
+        st = rd.tokens("sampler").select(cols).to_pandas()
+    except (OSError, ValueError, KeyError, SchemaError):
+        return every
+    j = lt[lt.is_response].merge(st[st.is_response & (st.source == "prefill")], on=["seq_id", "pos"], suffixes=("_l", "_s"))
+    gap = (j.logprob_l - j.logprob_s).abs().groupby(j.seq_id).mean()
+    differ = sorted((i for i in every if float(gap.get(seq_ids[i], 0.0)) > 0), key=lambda i: (-float(gap[seq_ids[i]]), i))
+    if not differ:
+        return every
+    return sorted(differ[:n] if n > 0 else differ)
+
+
+def nvfp4_reason(cfg: dict[str, Any], op: str, learner: pd.DataFrame, engines: Engines) -> dict[str, Any] | None:
+    """The reason a first divergent quantized linear differs (see mismatch_probe.analysis.nvfp4_reason),
+    from the learner's captured input of ``op``."""
+    from mismatch_probe.analysis.nvfp4_reason import explain_linear
+    from mismatch_probe.probes.replay import op_inputs
+
+    full = learner[learner["values"].notna()]
+    ins = op_inputs(op, int(cfg.get("num_layers", 0)), set(full.op), cfg.get("model_type"))
+    if not ins or ins[0] not in set(full.op):
+        return None
+    rows = full[full.op == ins[0]]
+    x = _tensors(full, ins[0], sorted(zip(rows.seq_id, rows.pos)))
+    return explain_linear(op, x, engines)

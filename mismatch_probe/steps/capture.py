@@ -4,7 +4,7 @@ with ``diff``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,30 +12,33 @@ from rich.console import Console
 
 from mismatch_probe.errors import UsageError
 from mismatch_probe.probes.factory import ENGINES
+from mismatch_probe.steps import options as opts
 from mismatch_probe.steps.compare_types import capture_plan
+from mismatch_probe.steps.options import Flag
 
 
 @dataclass
 class CaptureConfig:
-    """The resolved configuration of one ``capture`` (the manifest records it under ``config``)."""
+    """The resolved configuration of one ``capture`` (the manifest records it under ``config``). Each
+    field is also its command-line option (``Flag.field``, see steps/options.py)."""
 
-    engine: str
-    source: Path  # --from: the run whose sequences are scored
-    out: Path
-    model: str | None = None  # default: the run's learner model
-    capture: str = "stats"
-    capture_rules: list[str] = field(default_factory=list)
-    capture_full_rows: int | None = None
-    capture_topk: int = 8
-    full_logits: bool = False
-    micro_batch_size: int = 8
-    nproc: int = 2
-    fsdp_timeout_s: float = 300.0
-    recipe: str | None = None  # hf, vllm (the FSDP capture runs the engine's ops)
-    dtype: str = "bfloat16"
-    overwrite: bool = False
-    sampler_args: list[str] = field(default_factory=list)
-    learner_args: list[str] = field(default_factory=list)
+    engine: str = Flag(("--engine", "-e"), "hf | fsdp | vllm").field()
+    source: Path = Flag(("--from",), "A run directory whose sequences (sequences.parquet) are scored.").field()
+    out: Path = opts.OUT.field()
+    model: str | None = opts.MODEL.field(None)  # default: the run's learner model
+    capture: str = opts.CAPTURE.field("stats")
+    capture_rules: list[str] = opts.CAPTURE_RULE.field(factory=list)
+    capture_full_rows: int | None = opts.CAPTURE_FULL_ROWS.field(None)
+    capture_topk: int = opts.CAPTURE_TOPK.field(8)
+    full_logits: bool = opts.FULL_LOGITS.field(False)
+    micro_batch_size: int = opts.MICRO_BATCH_SIZE.field(8)
+    nproc: int = opts.NPROC.field(2)
+    fsdp_timeout_s: float = opts.FSDP_TIMEOUT.field(300.0)
+    recipe: str | None = opts.RECIPE.field(None)  # hf, vllm (the FSDP capture runs the engine's ops)
+    dtype: str = opts.DTYPE.field("bfloat16")
+    overwrite: bool = opts.OVERWRITE.field(False)
+    sampler_args: list[str] = opts.SAMPLER_ARG.field(factory=list)
+    learner_args: list[str] = opts.LEARNER_ARG.field(factory=list)
 
     @property
     def side(self) -> str:

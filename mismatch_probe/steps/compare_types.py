@@ -12,6 +12,8 @@ from typing import Any
 
 from mismatch_probe.errors import UsageError
 from mismatch_probe.probes.models import ModelInfo
+from mismatch_probe.steps import options as opts
+from mismatch_probe.steps.options import Flag
 from mismatch_probe.steps.prompts import PromptSpec
 
 
@@ -31,38 +33,52 @@ SAMPLERS = ("vllm",)
 
 @dataclass
 class CompareConfig:
-    """The resolved configuration of one ``compare`` run (recorded whole in the manifest)."""
+    """The resolved configuration of one ``compare`` run (recorded whole in the manifest). Each field
+    is also its command-line option (``Flag.field``: flags and help, see steps/options.py)."""
 
-    out: Path
-    model: str = "tiny-qwen3"
-    sampler_model: str | None = None
-    learner: str = "hf"
-    sampler: str = "vllm"
-    prompts: Path | None = None
-    rollouts: Path | None = None  # --rollouts: a training run's recorded rollouts (decode view from the file)
-    n: int = 2
-    max_tokens: int = 16
-    temperature: float = 1.0
-    seed: int = 0
-    micro_batch_size: int = 8
-    dtype: str = "bfloat16"
-    overwrite: bool = False
-    nproc: int = 2  # --learner fsdp: ranks
-    fsdp_timeout_s: float = 300.0  # --learner fsdp: a rank that dies or hangs ends the run within this
-    fsdp_param_dtype: str | None = None  # FSDP MixedPrecisionPolicy param dtype (None: --dtype)
-    fsdp_reduce_dtype: str = "float32"  # FSDP MixedPrecisionPolicy reduce dtype
-    capture: str = "stats"  # off | digest | stats | full: default op-capture mode
-    capture_rules: list[str] = field(default_factory=list)  # GLOB=MODE[@START:END], last match wins
-    capture_full_rows: int | None = None  # raw values for the first N tokens (seq_id, pos order); None: 256 under stats
-    capture_topk: int = 8  # logits rows: keep the top-k values and ids
-    full_logits: bool = False  # keep the vocabulary-wide logits rows where the plan says full
-    align: str = "engine"  # --align: engine | strict (every op batch-invariant, identical in both engines)
-    recipe: str | None = None  # --recipe (both sides): engine | strict | nvfp4-dynamic-tensor | nvfp4-static | nvfp4-per-token
-    learner_recipe: str | None = None  # --learner-recipe: overrides --recipe for the learner
-    sampler_recipe: str | None = None  # --sampler-recipe: overrides --recipe for the sampler
-    sampler_args: list[str] = field(default_factory=list)  # --sampler-arg KEY=VALUE: vLLM engine arguments
-    learner_args: list[str] = field(default_factory=list)  # --learner-arg KEY=VALUE: HF from_pretrained kwargs
-    topk: int | None = None  # --topk K: top-K logprobs of every position (None: 20 when capture is on, HF learner)
+    out: Path = opts.OUT.field(Path("runs/latest"))
+    model: str = opts.MODEL.field("tiny-qwen3")
+    sampler_model: str | None = Flag(("--sampler-model",), "Checkpoint the sampler serves (default: --model).").field(None)
+    learner: str = Flag(("--learner",), "hf | fsdp").field("hf")
+    sampler: str = Flag(("--sampler",), "vllm").field("vllm")
+    prompts: Path | None = Flag(("--prompts", "-p"), "JSONL prompts file (see README).").field(None)
+    rollouts: Path | None = Flag(
+        ("--rollouts",),
+        "A training run's rollouts (Parquet or JSONL; ours, verl or slime column names): their recorded sampler "
+        "logprobs are the decode view; learner and sampler prefill rescore them (see README).",
+    ).field(None)
+    n: int = Flag(("--n",), "Samples per prompt.").field(2)
+    max_tokens: int = Flag(("--max-tokens",), "Response length limit.").field(16)
+    temperature: float = Flag(("--temperature",), "Sampling temperature (logprobs: raw T=1 distribution).").field(1.0)
+    seed: int = Flag(("--seed",), "Sampling seed (prompt i uses seed + i).").field(0)
+    micro_batch_size: int = opts.MICRO_BATCH_SIZE.field(8)
+    dtype: str = opts.DTYPE.field("bfloat16")
+    overwrite: bool = opts.OVERWRITE.field(False)
+    nproc: int = opts.NPROC.field(2)
+    fsdp_timeout_s: float = opts.FSDP_TIMEOUT.field(300.0)
+    fsdp_param_dtype: str | None = Flag(
+        ("--fsdp-param-dtype",), "--learner fsdp: MixedPrecisionPolicy param dtype (default: --dtype)."
+    ).field(None)
+    fsdp_reduce_dtype: str = Flag(
+        ("--fsdp-reduce-dtype",), "--learner fsdp: MixedPrecisionPolicy reduce dtype (recorded)."
+    ).field("float32")
+    capture: str = opts.CAPTURE.field("stats")
+    capture_rules: list[str] = opts.CAPTURE_RULE.field(factory=list)
+    capture_full_rows: int | None = opts.CAPTURE_FULL_ROWS.field(None)  # None: 256 under stats
+    capture_topk: int = opts.CAPTURE_TOPK.field(8)
+    full_logits: bool = opts.FULL_LOGITS.field(False)
+    align: str = Flag(
+        ("--align",), "engine | strict: strict makes every op batch-invariant and identical in both engines."
+    ).field("engine")
+    recipe: str | None = opts.RECIPE.field(None)
+    learner_recipe: str | None = Flag(("--learner-recipe",), "The learner's recipe (overrides --recipe).").field(None)
+    sampler_recipe: str | None = Flag(("--sampler-recipe",), "The sampler's recipe (overrides --recipe).").field(None)
+    sampler_args: list[str] = opts.SAMPLER_ARG.field(factory=list)
+    learner_args: list[str] = opts.LEARNER_ARG.field(factory=list)
+    topk: int | None = Flag(
+        ("--topk",),
+        "Keep the top-K logprobs of every position on both sides (0: off) \\[default: 20 when capture is on].",
+    ).field(None)
 
     def side_recipe(self, side: str) -> str:
         """The resolved recipe name of ``side`` ('learner' | 'sampler'): --align combined with
