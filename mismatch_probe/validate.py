@@ -90,3 +90,89 @@ def at_most(v: int, flag: str, maximum: int) -> int:
     if v > maximum:
         raise UsageError(f"{flag} must be <= {maximum}, got {shown(v)}")
     return v
+
+
+# config attributes that give the checkpoint's tensors their shapes: changing one, weights cannot load
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts", "tie_word_embeddings")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return " ".join(lines[:3]) if lines else type(e).__name__
+
+
+def engine_values(model: object, lengths: list[int], topk: int, sampler_kwargs: dict, learner_kwargs: dict) -> None:
+    """Values the engines would refuse after loading, checked now with their own validators where
+    they exist (vLLM's config dataclasses, HF's ``PretrainedConfig.validate``). ``lengths``: the
+    positions each sequence needs (prompt + response + the rescoring's one)."""
+    vocab, ctx, path = model.vocab_size, model.max_positions, model.path  # type: ignore[attr-defined]
+    if topk > vocab:
+        raise UsageError(f"--topk {shown(topk)} is larger than the model's vocabulary ({vocab})")
+    _sampler_values(sampler_kwargs, max(lengths, default=1), ctx, topk)
+    _learner_values(learner_kwargs, path)
+
+
+def _sampler_values(kw: dict, needed: int, ctx: int, topk: int) -> None:
+    mml = kw.get("max_model_len")
+    if mml is not None:
+        if not isinstance(mml, int) or mml < needed:
+            raise UsageError(f"--sampler-arg max_model_len={shown(mml)}: the longest sequence needs {needed} positions "
+                             "(prompt + response + one for the rescoring)")
+        if mml > ctx:
+            raise UsageError(f"--sampler-arg max_model_len={shown(mml)} is beyond the model's context ({ctx})")
+    mlp = kw.get("max_logprobs")
+    if mlp is not None and mlp != -1 and (not isinstance(mlp, int) or mlp < max(topk, 1)):
+        raise UsageError(f"--sampler-arg max_logprobs={shown(mlp)}: the run asks for {max(topk, 1)} logprobs per "
+                         "position (--topk, or the sampled token's); give at least that, or -1")
+    try:
+        import dataclasses
+
+        from vllm.config import CacheConfig
+    except Exception:  # noqa: BLE001 (vLLM missing or broken: the engine check reports it later)
+        return
+    fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    sub = {k: v for k, v in kw.items() if k in fields}
+    if sub:
+        try:
+            CacheConfig(**sub)
+        except Exception as e:  # noqa: BLE001 (pydantic's ValidationError, ValueError, TypeError)
+            raise UsageError(f"--sampler-arg {', '.join(f'{k}={v}' for k, v in sub.items())}: vLLM refuses it: "
+                             f"{_first_line(e)}") from None
+
+
+def _learner_values(kw: dict, path: object) -> None:
+    attn = kw.get("attn_implementation")
+    if isinstance(attn, str) and attn.startswith("flash_attention"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--learner-arg attn_implementation={attn} needs a CUDA GPU (flash-attn); use sdpa or eager")
+        from transformers.utils import is_flash_attn_2_available
+
+        if attn == "flash_attention_2" and not is_flash_attn_2_available():
+            raise UsageError(f"--learner-arg attn_implementation={attn}: the flash-attn package is not installed")
+    overrides = {k: v for k, v in kw.items() if k != "attn_implementation"}
+    if not overrides:
+        return
+    from transformers import AutoConfig
+
+    base = AutoConfig.from_pretrained(path)
+    for k in SHAPE_KEYS:
+        if k in overrides and overrides[k] != getattr(base, k, None):
+            raise UsageError(f"--learner-arg {k}={shown(overrides[k])}: the checkpoint's weights are shaped for "
+                             f"{k}={getattr(base, k, None)}; they cannot load with another")
+    try:
+        cfg = AutoConfig.from_pretrained(path, **overrides)
+        if hasattr(cfg, "validate"):
+            cfg.validate()
+    except Exception as e:  # noqa: BLE001 (HF raises ValueError and its strict-dataclass errors)
+        raise UsageError(f"--learner-arg {', '.join(f'{k}={v}' for k, v in overrides.items())}: transformers refuses it: "
+                         f"{_first_line(e)}") from None
+
+
+def sequence_lengths(specs: list, prompt_ids: list[list[int]], max_tokens: int) -> list[int]:
+    """Positions each sequence needs in the sampler: prompt + response (given, or up to
+    ``max_tokens``) + one for the prefill rescoring's sampled token."""
+    return [len(ids) + (len(s.response_token_ids) if s.response_token_ids is not None else max_tokens) + 1
+            for s, ids in zip(specs, prompt_ids, strict=True)]

