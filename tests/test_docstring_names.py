@@ -259,16 +259,8 @@ def bad_references(mods: dict[str, ModInfo]) -> list[str]:
     return bad
 
 
-# Names in a file the change that added this test was not allowed to edit (probes/vllm/plugin.py, another
-# engineer's): its module docstring cites the old module names; (module, reference) pairs, each to be
-# removed with its fix (:mod:`.strict_ops` -> :mod:`.strict.ops` of kernels, :mod:`.nvfp4_linear` ->
-# :mod:`.nvfp4.linear`).
-PENDING = {("mismatch_probe.probes.vllm.plugin", ":mod:.strict_ops"),
-           ("mismatch_probe.probes.vllm.plugin", ":mod:.nvfp4_linear")}
-
-
 def test_every_name_a_docstring_cites_exists() -> None:
-    bad = [b for b in bad_references(index()) if (b.split(":", 1)[0], b.split(": ", 1)[1]) not in PENDING]
+    bad = bad_references(index())
     assert not bad, "docstrings cite names that do not exist:\n" + "\n".join(bad)
 
 

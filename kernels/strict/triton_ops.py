@@ -25,7 +25,7 @@ op below; the recipe's description records it: ``recipes.OP_DOC_CUDA``).
 * :func:`max_logz_rows`, :func:`log_softmax_fp32`, :func:`token_logprobs`: per row, fixed
   4096-wide chunks in ascending order; log-softmax is ``(x - max) - log(sum)``. CPU: tree sum.
 
-The Triton interpreter's bf16 ``tl.dot`` is broken (shared/ENVIRONMENT.md), so CPU tensors never
+The Triton interpreter's bf16 ``tl.dot`` is broken (measured with Triton 3.6-3.9), so CPU tensors never
 come here.
 """
 

@@ -1,5 +1,6 @@
-"""Sampler side: a vLLM plugin that installs a recipe's ops (the same :mod:`.strict_ops` and
-:mod:`.nvfp4_linear` functions the HF patch uses) into vLLM.
+"""Sampler side: a vLLM plugin that installs a recipe's ops (the same
+:mod:`mismatch_probe.kernels.strict.ops` and :mod:`mismatch_probe.kernels.nvfp4.linear` functions
+the HF patch uses) into vLLM.
 
 Registered through the ``vllm.general_plugins`` entry point (``pyproject.toml``): vLLM calls
 :func:`register` in every engine process at start-up. The plugin does nothing unless a recipe is
@@ -223,7 +224,9 @@ def _embedding_apply(orig: Callable[..., Any]) -> Callable[..., Any]:
     def apply(self: Any, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not _on("logits", layer):
             return orig(self, layer, x, bias)
-        return so.linear(x, layer.weight, bias)
+        out = so.linear(x, layer.weight, bias)
+        _STATE["logits_dtype"] = out.dtype  # the log-softmax reads logits in this dtype, as the learner does
+        return out
 
     return apply
 
@@ -356,13 +359,39 @@ def _flash_attn_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+def _as_logits_dtype(logits: torch.Tensor) -> torch.Tensor:
+    """The logits in the dtype the strict logits op produced (exact: an upcast of those values), so
+    the log-softmax kernel is the same compiled kernel the learner runs on its bf16 logits."""
+    dt = _STATE.get("logits_dtype")
+    if dt is not None and logits.dtype == torch.float32 and dt != torch.float32:
+        return logits.to(dt)
+    return logits
+
+
 def _compute_logprobs(orig: Callable[..., Any]) -> Callable[..., Any]:
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
         if not _on("logsoftmax"):
             return orig(logits)
-        return so.log_softmax_fp32(logits)
+        return so.log_softmax_fp32(_as_logits_dtype(logits))
 
     return staticmethod(compute_logprobs)
+
+
+def _v2_token_logprobs(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's model runner V2 (CUDA; the default for dense models in vLLM 0.26) computes sampled,
+    top-K and prompt logprobs with its own Triton kernel, not ``Sampler.compute_logprobs``: the
+    strict log-softmax there, gathered as the learner gathers (``logit - max - log(sum)``)."""
+
+    def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        if not _on("logsoftmax") or not logits.is_cuda:
+            return orig(logits, token_ids)
+        from mismatch_probe.kernels.strict import triton_ops as st
+
+        lg = _as_logits_dtype(logits)
+        mx, lz = st.max_logz_rows(lg)
+        return (lg.gather(-1, token_ids.to(torch.int64)).float() - mx[:, None]) - lz[:, None]
+
+    return compute_token_logprobs
 
 
 def _targets() -> list[tuple[type, str, Callable[..., Any]]]:
@@ -401,6 +430,12 @@ def _targets() -> list[tuple[type, str, Callable[..., Any]]]:
     except ImportError:  # no CUDA build of vLLM (the CPU wheel has no flash_attn backend)
         pass
     t.append((Sampler, "compute_logprobs", _compute_logprobs))
+    try:  # CUDA builds: the model runner V2's logprob kernel (a module function, looked up at each call)
+        import vllm.v1.worker.gpu.sample.logprob as v2_logprob
+
+        t.append((v2_logprob, "compute_token_logprobs", _v2_token_logprobs))  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - the CPU wheel may lack it or its Triton backend
+        pass
     t += row_parallel_targets()  # row-parallel linears under tensor parallelism (kernels/strict/tp.py)
     return t
 
@@ -427,7 +462,8 @@ def uninstall() -> None:
 
 
 def installed() -> list[str]:
-    return [f"{cls.__module__}.{cls.__qualname__}.{attr}" for cls, attr in _ORIG]
+    return [f"{cls.__module__}.{cls.__qualname__}.{attr}" if isinstance(cls, type) else f"{cls.__name__}.{attr}"
+            for cls, attr in _ORIG]
 
 
 __all__ = [
