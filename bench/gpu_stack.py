@@ -31,6 +31,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,9 @@ def prompts_file(out: Path, n: int, vocab: int, seed: int = 0) -> Path:
 def cli(name: str, args: list[str], timeout: float) -> tuple[int, float, str]:
     t = time.time()
     try:
+        # cwd outside any checkout: the writer subprocess (python -m ...) must import the installed package
         p = subprocess.run(["mismatch-probe", *args], capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "COLUMNS": "200"})
+                           env={**os.environ, "COLUMNS": "200"}, cwd=tempfile.gettempdir())
         rc, err = p.returncode, (p.stderr or "")[-2500:]
     except subprocess.TimeoutExpired:
         rc, err = 124, "timeout"
@@ -287,6 +289,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--tiny", action="store_true", help="dry run on the CPU: tiny-qwen3 stands in for the 0.6B shape")
     args = ap.parse_args()
+    args.out = args.out.resolve()
     steps = set(args.only.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     runs = args.out / "runs"
