@@ -80,9 +80,9 @@ def hex_chars(d: Any) -> Any:
     """Digests (uint64/int64 [n], numpy or torch on any device) -> their 16 lowercase hex digits as
     uint8 [n, 16], in array ops (no per-row Python; on CUDA before the host copy)."""
     if isinstance(d, np.ndarray):
-        b = np.ascontiguousarray(d).view(np.uint8).reshape(-1, 8)[:, ::-1]
-        nib = np.stack((b >> 4, b & 15), axis=2).reshape(-1, 16)
-        return nib + np.uint8(48) + (nib > 9).astype(np.uint8) * np.uint8(39)
+        from mismatch_probe.run.ops_packed import hex_chars as table_hex  # one table lookup per byte
+
+        return table_hex(np.ascontiguousarray(d))
     import torch
 
     b = d.contiguous().view(torch.uint8).reshape(-1, 8).flip(1)
