@@ -22,8 +22,11 @@ _SIGN = {np.uint16: 0x8000, np.uint32: 0x80000000, np.uint64: 1 << 63}
 
 def decode_rows(values: pd.Series, dtype: str) -> np.ndarray:
     """Raw ``values`` bytes of equal-shaped rows -> float64 matrix [rows, numel]."""
-    buf = b"".join(values.tolist())
-    n = len(values)
+    return decode_buffer(b"".join(values.tolist()), len(values), dtype)
+
+
+def decode_buffer(buf: Any, n: int, dtype: str) -> np.ndarray:
+    """The concatenated raw bytes of ``n`` equal-shaped rows -> float64 matrix [rows, numel]."""
     if dtype == "bfloat16":
         u = np.frombuffer(buf, np.uint16).astype(np.uint32) << 16
         return u.view(np.float32).astype(np.float64).reshape(n, -1)
@@ -39,11 +42,16 @@ def _ordered(raw: np.ndarray, ut: type) -> np.ndarray:
 
 
 def ulp_distance(a: pd.Series, b: pd.Series, dtype: str) -> float:
+    return ulp_distance_buffers(b"".join(a.tolist()), b"".join(b.tolist()), dtype)
+
+
+def ulp_distance_buffers(a: Any, b: Any, dtype: str) -> float:
+    """Max ULP distance between two buffers of the same rows' raw bytes."""
     ut = _INT_VIEW.get(dtype)
     if ut is None:
         return math.nan
-    ra = np.frombuffer(b"".join(a.tolist()), ut)
-    rb = np.frombuffer(b"".join(b.tolist()), ut)
+    ra = np.frombuffer(a, ut)
+    rb = np.frombuffer(b, ut)
     d = np.abs(_ordered(ra, ut) - _ordered(rb, ut))
     return float(d.max()) if d.size else 0.0
 
@@ -279,14 +287,13 @@ def _equal_digests(a: _Side, b: _Side, ia: np.ndarray, ib: np.ndarray) -> np.nda
     return np.asarray(pc.equal(xa, xb).fill_null(False), bool)
 
 
-def _raw(sub: Any) -> tuple[bytes, list[int]]:
-    """The bytes of a binary array's rows, concatenated, and each row's length."""
-    import pyarrow as pa
+def _raw(sub: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of a binary array's rows, concatenated (a view), and each row's length."""
+    import pyarrow.compute as pc
 
     from mismatch_probe.run.ops_packed import blob
 
-    lens = np.asarray(pa.compute.binary_length(sub).fill_null(0), np.int64)
-    return blob(sub, np.uint8).tobytes(), lens.tolist()
+    return blob(sub, np.uint8), np.asarray(pc.binary_length(sub).fill_null(0), np.int64)
 
 
 def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], num_layers: int) -> pd.DataFrame:
@@ -311,6 +318,9 @@ def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], nu
     fi = np.nonzero(in_a & in_b)[0]
     fi = fi[np.argsort(op[fi], kind="stable")]
     fcut = np.searchsorted(op[fi], np.arange(n_ops + 1))
+    # their bytes, taken once per side in that order; each op's rows are a slice of them
+    va = a.values_at(ia[fi]) if fi.size else None
+    vb = b.values_at(ib[fi]) if fi.size else None
     rows = []
     for c in sorted(present, key=lambda c: first[c]):  # the ops in the order of their first joined row
         name = op_names[c]
@@ -321,26 +331,33 @@ def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], nu
         row = {"op": name, "layer": layer, "kind": kind, "exec_order": exec_order(name, num_layers),
                "dtype": dname_l if same_dtype else f"{dname_l}|{dname_s}", "n_rows": int(n_rows[c]),
                "bitwise_equal_frac": float(n_eq[c] / n_rows[c]) if same_dtype else 0.0}
-        sel = fi[fcut[c] : fcut[c + 1]]
+        lo, hi = fcut[c], fcut[c + 1]
+        sel = fi[lo:hi]
         if sel.size:
-            vl = pd.Series(_split(*_raw(a.values_at(ia[sel]))))
-            vs = pd.Series(_split(*_raw(b.values_at(ib[sel]))))
+            (bl, ll), (bs, ls) = _raw(va.slice(lo, hi - lo)), _raw(vb.slice(lo, hi - lo))
         if same_dtype and not same_digest:
-            row["bitwise_equal_frac"] = float(np.mean([x == y for x, y in zip(vl, vs, strict=True)])) if sel.size else math.nan
+            if sel.size:
+                same = [x == y for x, y in zip(_split(bl, ll), _split(bs, ls), strict=True)]
+                row["bitwise_equal_frac"] = float(np.mean(same))
+            else:
+                row["bitwise_equal_frac"] = math.nan
         if sel.size:
-            ref = decode_rows(vl, dtype_names[dl[sel[0]]])
-            got = decode_rows(vs, dtype_names[ds[sel[0]]])
-            row.update(error_stats(got, ref) if ref.shape == got.shape else {"rel_l2": math.nan})
-            row["max_ulp"] = ulp_distance(vs, vl, row["dtype"]) if same_dtype else math.nan
+            try:
+                ref = decode_buffer(bl, sel.size, dtype_names[dl[sel[0]]])
+                got = decode_buffer(bs, sel.size, dtype_names[ds[sel[0]]])
+            except ValueError:  # rows of unequal lengths: no matrix (as decode_rows of them)
+                ref = got = None
+            row.update(error_stats(got, ref) if ref is not None and ref.shape == got.shape else {"rel_l2": math.nan})
+            row["max_ulp"] = ulp_distance_buffers(bs, bl, row["dtype"]) if same_dtype else math.nan
         rows.append(row)
     out = pd.DataFrame(rows, columns=OP_ERRORS_COLUMNS)
     return out.sort_values("exec_order", kind="stable").reset_index(drop=True)
 
 
-def _split(buf: bytes, lens: list[int]) -> list[bytes]:
+def _split(buf: np.ndarray, lens: np.ndarray) -> list[bytes]:
     out, o = [], 0
-    for n in lens:  # the few rows both sides kept in full, per op
-        out.append(buf[o : o + n])
+    for n in lens.tolist():  # rows of v1 captures (blake2b digests), compared by their values
+        out.append(buf[o : o + n].tobytes())
         o += n
     return out
 
