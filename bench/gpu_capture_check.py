@@ -231,7 +231,11 @@ def main() -> None:
     ap.add_argument("--skip-score", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
     a = ap.parse_args()
+    a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
+    # outside any checkout: the op writer subprocess and the compare commands (python -m ...) import the
+    # installed package, not the checkout's mismatch_probe/ folder (which lacks probes/ and kernels/)
+    os.chdir(tempfile.gettempdir())
     rounds = 3 if a.quick else a.rounds
     modes = ["off", "digest", "stats"] + ([] if a.quick else ["default", "digest@thread", "stats@thread"])
     res: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "argv": sys.argv,
