@@ -4,6 +4,7 @@ that names the flag (NaN, infinities and out-of-range numbers included)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from mismatch_probe.errors import UsageError
 
@@ -109,6 +110,7 @@ def engine_values(model: object, lengths: list[int], topk: int, sampler_kwargs: 
     vocab, ctx, path = model.vocab_size, model.max_positions, model.path  # type: ignore[attr-defined]
     if topk > vocab:
         raise UsageError(f"--topk {shown(topk)} is larger than the model's vocabulary ({vocab})")
+    check_weights(path)
     _sampler_values(sampler_kwargs, max(lengths, default=1), ctx, topk)
     _learner_values(learner_kwargs, path)
 
@@ -176,3 +178,35 @@ def sequence_lengths(specs: list, prompt_ids: list[list[int]], max_tokens: int) 
     ``max_tokens``) + one for the prefill rescoring's sampled token."""
     return [len(ids) + (len(s.response_token_ids) if s.response_token_ids is not None else max_tokens) + 1
             for s, ids in zip(specs, prompt_ids, strict=True)]
+
+
+def check_weights(path: Path) -> None:
+    """Each ``*.safetensors`` file of a model folder is whole: its header parses and its tensors'
+    byte ranges fit the file (a truncated download or copy is named before an engine loads it)."""
+    import json
+    import struct
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            size = f.stat().st_size
+            with f.open("rb") as fh:
+                head = fh.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+                if n < 2 or 8 + n > size:
+                    raise ValueError("the header is cut off")
+                header = json.loads(fh.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            if 8 + n + end > size:
+                raise ValueError(f"the tensors need {8 + n + end} bytes, the file has {size} (truncated?)")
+        except OSError as e:
+            raise UsageError(f"{f}: cannot read the weights: {e.strerror}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise UsageError(f"{f}: not a whole safetensors file: {e}") from None
+
+
+def capture_values(cfg: object) -> None:
+    """``capture``'s options (a ``CaptureConfig``), as ``compare`` checks the same ones."""
+    compare_values(cfg)
+    dtype(cfg.dtype)  # type: ignore[attr-defined]
+    if cfg.recipe is not None:  # type: ignore[attr-defined]
+        recipe(cfg.recipe)  # type: ignore[attr-defined]

@@ -53,6 +53,8 @@ def inspect_model_dir(path: Path, name: str | None = None) -> ModelInfo:
         cfg = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_FAMILIES:
         raise UsageError(

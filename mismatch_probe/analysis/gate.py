@@ -34,7 +34,7 @@ from mismatch_probe.analysis import token_gaps
 from mismatch_probe.analysis.conventions import FRAMEWORKS, framework_metrics
 from mismatch_probe.analysis.metrics import GAP_METRICS, RATIO_METRICS
 from mismatch_probe.errors import UsageError
-from mismatch_probe.run.reader import SUMMARY, RunDir, corrupt
+from mismatch_probe.run.reader import BISECT, OP_ERRORS, SUMMARY, RunDir, corrupt
 
 PAIRS = tuple(token_gaps.PAIRS)  # pair names are defined once, in analysis/token_gaps.py
 TRAINER_PAIRS = tuple(token_gaps.TRAINER_PAIRS)  # runs of compare --rollouts with trainer logprobs
@@ -83,19 +83,19 @@ def first_divergent_from_run(run: Path | RunDir, kind: str = "bitwise") -> tuple
     rd = run if isinstance(run, RunDir) else RunDir(run)
     bis = rd.bisect()
     if bis is not None:
-        return True, bis["first_divergent"].get(kind), "bisect.json"
+        return True, bis["first_divergent"].get(kind), BISECT
     if kind != "bitwise" and rd.captured_ops():
-        return False, None, f"the {kind} first divergent op comes from bisect.json: run `mismatch-probe bisect RUN`"
+        return False, None, f"the {kind} first divergent op comes from {BISECT}: run `mismatch-probe bisect RUN`"
     errs = rd.op_errors()
     if errs is None:
-        return False, None, "no op capture in this run (no bisect.json or compare/op_errors.parquet)"
+        return False, None, f"no op capture in this run (no {BISECT} or {OP_ERRORS})"
     if kind != "bitwise":
-        return False, None, f"the {kind} first divergent op comes from bisect.json: run `mismatch-probe bisect RUN`"
+        return False, None, f"the {kind} first divergent op comes from {BISECT}: run `mismatch-probe bisect RUN`"
     from mismatch_probe.analysis.op_errors import first_divergent
 
     errs["bitwise_equal_frac"] = errs["bitwise_equal_frac"].fillna(0.0)
     fd = first_divergent(errs)["bitwise"]
-    return True, fd and {k: fd[k] for k in ("op", "layer", "exec_order")}, "op_errors.parquet"
+    return True, fd and {k: fd[k] for k in ("op", "layer", "exec_order")}, Path(OP_ERRORS).name
 
 
 # --------------------------------------------------------------------------- checks
@@ -310,7 +310,7 @@ def _value(v: Any, where: str) -> float:
 def _lookup(summary: dict[str, Any], pair: str, metric: str) -> tuple[float | None, str]:
     block = summary["pairs"].get(pair)
     if not isinstance(block, dict):
-        return None, f"pair {pair} not in summary.json"
+        return None, f"pair {pair} not in {SUMMARY}"
     if metric.startswith("conventions."):
         _, fw, name = metric.split(".")
         conv = (block.get("conventions") or {}).get(fw)

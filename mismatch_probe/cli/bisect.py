@@ -28,7 +28,7 @@ def bisect(
     ablation_seqs: int = typer.Option(16, "--ablation-seqs", help="Ablation: score the N largest-gap sequences (0: all)."),
 ) -> None:
     """Find the first op where the engines differ and rank ops by the error they introduce."""
-    from mismatch_probe.run.reader import BISECT, RunDir
+    from mismatch_probe.run.reader import BISECT, SEQUENCES, RunDir
     from mismatch_probe.run.schema import atomic_write_json
     from mismatch_probe.steps.bisect import Engines, first_divergent, load_op_errors, local_errors, longest_sequence, nvfp4_reason
     from mismatch_probe.steps.bisect import ablation as ablation_step
@@ -54,8 +54,8 @@ def bisect(
         result["ablation_note"] = f"not run: the run used recipes {recipes}; ablation aligns engine-kernel runs"
     fd0 = result["first_divergent"]["bitwise"]
     if replay or ablation or (fd0 is not None and not engine_run):  # an NVFP4 run's first divergence gets a reason
-        if ablation and not (run / "sequences.parquet").exists():
-            raise UsageError(f"{run} has no sequences.parquet (written by compare); rerun compare or pass --no-ablation")
+        if ablation and not rd.has(SEQUENCES):
+            raise UsageError(f"{run} has no {SEQUENCES} (written by compare); rerun compare or pass --no-ablation")
         learner_ops = read_ops(run, "learner")
         with console.status("loading both engines"), Engines(cfg, align=ablation, longest=longest_sequence(run)) as engines:
             if engines.dropped:

@@ -170,12 +170,12 @@ class Engines:
 
 
 def load_op_errors(run_dir: Path) -> pd.DataFrame:
-    from mismatch_probe.run.schema import read_table
+    from mismatch_probe.run.reader import OP_ERRORS, RunDir
 
-    p = Path(run_dir) / "compare/op_errors.parquet"
-    if not p.exists():
-        raise SchemaError(f"{run_dir} has no op capture (compare/op_errors.parquet); run compare with --capture full")
-    return read_table(p, "op_errors").to_pandas()
+    errs = RunDir(run_dir).op_errors()
+    if errs is None:
+        raise SchemaError(f"{run_dir} has no op capture ({OP_ERRORS}); run compare with --capture full")
+    return errs
 
 
 def longest_sequence(run_dir: Path) -> int | None:

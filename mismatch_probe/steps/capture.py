@@ -78,6 +78,9 @@ def run_capture(cfg: CaptureConfig, console: Console) -> tuple[Path, int]:
     engine = cfg.engine
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    from mismatch_probe.validate import capture_values
+
+    capture_values(cfg)  # --out, numbers, --dtype, --recipe: before anything loads
     manifest = load_manifest(cfg.source)
     if not (cfg.source / "sequences.parquet").exists():
         raise UsageError(f"{cfg.source} has no sequences.parquet; run compare first")

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import pyarrow as pa
 
-from mismatch_probe.errors import UsageError
-from mismatch_probe.run.schema import atomic_write_json, read_table, write_table
+from mismatch_probe.run.schema import atomic_write_json, write_table
 
 if TYPE_CHECKING:
     from mismatch_probe.run.rundir import RunWriter
@@ -65,19 +64,10 @@ def write_ops(run: RunWriter, side: str, runner: Any) -> None:
 
 
 def read_ops(run_dir: Path, side: str) -> pd.DataFrame | None:
-    """``RUN/side/ops.parquet``, or the merged rank-partitioned dataset ``RUN/side/ops_by_rank``."""
-    run_dir = Path(run_dir)
-    f = run_dir / side / "ops.parquet"
-    if f.exists():
-        return read_table(f, "ops").to_pandas()
-    d = run_dir / side / "ops_by_rank"
-    if d.is_dir():
-        parts = [read_table(p, "ops").to_pandas() for p in sorted(d.rglob("*.parquet"))]
-        df = pd.concat(parts, ignore_index=True) if parts else None
-        if df is not None and df.duplicated(["op", "seq_id", "pos"]).any():
-            raise UsageError(f"{d}: an (op, seq_id, pos) row appears in more than one rank")
-        return df
-    return None
+    """``RUN/side/ops.parquet``, or the merged rank-partitioned dataset (see ``RunDir.ops``)."""
+    from mismatch_probe.run.reader import RunDir
+
+    return RunDir(run_dir).ops(side)
 
 
 def compare_ops(run_dir: Path, num_layers: int) -> pd.DataFrame | None:

@@ -190,13 +190,13 @@ def prompt_ids_of(rollouts: list[RecordedRollout]) -> list[int]:
 def rollouts_from_run(run: Path, *, with_old: bool = True) -> list[dict[str, Any]]:
     """Rows (ours naming) from a finished run: its sequences, the sampler's decode logprobs and,
     with ``with_old``, the learner's logprobs as the trainer's. For re-running a run's rollouts."""
-    from mismatch_probe.run.schema import read_table
+    from mismatch_probe.run.reader import RunDir
 
-    run = Path(run)
-    seqs = read_table(run / "sequences.parquet", "sequences").to_pandas()
-    s = read_table(run / "sampler/tokens.parquet", "tokens").to_pandas()
+    rd = RunDir(run)
+    seqs = rd.sequences().to_pandas()
+    s = rd.tokens("sampler").to_pandas()
     dec = s[s.source == "decode"].sort_values(["seq_id", "pos"])
-    lrn = read_table(run / "learner/tokens.parquet", "tokens").to_pandas()
+    lrn = rd.tokens("learner").to_pandas()
     lrn = lrn[lrn.is_response].sort_values(["seq_id", "pos"])
     dec_by = {k: g["logprob"].to_numpy() for k, g in dec.groupby("seq_id")}
     lrn_by = {k: g["logprob"].to_numpy() for k, g in lrn.groupby("seq_id")}
