@@ -33,7 +33,7 @@ def bisect(
     from mismatch_probe.steps.bisect import Engines, first_divergent, load_op_errors, local_errors, longest_sequence, nvfp4_reason
     from mismatch_probe.steps.bisect import ablation as ablation_step
     from mismatch_probe.steps.ops_stage import read_ops
-    from mismatch_probe.validate import at_least, fraction
+    from mismatch_probe.steps.validate import at_least, fraction
 
     at_least(max_rows, "--max-rows", 1)
     at_least(top, "--top", 0)

@@ -78,7 +78,7 @@ def run_capture(cfg: CaptureConfig, console: Console) -> tuple[Path, int]:
     engine = cfg.engine
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    from mismatch_probe.validate import capture_values
+    from mismatch_probe.steps.validate import capture_values
 
     capture_values(cfg)  # --out, numbers, --dtype, --recipe: before anything loads
     manifest = load_manifest(cfg.source)

@@ -79,7 +79,7 @@ def prepare(cfg: CompareConfig) -> Prepared:
         recipe=cfg.side_recipe("sampler"),
     )
     lkw = engine_args.learner_kwargs(engine_args.split_pairs(cfg.learner_args, "--learner-arg"), model.path)
-    from mismatch_probe.validate import engine_values, sequence_lengths
+    from mismatch_probe.steps.validate import engine_values, sequence_lengths
 
     engine_values(model, sequence_lengths(specs, ids, cfg.max_tokens), cfg.resolved_topk(), skw, lkw)
     return Prepared(model=model, sampler_model=smodel, specs=specs, prompt_ids=ids, recorded=recorded, rollouts_naming=naming,

@@ -102,7 +102,7 @@ class CompareConfig:
         return capture_plan(self.capture, self.capture_rules, self.capture_full_rows, self.capture_topk, self.full_logits)
 
     def validate(self) -> None:
-        from mismatch_probe.validate import compare_values
+        from mismatch_probe.steps.validate import compare_values
 
         compare_values(self)  # numbers: ranges, NaN, infinities
         if self.rollouts is not None and self.prompts is not None:

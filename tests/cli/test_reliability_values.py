@@ -67,7 +67,7 @@ def test_engine_values_name_themselves(sampler: dict, learner: dict, topk: int, 
     import torch
 
     from mismatch_probe.errors import UsageError
-    from mismatch_probe.validate import engine_values
+    from mismatch_probe.steps.validate import engine_values
 
     if learner.get("attn_implementation") and torch.cuda.is_available():
         pytest.skip("flash attention may be usable on this CUDA host")
