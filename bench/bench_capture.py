@@ -496,8 +496,7 @@ def writer_check(repeats: int) -> list[dict[str, Any]]:
     ``PackedWriter``), interleaved; then ``op_errors_run`` on two packed captures of those rows (what
     compare's op-errors stage runs) and ``read_table`` unpacking one."""
     from mismatch_probe.analysis.op_errors import op_errors_run
-    from mismatch_probe.probes.ops_table import DIGEST, STATS, _build_packed, _build_table, _ops_schema, _Rows
-    from mismatch_probe.run.ops_packed import PackedWriter
+    from mismatch_probe.probes.ops_table import DIGEST, STATS, _build_packed, _build_table, _ops_schema, _Rows, packed_writer
     from mismatch_probe.run.schema import StreamWriter, read_table
 
     b, t, layers = 4, 1024, 28
@@ -522,7 +521,7 @@ def writer_check(repeats: int) -> list[dict[str, Any]]:
 
         def write(kind: str, path: Path, chunks: list = chunks, dig: Any = dig, st: Any = st) -> float:
             t0 = time.perf_counter()
-            w = PackedWriter(path) if kind == "packed" else StreamWriter(path, "ops", _ops_schema())
+            w = packed_writer(path) if kind == "packed" else StreamWriter(path, "ops", _ops_schema())
             base = 0
             for segs in chunks:
                 m = len(segs) * n

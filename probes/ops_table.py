@@ -161,6 +161,18 @@ def _blob_col(data: np.ndarray, nbytes: np.ndarray) -> pa.Array:
     return pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [valid, pa.py_buffer(off), pa.py_buffer(raw)])
 
 
+def packed_writer(path: Any, meta: dict[bytes, bytes] | None = None, tmp: str | None = None) -> Any:
+    """A :class:`~mismatch_probe.run.ops_packed.PackedWriter` for ``ops.parquet`` stamped with the
+    schema version and kind."""
+    from pathlib import Path
+
+    from mismatch_probe.run.ops_packed import PackedWriter
+    from mismatch_probe.run.schema import KIND_KEY, SCHEMA_VERSION, VERSION_KEY
+
+    stamp = {**(meta or {}), VERSION_KEY: str(SCHEMA_VERSION).encode(), KIND_KEY: b"ops"}
+    return PackedWriter(Path(path), stamp, tmp=tmp)
+
+
 def _contiguous(segs: list[_Seg], ks: np.ndarray) -> slice | None:
     """The chunk's arena rows as one slice when they are (every segment's kept rows consecutive,
     segments back to back: no padding dropped), so digests and stats are written without a gather."""

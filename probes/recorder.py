@@ -124,9 +124,9 @@ class OpRecorder:
                     Path(self._tmp).unlink(missing_ok=True)
                     self.writer_mode = "thread"
             if self.writer_mode == "thread":
-                from mismatch_probe.run.ops_packed import PackedWriter
+                from mismatch_probe.probes.ops_table import packed_writer
 
-                self._writer = PackedWriter(self._sink, _META)
+                self._writer = packed_writer(self._sink, _META)
         self._device: Any = None
         self.force_batched = batched
         self._is_batched: bool | None = None

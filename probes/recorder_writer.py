@@ -285,8 +285,7 @@ def _peak_rss_mb() -> float | None:
 
 
 def main(rfd: int, wfd: int) -> None:
-    from mismatch_probe.probes.ops_table import _build_packed
-    from mismatch_probe.run.ops_packed import PackedWriter
+    from mismatch_probe.probes.ops_table import _build_packed, packed_writer
 
     rx, tx = Connection(rfd, writable=False), Connection(wfd, readable=False)
     writer = None
@@ -301,7 +300,7 @@ def main(rfd: int, wfd: int) -> None:
             if msg[0] == "open":
                 _peak_rss_reset()
                 _, sink, tmp, meta = msg
-                writer = PackedWriter(Path(sink), meta, tmp=tmp)
+                writer = packed_writer(Path(sink), meta, tmp=tmp)
             elif msg[0] == "chunk":
                 _, path, layout, segs = msg
                 p = _read_parts(path, layout)

@@ -64,16 +64,17 @@ class PackedWriter:
     """``ops.parquet`` in the packed layout, written in row groups while it is produced, atomically
     (a temp file beside ``path``, renamed into place by :meth:`close`, removed by :meth:`abort`)."""
 
-    def __init__(self, path: Path, meta: dict[bytes, bytes] | None = None, tmp: str | None = None) -> None:
-        from mismatch_probe.run.schema import KIND_KEY, SCHEMA_VERSION, VERSION_KEY
-
+    def __init__(self, path: Path, meta: dict[bytes, bytes], tmp: str | None = None) -> None:
+        """``meta``: the file's key-value metadata, the schema version and kind included (see
+        ``probes/ops_table.py`` ``packed_writer``; this module imports nothing of ``schema``, which
+        imports it)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if tmp is None:
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
             os.close(fd)
         self._tmp = tmp
-        m = {**(meta or {}), VERSION_KEY: str(SCHEMA_VERSION).encode(), KIND_KEY: b"ops", LAYOUT_KEY: PACKED}
+        m = {**meta, LAYOUT_KEY: PACKED}
         self.schema = PACKED_SCHEMA.with_metadata(m)
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
             self._tmp, self.schema, compression=_COMPRESSION, use_dictionary=["op", "dtype"],
