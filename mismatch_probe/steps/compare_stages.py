@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -17,7 +19,7 @@ from mismatch_probe.analysis.token_gaps import (
     trainer_pairs,
     with_topk,
 )
-from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
+from mismatch_probe.probes.base import GenerateParams, Rollout, Runner, SamplerRunner
 from mismatch_probe.probes.factory import EngineSpec, build_runner
 from mismatch_probe.run.schema import atomic_write_json, read_table, write_table
 from mismatch_probe.steps import ops_stage
@@ -28,12 +30,23 @@ if TYPE_CHECKING:
     from mismatch_probe.steps.compare_types import CompareConfig, Prepared
 
 
-def _record(run: RunWriter, side: str, runner: Any) -> None:
+def _record(run: RunWriter, side: str, runner: Runner) -> None:
     info = runner.info
     run.manifest["engines"][side] = {"engine": info.engine, **info.settings}
     run.manifest["auto"].update({f"{side}.{k}": v for k, v in info.auto.items()})
     run.manifest["notes"].extend(info.notes)
     run.write_manifest()
+
+
+@contextlib.contextmanager
+def _loaded(runner: Runner, side: str, run: RunWriter, progress: Progress, what: str) -> Iterator[None]:
+    """``runner`` loaded (under a progress step named ``what``), used, then recorded in the
+    manifest (its settings, auto choices, notes: also when the stage failed) and released."""
+    with contextlib.ExitStack() as stack:
+        with step(progress, what):
+            stack.enter_context(runner)
+        stack.callback(_record, run, side, runner)  # runs before the runner's exit (last in, first out)
+        yield
 
 
 def longest_sequence(cfg: CompareConfig, prep: Prepared) -> int:
@@ -53,9 +66,7 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
     )
     sampler = build_runner(spec)
     assert isinstance(sampler, SamplerRunner)
-    with step(progress, "loading vLLM sampler"):
-        sampler.__enter__()
-    try:
+    with _loaded(sampler, "sampler", run, progress, "loading vLLM sampler"):
         with step(progress, "pre-flight: tokenizer and weight parity"):
             ops_stage.sampler_preflight(prep, run, sampler)
         given = prep.specs[0].response_token_ids is not None
@@ -83,9 +94,6 @@ def sample(cfg: CompareConfig, prep: Prepared, run: RunWriter, progress: Progres
         with step(progress, f"rescoring {len(rollouts)} sequences as a prefill"):
             prefill = sampler.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts])
         ops_stage.write_ops(run, "sampler", sampler)
-    finally:
-        _record(run, "sampler", sampler)
-        sampler.__exit__(None, None, None)
     dec, pre = decode_table(rollouts), tokens_table(rollouts, prefill, "prefill")
     if spec.topk:
         dec, pre = sampler_topk_tables(dec, pre, rollouts, getattr(sampler, "prefill_topk", None) or [])
@@ -192,16 +200,11 @@ def learn(cfg: CompareConfig, prep: Prepared, run: RunWriter, rollouts: list[Rol
         row_parallel_slices=row_parallel_slices(cfg, prep),
     )
     learner = build_runner(spec)
-    with step(progress, f"loading {learner.name.upper()} learner"):
-        learner.__enter__()
-    try:
+    with _loaded(learner, "learner", run, progress, f"loading {learner.name.upper()} learner"):
         ops_stage.learner_preflight(prep, run, learner)
         with step(progress, "learner forward (teacher-forced)", total=len(rollouts)) as advance:
             scores = learner.score([r.token_ids for r in rollouts], [r.seq_id for r in rollouts], progress=advance)
         ops_stage.write_ops(run, "learner", learner)
-    finally:
-        _record(run, "learner", learner)
-        learner.__exit__(None, None, None)
     table = tokens_table(rollouts, scores, "learner")
     topk_out = getattr(learner, "topk_out", None)
     if topk_out:
