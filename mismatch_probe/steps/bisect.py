@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,7 @@ class Engines:
         from mismatch_probe.probes.models import inspect_model_dir
 
         self.align = align
+        self._loaded = contextlib.ExitStack()  # what __enter__ loaded, released by __exit__
         ms, ml = inspect_model_dir(Path(cfg["sampler_model_dir"])), inspect_model_dir(Path(cfg["model_dir"]))
         dtype = cfg.get("dtype", "bfloat16")
         recipes = cfg.get("recipes") or {}
@@ -156,17 +158,14 @@ class Engines:
         ))
 
     def __enter__(self) -> Engines:
-        self.sampler.__enter__()
-        try:
-            self.learner.__enter__()
-        except BaseException:
-            self.sampler.__exit__(None, None, None)
-            raise
+        with contextlib.ExitStack() as stack:  # the sampler released again if the learner fails to load
+            stack.enter_context(self.sampler)
+            stack.enter_context(self.learner)
+            self._loaded = stack.pop_all()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.learner.__exit__(*exc)
-        self.sampler.__exit__(*exc)
+    def __exit__(self, *exc: Any) -> None:
+        self._loaded.__exit__(*exc)  # the learner first, then the sampler
 
 
 def load_op_errors(run_dir: Path) -> pd.DataFrame:
