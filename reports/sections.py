@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from mismatch_probe.analysis.gate import CheckResult, fmt_num
 from mismatch_probe.reports import plots
 from mismatch_probe.reports.html import esc, figure, kv_table, missing, num, table, td, td_num
 from mismatch_probe.reports.load import RunData
+from mismatch_probe.run.reader import BISECT, OP_ERRORS
 
 HEADLINE = (
     ("mean_abs_dlogp", "mean |dlogp|"),
@@ -164,12 +166,12 @@ def drift(data: RunData) -> str:
         return missing("Where drift starts", data.absent["Where drift starts"])
     fd = first_divergent(data)
     local = (data.bisect or {}).get("local_errors") or None
-    src = "bisect.json" if data.bisect is not None else "op_errors.parquet (first op not bitwise equal)"
+    src = BISECT if data.bisect is not None else f"{Path(OP_ERRORS).name} (first op not bitwise equal)"
     label = {"dominant": "dominant divergence (first op where most rows differ)"}
     lines = "".join(f"<li>{label.get(k, f'first divergent op, {k}')}: <b>{esc(_fd_text(v))}</b></li>" for k, v in fd.items())
     cap = "Per-op error of sampler vs learner on the same tokens, in execution order; zeros drawn at the floor."
     if not local:
-        why = "bisect.json has no local_errors" if data.bisect is not None else "no bisect.json (run `mismatch-probe bisect`)"
+        why = f"{BISECT} has no local_errors" if data.bisect is not None else f"no {BISECT} (run `mismatch-probe bisect`)"
         cap += f" Local vs inherited error absent: {why}."
     out = f'<ul id="first-divergent">{lines}</ul><p class="muted">source: {esc(src)}</p>' + figure(
         "drift", plots.drift_chart(data.op_errors, fd, local), cap
@@ -399,7 +401,7 @@ def bisect(data: RunData) -> str:
             + table(["group", "kind", "share", "gap after"], rows, numeric=[2, 3], cls="sortable", tid="ablation-table")
         )
     else:
-        note = data.bisect.get("ablation_note") or "bisect.json has no ablation results"
+        note = data.bisect.get("ablation_note") or f"{BISECT} has no ablation results"
         out.append(missing("Ablation ranking", str(note)))
     return "\n".join(out)
 

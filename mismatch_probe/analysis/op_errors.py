@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch_probe.families.opnames import DEFAULT_RTOL, exec_order, split_op
+from mismatch_probe.run import reader as layout
 
 _INT_VIEW = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
 _SIGN = {np.uint16: 0x8000, np.uint32: 0x80000000, np.uint64: 1 << 63}
@@ -435,8 +436,8 @@ def op_errors_run(run_dir: Any, num_layers: int) -> pd.DataFrame | None:
     ops: dict[str, int] = {}
     dtypes: dict[str, int] = {}
     for side in ("learner", "sampler"):
-        f = Path(run_dir) / side / "ops.parquet"
-        d = Path(run_dir) / side / "ops_by_rank"
+        f = Path(run_dir) / layout.ops_file(side)
+        d = Path(run_dir) / layout.ops_by_rank(side)
         files = [f] if f.exists() else sorted(d.rglob("*.parquet")) if d.is_dir() else []
         if not files:
             return None

@@ -49,6 +49,11 @@ def _ver(dist: str) -> str:
         return "-"
 
 
+# manifest keys only RunWriter writes (status, timestamps, versions, ...)
+_OWNED = frozenset({"schema_version", "status", "command", "config", "versions", "host", "platform", "started_at",
+                    "finished_at", "auto", "engines", "notes", "settings", "error"})
+
+
 class OutputConflict(ProbeError):
     """``--out`` changed while the run was running: nothing there is replaced, the results stay staged."""
 
@@ -109,6 +114,40 @@ class RunWriter:
 
     def path(self, rel: str) -> Path:
         return self.dir / rel
+
+    # ------------------------------------------------------------ typed manifest updates (the only writers)
+
+    def set_config(self, config: dict[str, Any], *, kind: str | None = None) -> None:
+        """The run's resolved configuration (and, for a ``capture``, its kind)."""
+        self.manifest["config"] = dict(config)
+        if kind is not None:
+            self.manifest["kind"] = kind
+
+    def update_config(self, **values: Any) -> None:
+        """Values known only while the run goes (e.g. ``n_sequences``)."""
+        self.manifest["config"].update(values)
+
+    def set_section(self, name: str, value: dict[str, Any]) -> None:
+        """A top-level section of its own (``capture``, ``rollouts``)."""
+        if name in _OWNED:
+            raise ValueError(f"manifest section {name!r} is written by RunWriter itself")
+        self.manifest[name] = value
+
+    def record_engine(self, side: str, engine: str, settings: dict[str, Any], auto: dict[str, Any],
+                      notes: list[str], *, auto_prefix: str | None = None) -> None:
+        """An engine's settings (``engines[side]``), its auto-chosen settings with their reasons
+        (``auto``, keyed ``PREFIX.KEY``), and its notes."""
+        self.manifest["engines"][side] = {"engine": engine, **settings}
+        prefix = auto_prefix or side
+        self.manifest["auto"].update({f"{prefix}.{k}": v for k, v in auto.items()})
+        self.manifest["notes"].extend(notes)
+
+    def note(self, text: str) -> None:
+        self.manifest["notes"].append(text)
+
+    def set_parity(self, key: str, value: dict[str, Any]) -> None:
+        """A pre-flight parity result (``tokenizer``, ``weights``)."""
+        self.manifest.setdefault("parity", {})[key] = value
 
     def write_manifest(self) -> None:
         atomic_write_json(self.dir / "manifest.json", self.manifest)

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from mismatch_probe.errors import UsageError
 from mismatch_probe.probes.factory import ENGINES
+from mismatch_probe.run import reader as layout
 from mismatch_probe.steps import options as opts
 from mismatch_probe.steps.compare_types import capture_plan
 from mismatch_probe.steps.options import Flag
@@ -82,41 +83,39 @@ def run_capture(cfg: CaptureConfig, console: Console) -> tuple[Path, int]:
 
     capture_values(cfg)  # --out, numbers, --dtype, --recipe: before anything loads
     manifest = load_manifest(cfg.source)
-    if not (cfg.source / "sequences.parquet").exists():
+    if not (cfg.source / layout.SEQUENCES).exists():
         raise UsageError(f"{cfg.source} has no sequences.parquet; run compare first")
-    seqs = read_table(cfg.source / "sequences.parquet", "sequences")
+    seqs = read_table(cfg.source / layout.SEQUENCES, "sequences")
     mi = resolve_model(cfg.model or manifest["config"]["model_dir"])
     plan = capture_plan(cfg.capture, cfg.capture_rules, cfg.capture_full_rows, cfg.capture_topk, cfg.full_logits)
     d = seqs.to_pydict()
     kwargs, auto = cfg.engine_args(mi.path, plan)
     with RunWriter(cfg.out, overwrite=cfg.overwrite) as run:
-        run.manifest["kind"] = "capture"
         conf = cfg.manifest_config()
-        run.manifest["config"] = {**{k: conf[k] for k in ("engine", "from")}, "model_dir": str(mi.path),
-                                  "model_type": mi.model_type, "num_layers": mi.num_layers,
-                                  **{k: v for k, v in conf.items() if k not in ("engine", "from")}}
-        run.manifest["capture"] = describe_capture(plan)
+        run.set_config({**{k: conf[k] for k in ("engine", "from")}, "model_dir": str(mi.path),
+                        "model_type": mi.model_type, "num_layers": mi.num_layers,
+                        **{k: v for k, v in conf.items() if k not in ("engine", "from")}}, kind="capture")
+        run.set_section("capture", describe_capture(plan))
         fsdp = engine == "fsdp"
         spec = EngineSpec(
             engine, mi, max(len(t) for t in d["token_ids"]), dtype=cfg.dtype, engine_kwargs=kwargs, engine_auto=auto,
             recipe=None if fsdp else cfg.recipe, capture=plan,
             # FSDP: the rank datasets; HF, vLLM: streamed while the engine runs
-            ops_dest=run.path(f"{engine}/ops_by_rank" if fsdp else f"{engine}/ops.parquet"),
-            tokens_dest=run.path(f"{engine}/tokens_by_rank") if fsdp else None,
+            ops_dest=run.path(layout.ops_by_rank(engine) if fsdp else layout.ops_file(engine)),
+            tokens_dest=run.path(layout.tokens_by_rank(engine)) if fsdp else None,
             seq_meta=tuple(zip(d["seq_id"], d["prompt_id"], d["n_prompt"], strict=True)) if fsdp else None,
             micro_batch_size=cfg.micro_batch_size, nproc=cfg.nproc, timeout_s=cfg.fsdp_timeout_s,
         )
         with console.status(f"{engine}: loading and scoring {len(d['seq_id'])} sequences"), build_runner(spec) as runner:
             scores = runner.score(d["token_ids"], d["seq_id"])
-            run.manifest["engines"][cfg.side] = {"engine": runner.info.engine, **runner.info.settings}
-            run.manifest["auto"].update({f"{engine}.{k}": v for k, v in runner.info.auto.items()})
-            run.manifest["notes"].extend(runner.info.notes)
+            info = runner.info
+            run.record_engine(cfg.side, info.engine, info.settings, info.auto, info.notes, auto_prefix=engine)
         rollouts = [Rollout(seq_id=s, prompt_id=p, prompt_ids=t[:n], response_ids=t[n:])
                     for s, p, n, t in zip(d["seq_id"], d["prompt_id"], d["n_prompt"], d["token_ids"], strict=True)]
         source_name = "prefill" if cfg.side == "sampler" else "learner"
-        write_table(run.path(f"{engine}/tokens.parquet"), tokens_table(rollouts, scores, source_name), "tokens")
+        write_table(run.path(layout.tokens_file(engine)), tokens_table(rollouts, scores, source_name), "tokens")
         if runner.ops is not None:
-            write_table(run.path(f"{engine}/ops.parquet"), runner.ops, "ops")
-        write_table(run.path("sequences.parquet"), seqs, "sequences")
+            write_table(run.path(layout.ops_file(engine)), runner.ops, "ops")
+        write_table(run.path(layout.SEQUENCES), seqs, "sequences")
         path = run.finish()
     return path, len(d["seq_id"])

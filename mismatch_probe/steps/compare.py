@@ -92,7 +92,7 @@ def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, A
 
     prep = prepare(cfg)
     with RunWriter(cfg.out, overwrite=cfg.overwrite) as run, progress_bars(console) as progress:
-        run.manifest["config"] = {
+        run.set_config({
             **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
             "model_dir": str(prep.model.path),
             "sampler_model_dir": str(prep.sampler_model.path),
@@ -101,14 +101,14 @@ def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, A
             "n_prompts": len(prep.specs),
             "recipes": {side: cfg.side_recipe(side) for side in ("learner", "sampler")},  # resolved, per side
             "topk_resolved": cfg.resolved_topk(),
-        }
+        })
         if prep.recorded is not None:
-            run.manifest["rollouts"] = {
+            run.set_section("rollouts", {
                 "file": str(cfg.rollouts),
                 "naming": prep.rollouts_naming,
                 "n_rollouts": len(prep.recorded),
                 "trainer_logprobs": prep.recorded[0].old_logprobs is not None,
-            }
+            })
         run.write_manifest()
         rollouts = stages.sample(cfg, prep, run, progress)
         stages.learn(cfg, prep, run, rollouts, progress)

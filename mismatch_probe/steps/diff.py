@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import UsageError
+from mismatch_probe.run import reader as layout
 
 
 @dataclass
@@ -25,7 +26,7 @@ def side_dir(arg: str) -> tuple[Path, str]:
     p = Path(path)
     if side:
         return p, side
-    sides = [c.name for c in p.iterdir() if c.is_dir() and (c / "tokens.parquet").exists()] if p.is_dir() else []
+    sides = [c.name for c in p.iterdir() if c.is_dir() and (p / layout.tokens_file(c.name)).exists()] if p.is_dir() else []
     if len(sides) != 1:
         raise UsageError(f"{arg}: name the side as DIR:SIDE (found {sides or 'none'})")
     return p, sides[0]
@@ -51,8 +52,8 @@ def run_diff(a: str, b: str) -> DiffResult:
     from mismatch_probe.steps.ops_stage import read_ops
 
     (pa_, sa), (pb, sb) = side_dir(a), side_dir(b)
-    ta = read_table(pa_ / sa / "tokens.parquet", "tokens").to_pandas()
-    tb = read_table(pb / sb / "tokens.parquet", "tokens").to_pandas()
+    ta = read_table(pa_ / layout.tokens_file(sa), "tokens").to_pandas()
+    tb = read_table(pb / layout.tokens_file(sb), "tokens").to_pandas()
     ta, tb = ta[ta.source != "decode"], tb[tb.source != "decode"]
     m = ta.merge(tb, on=["seq_id", "pos"], suffixes=("_a", "_b"))
     if m.empty or not (m.token_id_a == m.token_id_b).all():

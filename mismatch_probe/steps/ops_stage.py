@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import pyarrow as pa
 
+from mismatch_probe.run import reader as layout
 from mismatch_probe.run.schema import atomic_write_json, write_table
 
 if TYPE_CHECKING:
@@ -40,27 +41,27 @@ def tokenizer_mismatches(specs: list[Any], prompt_ids: list[list[int]], encode: 
 def sampler_preflight(prep: Prepared, run: RunWriter, sampler: Any) -> None:
     """With the sampler loaded: its tokenization of the prompts, and the weights it holds."""
     mismatched = tokenizer_mismatches(prep.specs, prep.prompt_ids, sampler.encode)
-    run.manifest.setdefault("parity", {})["tokenizer"] = {"ok": not mismatched, "mismatches": mismatched}
-    atomic_write_json(run.path("sampler/weights.json"), sampler.weight_digests())
+    run.set_parity("tokenizer", {"ok": not mismatched, "mismatches": mismatched})
+    atomic_write_json(run.path(layout.weights_file("sampler")), sampler.weight_digests())
 
 
 def learner_preflight(prep: Prepared, run: RunWriter, learner: Any) -> None:
     """Compare the learner's weights with the digests the sampler stage recorded."""
     import json
 
-    path = run.path("sampler/weights.json")
+    path = run.path(layout.weights_file("sampler"))
     if not path.exists():
         return
     res = learner.weight_parity(json.loads(path.read_text()), prep.sampler_model.path)
-    run.manifest.setdefault("parity", {})["weights"] = {k: v for k, v in res.items() if k != "differences"} | {
+    run.set_parity("weights", {k: v for k, v in res.items() if k != "differences"} | {
         "n_differences": len(res["differences"])
-    }
-    atomic_write_json(run.path("compare/weight_parity.json"), res)
+    })
+    atomic_write_json(run.path(layout.WEIGHT_PARITY), res)
 
 
 def write_ops(run: RunWriter, side: str, runner: Any) -> None:
     if getattr(runner, "ops", None) is not None:
-        write_table(run.path(f"{side}/ops.parquet"), runner.ops, "ops")
+        write_table(run.path(layout.ops_file(side)), runner.ops, "ops")
 
 
 def read_ops(run_dir: Path, side: str) -> pd.DataFrame | None:
@@ -78,5 +79,5 @@ def compare_ops(run_dir: Path, num_layers: int) -> pd.DataFrame | None:
     errs = op_errors_run(run_dir, num_layers)
     if errs is None:
         return None
-    write_table(Path(run_dir) / "compare/op_errors.parquet", pa.Table.from_pandas(errs, preserve_index=False), "op_errors")
+    write_table(Path(run_dir) / layout.OP_ERRORS, pa.Table.from_pandas(errs, preserve_index=False), "op_errors")
     return errs
