@@ -22,6 +22,9 @@ RUNNER_BASE = "Runner"
 # a runner held in a variable or attribute with one of these words in its name (``engines.sampler``,
 # ``learner``, ``runner``): ``.model`` / ``.llm`` read on it reach into the engine
 RUNNER_WORDS = ("runner", "learner", "sampler", "engine")
+# runner attributes no other object of the package has: set on anything outside probes/, they are a runner's
+RUNNER_ONLY = {"ops_dest", "topk_support", "seq_meta", "dataset_dest", "ops_dataset_dest", "llm", "recipe_ops",
+               "recipe_layers", "row_parallel_slices", "prefill_topk", "topk_out", "llm_kwargs", "model_kwargs"}
 
 
 def _modules() -> dict[str, Path]:
@@ -106,18 +109,26 @@ def runner_constructions(trees: dict[str, ast.Module], classes: set[str]) -> set
 
 
 def runner_attribute_writes(trees: dict[str, ast.Module], attrs: set[str]) -> list[str]:
-    """Outside probes/: ``x.attr = ...`` (x not ``self``) or ``setattr(x, "attr", ...)`` of a runner attribute."""
+    """Outside probes/: ``x.attr = ...`` or ``setattr(x, "attr", ...)`` of a runner attribute, where ``x``
+    names a runner (``learner``, ``engines.sampler``, ...) or ``attr`` is a name only runners use
+    (``ops_dest``, ``seq_meta``, ...: not ``dtype`` or ``device``, which other objects have too)."""
+    only = attrs & RUNNER_ONLY
+
+    def bad_target(obj: ast.expr, attr: str) -> bool:
+        own = isinstance(obj, ast.Name) and obj.id == "self"
+        return not own and attr in attrs and (_names_a_runner(obj) or attr in only)
+
     bad: list[str] = []
     for mod, tree in trees.items():
         if _in_probes(mod):
             continue
         for node in ast.walk(tree):
             for t in _targets(node):
-                own = isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
-                if isinstance(t, ast.Attribute) and t.attr in attrs and not own:
+                if isinstance(t, ast.Attribute) and bad_target(t.value, t.attr):
                     bad.append(f"{mod}:{node.lineno}: {ast.unparse(t)} = ...")
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in attrs):
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and bad_target(node.args[0], str(node.args[1].value))):
                 bad.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
     return bad
 
@@ -176,6 +187,8 @@ def learn(prep, run):
     learner = HfLearner(prep.model.path, 64)
     learner.capture = None
     setattr(learner, "topk", 5)
+    r.ops_dest = None
+    table.dtype = "x"
     w = learner.model.lm_head.weight
     tok = engines.sampler.llm.get_tokenizer()
     return getattr(learner, "model", None), prep.model.path
@@ -189,7 +202,8 @@ def test_the_checkers_see_planted_violations() -> None:
     planted = {"mismatch_probe.steps.planted": ast.parse(PLANTED)}
     assert runner_constructions(planted, classes) == {("mismatch_probe.steps.planted", "learn")}
     writes = runner_attribute_writes(planted, attrs)
-    assert [w.split(": ", 1)[1] for w in writes] == ["learner.capture = ...", "setattr(learner, 'topk', 5)"]
+    assert sorted(w.split(": ", 1)[1] for w in writes) == ["learner.capture = ...", "r.ops_dest = ...",
+                                                          "setattr(learner, 'topk', 5)"]  # not table.dtype
     reads = sorted(r.split(": ", 1)[1] for r in engine_reads(planted))
     assert reads == ["engines.sampler.llm", "getattr(learner, 'model', None)", "learner.model"]  # not prep.model
     # the same code inside probes/ is the runners' own business
