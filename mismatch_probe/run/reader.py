@@ -113,9 +113,19 @@ def validate_summary(obj: dict[str, Any], path: Path | str) -> dict[str, Any]:
                 raise corrupt(path, f"pair {name} lacks {k}")
             if not _number(block[k]):
                 raise corrupt(path, f"{name}.{k} is {_kind(block[k])}, expected a number")
-        for k in ("conventions", "full_vocab"):
-            if block.get(k) is not None and not isinstance(block[k], dict):
-                raise corrupt(path, f"{name}.{k} is {_kind(block[k])}, expected an object")
+        for k, v in block.items():
+            if k == "conventions":
+                if not isinstance(v, dict) or not all(isinstance(d, dict) for d in v.values()):
+                    raise corrupt(path, f"{name}.conventions is {_kind(v)}, expected an object of objects")
+                bad = [f"{fw}.{m}" for fw, d in v.items() for m, x in d.items() if not _number(x)]
+            elif k == "full_vocab":
+                if not isinstance(v, dict):
+                    raise corrupt(path, f"{name}.full_vocab is {_kind(v)}, expected an object")
+                bad = [m for m, x in v.items() if not _number(x)]
+            else:
+                bad = [] if _number(v) else [k]
+            if bad:
+                raise corrupt(path, f"{name}.{bad[0] if k == bad[0] else k + '.' + bad[0]} is not a number")
     return obj
 
 
