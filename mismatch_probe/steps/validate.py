@@ -65,6 +65,8 @@ INT_MAX = 2**31 - 1  # counts and sizes beyond this are mistakes (and overflow t
 def compare_values(cfg: object) -> None:
     """The numeric options of ``compare`` (a ``CompareConfig``), before anything is loaded."""
     g = cfg.__dict__
+    if g.get("model") in _tiny_names():
+        check_cache()
     if "out" in g:  # the --out policy first: a refused folder costs no engine start
         from mismatch_probe.run.outpath import check_out_dir
 
@@ -210,3 +212,30 @@ def capture_values(cfg: object) -> None:
     dtype(cfg.dtype)  # type: ignore[attr-defined]
     if cfg.recipe is not None:  # type: ignore[attr-defined]
         recipe(cfg.recipe)  # type: ignore[attr-defined]
+
+
+def _tiny_names() -> tuple[str, ...]:
+    from mismatch_probe.probes.models import TINY_NAMES
+
+    return TINY_NAMES
+
+
+def check_cache() -> Path:
+    """``MISMATCH_PROBE_CACHE`` (where tiny models are built) is a folder that can be written, or can be made."""
+    import os
+
+    from mismatch_probe import settings
+
+    cache = Path(settings.get("MISMATCH_PROBE_CACHE")).expanduser()
+    where = f"MISMATCH_PROBE_CACHE={cache}"
+    if cache.exists():
+        if not cache.is_dir():
+            raise UsageError(f"{where} is not a folder (tiny models are built there); point it at a folder")
+        if not os.access(cache, os.W_OK | os.X_OK):
+            raise UsageError(f"{where}: cannot write there (tiny models are built there)")
+        return cache
+    try:
+        cache.mkdir(parents=True, exist_ok=True)  # made now (it would be at the model's build anyway)
+    except OSError as e:
+        raise UsageError(f"{where}: cannot create it ({e.strerror})") from None
+    return cache

@@ -191,3 +191,12 @@ def test_report_and_bisect_on_a_read_only_run(srun: Path) -> None:
 def test_capture_validates_its_values(srun: Path, tmp_path: Path, args: tuple[str, ...], needle: str) -> None:
     one_line_error(mp("capture", "--engine", "hf", "--from", srun, "--out", tmp_path / "cap", *args), needle)
     assert not (tmp_path / "cap").exists()
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_a_cache_that_cannot_be_used(tmp_path: Path, where: str) -> None:
+    cache = {"file": tmp_path / "cache", "proc": Path("/proc/mp-cache")}[where]
+    if where == "file":
+        cache.write_text("x")
+    one_line_error(mp("compare", "--out", tmp_path / "r", env={"MISMATCH_PROBE_CACHE": str(cache)}), "MISMATCH_PROBE_CACHE")
+    assert not (tmp_path / "r").exists()
