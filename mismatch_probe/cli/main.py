@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import re
 import sys
 
 from mismatch_probe.cli.app import app, err_console, parser_exit, print_error
@@ -50,17 +52,40 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")
         sys.exit(130)
-    except OSError as e:
-        if e.errno not in _USER_ERRNOS:
-            raise
-        where = f"{e.filename}: " if e.filename is not None else ""
-        print_error(f"{where}{e.strerror or e}")
-        sys.exit(2)
-    except Exception as e:  # the parser's own exceptions, from whatever click typer uses
+    except Exception as e:  # the parser's own exceptions (whatever click typer uses), or the environment's
         code = parser_exit(e)
-        if code is None:
+        if code is not None:
+            sys.exit(code)
+        line = _environment_error(e)
+        if line is None:
             raise
-        sys.exit(code)
+        print_error(line)
+        sys.exit(2)
+
+
+# errors of the machine, not of the tool, also when a worker process reports them as text
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+_ERRNO_TEXT = re.compile(r"\[errno (\d+)\]", re.IGNORECASE)
+
+
+def _environment_error(e: BaseException) -> str | None:
+    """One line for an error of the environment (a full disk, a read-only filesystem, a missing or
+    unwritable path): an OSError with such an errno, or any error whose text (e.g. a writer
+    process's report) or cause carries a disk errno. None for everything else (a bug: traceback)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _USER_ERRNOS:
+            where = f"{cur.filename}: " if cur.filename is not None else ""
+            return f"{where}{cur.strerror or cur}"
+        for m in _ERRNO_TEXT.finditer(str(cur)):
+            n = int(m.group(1))
+            if n in _DISK_ERRNOS:
+                return f"{os.strerror(n)} while writing ({type(cur).__name__}); the unfinished run is kept beside --out " \
+                       "(mismatch-probe clean lists it)"
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 if __name__ == "__main__":  # ``python -m mismatch_probe.cli.main``
