@@ -167,19 +167,21 @@ def test_a_column_of_the_wrong_type(srun: Path, tmp_path: Path, rel: str, column
     one_line_error(mp(*args), "corrupt run", column)
 
 
-def test_report_and_bisect_on_a_read_only_run(srun: Path) -> None:
-    """A run whose folder cannot be written (here /proc-like: a path under a file)."""
-    import os
-    import stat
+def test_report_and_bisect_on_a_read_only_run(srun: Path, tmp_path: Path) -> None:
+    """A run on a read-only filesystem (a read-only tmpfs): report and bisect cannot write into it."""
+    import subprocess
 
-    if os.geteuid() == 0:
-        pytest.skip("root writes through permission bits; /proc covers the read-only case above")
-    srun.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
     try:
-        one_line_error(mp("report", srun), "report")
-        one_line_error(mp("bisect", srun, "--no-replay", "--no-ablation"), "not writable")
+        shutil.copytree(srun, ro / "run")
+        assert subprocess.run(["mount", "-o", "remount,ro", str(ro)], capture_output=True).returncode == 0
+        one_line_error(mp("report", ro / "run"), "report.html", "Read-only file system")
+        one_line_error(mp("bisect", ro / "run", "--no-replay", "--no-ablation"), "not writable")
     finally:
-        srun.chmod(stat.S_IRWXU)
+        subprocess.run(["umount", str(ro)], capture_output=True)
 
 
 # ----------------------------------------------------------------------- capture's values
