@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from mismatch_probe.cli.app import app, console
@@ -23,7 +24,7 @@ def capture(cfg: CaptureConfig) -> None:
     from mismatch_probe.steps.capture import run_capture
 
     path, n = run_capture(cfg, console)
-    console.print(f"capture written to [bold]{path}[/] ({cfg.engine}, {n} sequences)")
+    console.print(f"capture written to [bold]{escape(str(path))}[/] ({cfg.engine}, {n} sequences)")
 
 
 @app.command("diff")
@@ -43,7 +44,7 @@ def diff(
         out = check_out(out, overwrite)
     res = run_diff(a, b)
     summary = res.summary
-    t = Table(title=f"diff {a} vs {b}")
+    t = Table(title=escape(f"diff {a} vs {b}"))
     t.add_column("check")
     t.add_column("value", justify="right")
     t.add_row("tokens compared", str(res.n_tokens))
@@ -58,7 +59,7 @@ def diff(
         console.print(_kind_table(res.kinds, f"per op kind ({a} is the reference)"))
     if out is not None:
         write_diff(out, res)
-        console.print(f"written {out}")
+        console.print(f"written {escape(str(out))}", highlight=False)
 
 
 def _kind_table(kinds: Any, title: str) -> Table:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from mismatch_probe.cli.app import app, console
@@ -54,4 +55,4 @@ def compare(cfg: CompareConfig) -> None:
 
     path, summary = run_compare(cfg, console)
     console.print(summary_table(summary, f"logprob gap, {summary['n_sequences']} sequences ({cfg.model})"))
-    console.print(f"run written to [bold]{path}[/]")
+    console.print(f"run written to [bold]{escape(str(path))}[/]")
