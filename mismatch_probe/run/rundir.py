@@ -189,12 +189,3 @@ class RunWriter:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)  # the replaced run, moved aside by us above
         return self.final
-
-
-def load_manifest(run: Path, *, require_complete: bool = True) -> dict[str, Any]:
-    """``RUN/manifest.json`` through the one reader (:class:`mismatch_probe.run.reader.RunDir`):
-    a missing, corrupt or incomplete run is a clear error (exit 2)."""
-    from mismatch_probe.run.reader import RunDir
-
-    rd = RunDir(run)
-    return (rd.require_complete() if require_complete else rd).manifest

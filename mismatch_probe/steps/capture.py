@@ -72,8 +72,9 @@ def run_capture(cfg: CaptureConfig, console: Console) -> tuple[Path, int]:
     from mismatch_probe.probes.base import Rollout
     from mismatch_probe.probes.factory import EngineSpec, build_runner
     from mismatch_probe.probes.models import resolve_model
-    from mismatch_probe.run.rundir import RunWriter, load_manifest
-    from mismatch_probe.run.schema import read_table, write_table
+    from mismatch_probe.run.reader import RunDir
+    from mismatch_probe.run.rundir import RunWriter
+    from mismatch_probe.run.schema import write_table
     from mismatch_probe.steps.ops_stage import describe_capture
 
     engine = cfg.engine
@@ -82,11 +83,14 @@ def run_capture(cfg: CaptureConfig, console: Console) -> tuple[Path, int]:
     from mismatch_probe.steps.validate import capture_values
 
     capture_values(cfg)  # --out, numbers, --dtype, --recipe: before anything loads
-    manifest = load_manifest(cfg.source)
-    if not (cfg.source / layout.SEQUENCES).exists():
-        raise UsageError(f"{cfg.source} has no sequences.parquet; run compare first")
-    seqs = read_table(cfg.source / layout.SEQUENCES, "sequences")
-    mi = resolve_model(cfg.model or manifest["config"]["model_dir"])
+    src = RunDir(cfg.source).require_complete()
+    if not src.has(layout.SEQUENCES):
+        raise UsageError(f"{cfg.source} has no {layout.SEQUENCES}; run compare first")
+    seqs = src.sequences()
+    model_dir = src.config.get("model_dir")
+    if cfg.model is None and not isinstance(model_dir, str):
+        raise layout.corrupt(src.file(layout.MANIFEST), "config.model_dir is not a path; pass --model")
+    mi = resolve_model(cfg.model or model_dir)
     plan = capture_plan(cfg.capture, cfg.capture_rules, cfg.capture_full_rows, cfg.capture_topk, cfg.full_logits)
     d = seqs.to_pydict()
     kwargs, auto = cfg.engine_args(mi.path, plan)
