@@ -60,6 +60,24 @@ def hf_attention(model: Any, layer: int, xs: list[Any], pos: Any) -> Any:
     return torch.cat(outs)
 
 
+def paged_layout(spans: list[tuple[int, int]], bs: int) -> tuple[Any, Any, int]:
+    """A private paged KV layout for ``spans``: (block table ``[seqs, max blocks]`` int32, slot of
+    each row int64, number of blocks); sequence i takes the next whole blocks of ``bs`` slots."""
+    import torch
+
+    n = spans[-1][1] if spans else 0
+    nblk = [-(-(e - s) // bs) for s, e in spans]
+    table = torch.zeros(len(spans), max(nblk, default=1), dtype=torch.int32)
+    slots = torch.empty(n, dtype=torch.int64)
+    first = 0
+    for i, ((s, e), nb) in enumerate(zip(spans, nblk, strict=True)):
+        table[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+        p = torch.arange(e - s)
+        slots[s:e] = table[i, p // bs].long() * bs + p % bs
+        first += nb
+    return table, slots, first
+
+
 def vllm_attention(model: Any, layer: int, xs: list[Any], pos: Any) -> Any:
     """Run inside ``LLM.apply_model`` (CPU attention backend of vLLM 0.32; CUDA: FLASH_ATTN)."""
     import torch
@@ -67,7 +85,8 @@ def vllm_attention(model: Any, layer: int, xs: list[Any], pos: Any) -> Any:
     if xs[0].is_cuda:
         from mismatch_probe.probes.vllm.replay_cuda import flash_attention
 
-        return flash_attention(model, layer, xs, _spans(pos))
+        spans = _spans(pos)
+        return flash_attention(model, layer, xs, spans, *paged_layout(spans, 16))
     from vllm import _custom_ops as ops
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
@@ -81,15 +100,7 @@ def vllm_attention(model: Any, layer: int, xs: list[Any], pos: Any) -> Any:
     bs = int(cache.shape[2])
     spans = _spans(pos)
     lens = [e - s for s, e in spans]
-    nblk = [-(-t // bs) for t in lens]
-    table = torch.zeros(len(spans), max(nblk), dtype=torch.int32)
-    slots = torch.empty(n, dtype=torch.int64)
-    first = 0
-    for i, ((s, e), nb) in enumerate(zip(spans, nblk, strict=True)):
-        table[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
-        p = torch.arange(e - s)
-        slots[s:e] = (table[i, p // bs].long() * bs + p % bs)
-        first += nb
+    table, slots, first = paged_layout(spans, bs)
     kv = torch.zeros(first, hkv, bs, 2 * d, dtype=cache.dtype)
     q = q_all.reshape(n, hq, d).to(cache.dtype)
     k = k_all.reshape(n, hkv, d).to(cache.dtype)

@@ -8,8 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def flash_attention(model: Any, layer: int, xs: list[Any], spans: list[tuple[int, int]]) -> Any:
-    """``xs = [q, k, v]`` rows ``[tokens, H*D]`` on the GPU; ``spans`` each sequence's row range."""
+def flash_attention(model: Any, layer: int, xs: list[Any], spans: list[tuple[int, int]], table: Any, slots: Any,
+                    n_blocks: int) -> Any:
+    """``xs = [q, k, v]`` rows ``[tokens, H*D]`` on the GPU; ``spans`` each sequence's row range;
+    ``table``, ``slots``, ``n_blocks``: a paged layout of 16-slot blocks for them (host tensors)."""
     import torch
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata
 
@@ -23,18 +25,9 @@ def flash_attention(model: Any, layer: int, xs: list[Any], spans: list[tuple[int
     hq, hkv, d = impl.num_heads, impl.num_kv_heads, impl.head_size
     bs = 16
     lens = [e - s for s, e in spans]
-    nblk = [-(-t // bs) for t in lens]
-    table = torch.zeros(len(spans), max(nblk), dtype=torch.int32)
-    slots = torch.empty(n, dtype=torch.int64)
-    first = 0
-    for i, ((s, e), nb) in enumerate(zip(spans, nblk, strict=True)):
-        table[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
-        p = torch.arange(e - s)
-        slots[s:e] = table[i, p // bs].long() * bs + p % bs
-        first += nb
     dtype = torch.bfloat16 if q_all.dtype not in (torch.float16, torch.bfloat16) else q_all.dtype
     # physical NHD layout (blocks, page, Hkv, 2D), seen as vLLM's logical (blocks, Hkv, page, 2D)
-    kv = torch.zeros(first, bs, hkv, 2 * d, dtype=dtype, device=dev).permute(0, 2, 1, 3)
+    kv = torch.zeros(n_blocks, bs, hkv, 2 * d, dtype=dtype, device=dev).permute(0, 2, 1, 3)
     q = q_all.reshape(n, hq, d).to(dtype)
     k = k_all.reshape(n, hkv, d).to(dtype)
     v = v_all.reshape(n, hkv, d).to(dtype)
