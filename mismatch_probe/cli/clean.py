@@ -17,18 +17,21 @@ def clean(
     yes: bool = typer.Option(False, "--yes", "-y", help="Remove the stale ones (default: only list them)."),
 ) -> None:
     """List the staging folders of failed or interrupted runs in PARENT; --yes removes the stale ones."""
-    from mismatch_probe.run.partials import find, remove
+    from mismatch_probe.run.partials import find, orphan, remove
 
     staged = find(parent)
     if not staged:
         console.print(f"no staging folders of failed or interrupted runs in {escape(str(parent))}", highlight=False)
         return
     for s in staged:
-        state = "in use (process running)" if s.alive else f"stale, status {s.status}"
-        action = "removed" if yes and not s.alive else ("kept" if yes else "")
-        if yes and not s.alive:
+        keep = s.alive or orphan(s)
+        state = ("in use (process running)" if s.alive
+                 else f"the replaced run, and nothing at {s.run_name}: move it back with mv" if orphan(s)
+                 else f"stale, status {s.status}")
+        action = "removed" if yes and not keep else ("kept" if yes else "")
+        if yes and not keep:
             remove(s)
         console.print(f"{escape(str(s.path))}  (run {escape(s.run_name)}, {s.tag}, pid {s.pid}): {state}"
                       + (f" - {action}" if action else ""), highlight=False)
-    if not yes and any(not s.alive for s in staged):
+    if not yes and any(not (s.alive or orphan(s)) for s in staged):
         console.print(f"remove the stale ones with: mismatch-probe clean {escape(str(parent))} --yes", highlight=False)

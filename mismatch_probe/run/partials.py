@@ -59,8 +59,16 @@ def find(parent: Path) -> list[Staged]:
     return out
 
 
+def orphan(staged: Staged) -> bool:
+    """A replaced run moved aside whose replacement never landed (nothing at ``--out``): the
+    user's only copy, restored by hand (``mv``), never removed by ``clean``."""
+    return staged.tag == "old" and not (staged.path.parent / staged.run_name).exists()
+
+
 def remove(staged: Staged) -> None:
-    """Remove one stale staging folder (never one whose process is alive)."""
+    """Remove one stale staging folder (never one whose process is alive, nor an orphaned old run)."""
     if staged.alive:
         raise UsageError(f"{staged.path} belongs to a running process ({staged.pid})")
+    if orphan(staged):
+        raise UsageError(f"{staged.path} is the only copy of the run {staged.run_name}: move it back, not removed")
     shutil.rmtree(staged.path)

@@ -85,8 +85,13 @@ def test_clean_lists_and_removes_stale_partial_folders(tmp_path: Path) -> None:
     p = mp("clean", tmp_path)
     assert p.returncode == 0 and str(stale) in p.stdout and "stale" in p.stdout and "--yes" in p.stdout
     assert "in use" in p.stdout and ".notes.partial-1" not in p.stdout and stale.exists()
+    old = tmp_path / f".gone.old-{2**22 + 7}"  # a replaced run whose replacement never landed: the only copy
+    old.mkdir()
+    (old / "manifest.json").write_text(json.dumps({"schema_version": 2, "status": "complete", "config": {}}))
     p = mp("clean", tmp_path, "--yes")
     assert p.returncode == 0 and not stale.exists() and live.exists() and (mine / "x").exists()
+    assert old.exists() and "move it back" in p.stdout
+    shutil.rmtree(old)
     shutil.rmtree(live)
     assert "no staging folders" in mp("clean", tmp_path).stdout
     one_line_error(mp("clean", tmp_path / "nowhere"), "not a folder")
