@@ -184,7 +184,7 @@ class RunWriter:
                 try:
                     rename_noreplace(aside, self.final)
                 except OSError:
-                    pass
+                    raise OutputConflict(f"{self._conflict()}; the replaced run is kept at {aside}") from None
             raise self._conflict() from None
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)  # the replaced run, moved aside by us above
