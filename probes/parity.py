@@ -75,10 +75,26 @@ def sampler_weight_digests(llm: Any, model_dir: Path) -> dict[str, dict[str, str
         tensors: dict[str, Any] = vllm_tp.merge_param_shards(llm.apply_model(vllm_tp.shard_params), model_dir)
     else:
         tensors = llm.apply_model(split_vllm_params)[0]
-    res = {n: {"digest": tensor_digest(t), "source": "engine"} for n, t in tensors.items() if t is not None}
+    import torch
+
+    # the engine's dtype (--dtype): the floating dtype holding the most elements
+    sizes: dict[Any, int] = {}
+    for t in tensors.values():
+        if t is not None and t.is_floating_point():
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+    dtype = max(sizes, key=lambda k: sizes[k]) if sizes else None
+    res = {}
+    for n, t in tensors.items():
+        if t is None:
+            continue
+        source = "engine"
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype and torch.equal(t.to(dtype).to(t.dtype), t):
+            # vLLM's CPU GEMM keeps some biases upcast to fp32 (its SGL kernel, where the CPU has it):
+            # exact, so the value the engine computes with is the checkpoint's in --dtype
+            t, source = t.to(dtype), "engine (upcast exactly by vLLM's CPU GEMM)"
+        res[n] = {"digest": tensor_digest(t), "source": source}
     missing = [n for n, t in tensors.items() if t is None]
     # the engine cast the checkpoint to its dtype (--dtype) before repacking: digest what it held
-    dtype = next((t.dtype for t in tensors.values() if t is not None and t.is_floating_point()), None)
     for n, t in checkpoint_tensors(model_dir, missing).items():
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)

@@ -83,7 +83,7 @@ def test_dtype_float32_both_engines_and_parity_preflight_passes(runs: dict[str, 
 def test_digest_and_stats_capture_through_compare(runs: dict[str, Path]) -> None:
     run = runs["fp32"]
     for side in ("learner", "sampler"):
-        ops = pd.read_parquet(run / f"{side}/ops.parquet")
+        ops = read_table(run / f"{side}/ops.parquet", "ops").to_pandas()
         assert ops["values"].isna().all()  # digest and stats keep no values
         assert ops["digest"].str.len().gt(0).all()
         mlp = ops.op.str.contains(r"\.mlp\.")

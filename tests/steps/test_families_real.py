@@ -105,7 +105,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _ops(run: Path, side: str) -> pd.DataFrame:
-    return pd.read_parquet(run / side / "ops.parquet", columns=["op", "seq_id", "pos", "digest"])
+    from mismatch_probe.run.schema import read_table
+
+    return read_table(run / side / "ops.parquet", "ops").select(["op", "seq_id", "pos", "digest"]).to_pandas()
 
 
 @pytest.mark.parametrize("model", list(FAMILIES))
