@@ -1,14 +1,13 @@
 """The GPU stack as a user runs it: CUDA vLLM + the HF learner on one GPU, every step through the CLI.
 
-    python bench/gpu_stack.py --out DIR [--only kernels,models,strict,...] [--budget SECONDS] [--tiny]
+    python bench/gpu_stack.py --out DIR [--only tiny,q06b,bisect,speed] [--budget SECONDS] [--tiny]
 
 Run on the GPU machine after the CUDA vLLM bundle is installed (``. /tmp/site/mp-env.sh``; see
 docs/gpu.md). Steps, in order (``--only`` picks some; each is skipped once ``--budget`` seconds have
-passed, so the table always comes out):
+passed, so the table always comes out). The kernel-level check (the strict attention kernel over
+vLLM's paged cache vs the learner's call, bitwise) is a gpu-marked test: ``bash bench/gpu_tests.sh``
+(``tests/gpu/test_gpu_stack.py``).
 
-* ``kernels``: the strict attention kernel over a paged KV cache (vLLM's layout, shuffled block table)
-  vs the learner's contiguous call, bf16, GQA, head dim 128, with and without a sliding window:
-  prefill, chunked prefill and decode rows bitwise equal.
 * ``tiny``: ``compare --align strict`` on tiny-qwen3, tiny-llama, tiny-qwen3-moe, tiny-gemma3.
 * ``q06b``: a Qwen3-0.6B-shaped random model (28 layers, hidden 1024, vocab 151,936, a word-level
   tokenizer over the whole vocabulary), 32 prompts x ``--n 2`` x 256 generated tokens (64 sequences):
@@ -134,55 +133,6 @@ def summarize_run(run: Path) -> dict[str, Any]:
     return out
 
 
-def step_kernels() -> None:
-    import torch
-
-    from mismatch_probe.kernels.strict import triton_ops as T
-
-    g = torch.Generator(device="cuda").manual_seed(1)
-    b, t, hq, hkv, d, page = 3, 300, 16, 8, 128, 16
-    ok_all = True
-    for window in (None, 100):
-        q = torch.randn(b, t, hq, d, device="cuda", generator=g).bfloat16()
-        k = torch.randn(b, t, hkv, d, device="cuda", generator=g).bfloat16()
-        v = torch.randn(b, t, hkv, d, device="cuda", generator=g).bfloat16()
-        full = T.attention(q, k, v, torch.arange(t, device="cuda").expand(b, t), d**-0.5, window)
-        nblk = -(-t // page)
-        table = torch.randperm(b * nblk + 5, device="cuda")[: b * nblk].reshape(b, nblk).to(torch.int32)
-        phys = torch.full((b * nblk + 5, page, hkv, 2 * d), float("nan"), device="cuda", dtype=torch.bfloat16)
-        for bi in range(b):
-            pos = torch.arange(t, device="cuda")
-            phys[table[bi, pos // page].long(), pos % page, :, :d] = k[bi]
-            phys[table[bi, pos // page].long(), pos % page, :, d:] = v[bi]
-        kv = phys.permute(0, 2, 1, 3)  # vLLM's logical (blocks, Hkv, page, 2D) over an NHD layout
-        kc, vc = kv.transpose(1, 2).split(d, dim=-1)
-        qs = torch.cat([q[0], q[1, 200:], q[2, 299:]])
-        out = torch.zeros_like(qs)
-        qsl = torch.tensor([0, t, t + 100, t + 101], dtype=torch.int32, device="cuda")
-        T.paged_attention(qs, kc, vc, out, qsl, torch.tensor([t, t, t], dtype=torch.int32, device="cuda"), table, t,
-                          d**-0.5, window)
-        ok = torch.equal(out[:t], full[0]) and torch.equal(out[t:t + 100], full[1, 200:]) and torch.equal(out[-1], full[2, 299])
-        dec_ok = True
-        for j in (0, 15, 16, 63, 64, 255, 299):
-            qd = q[:, j].contiguous()
-            od = torch.zeros_like(qd)
-            T.paged_attention(qd, kc, vc, od, torch.arange(b + 1, dtype=torch.int32, device="cuda"),
-                              torch.full((b,), j + 1, dtype=torch.int32, device="cuda"), table, 1, d**-0.5, window)
-            dec_ok &= torch.equal(od, full[:, j])
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2).float(), k.transpose(1, 2).float().repeat_interleave(2, 1),
-            v.transpose(1, 2).float().repeat_interleave(2, 1), is_causal=window is None,
-            attn_mask=None if window is None else (
-                (torch.arange(t, device="cuda")[None, :] <= torch.arange(t, device="cuda")[:, None])
-                & (torch.arange(t, device="cuda")[None, :] > torch.arange(t, device="cuda")[:, None] - window)))
-        err = (full.float() - ref.transpose(1, 2)).abs().max().item()
-        ok_all &= ok and dec_ok
-        row(step="kernels", name=f"paged vs learner attention, window={window}", prefill_bitwise=ok,
-            decode_bitwise=dec_ok, max_err_vs_fp32=f"{err:.2e}")
-    if not ok_all:
-        print("kernels: NOT bitwise", flush=True)
-
-
 def step_compare(name: str, model: str, extra: list[str], runs: Path, timeout: float) -> Path:
     run = runs / name
     rc, dt, err = cli(name, ["compare", "--model", model, "--out", str(run), "--overwrite", *extra], timeout)
@@ -285,7 +235,7 @@ def step_speed(model: Path, timeout: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--only", default="kernels,tiny,q06b,bisect,speed")
+    ap.add_argument("--only", default="tiny,q06b,bisect,speed")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--tiny", action="store_true", help="dry run on the CPU: tiny-qwen3 stands in for the 0.6B shape")
     args = ap.parse_args()
@@ -306,8 +256,6 @@ def main() -> None:
             return False
         return True
 
-    if go("kernels") and not args.tiny:
-        step_kernels()
     if go("tiny"):
         for m in TINY[:1] if args.tiny else TINY:
             if left() > 30:

@@ -151,11 +151,9 @@ def sampler_kwargs(raw: dict[str, str], *, capture_on: bool, recipe: str) -> tup
     if "enforce_eager" not in typed:
         auto["enforce_eager"] = {"value": True, "reason": EAGER_WHY}
     if strict_attention_on_cuda(recipe):
-        chosen = typed.get("attention_backend")
+        chosen = typed.get("attention_backend")  # unset: the runner sets FLASH_ATTN and records why
         if chosen is not None and str(getattr(chosen, "name", chosen)).upper() != "FLASH_ATTN":
             raise UsageError(f"--sampler-arg attention_backend={chosen} conflicts with the {recipe} recipe: {STRICT_ATTN_WHY}")
-        if chosen is None:
-            auto["attention_backend"] = {"value": "FLASH_ATTN", "reason": STRICT_ATTN_WHY}
     if typed.get("enable_prefix_caching"):
         raise UsageError(f"--sampler-arg enable_prefix_caching=true conflicts with the prefill view: {PREFIX_WHY}")
     auto["enable_prefix_caching"] = {"value": False, "reason": PREFIX_WHY}

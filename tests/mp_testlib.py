@@ -43,3 +43,18 @@ def plant(src: Path, dst: Path, scales: dict[str, float]) -> Path:
         tensors[name] = (tensors[name].float() * scale).to(tensors[name].dtype)
     save_file(tensors, str(f), metadata={"format": "pt"})
     return dst
+
+
+# import root -> folder (pyproject's package-dir)
+ROOTS = {"mismatch_probe": "mismatch_probe", "mismatch_probe.probes": "probes", "mismatch_probe.kernels": "kernels",
+         "mismatch_probe.reports": "reports"}
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the installed package by dotted name -> its source file in the checkout."""
+    mods: dict[str, Path] = {}
+    for prefix, folder in ROOTS.items():
+        for f in sorted((REPO / folder).rglob("*.py")):
+            parts = [p for p in f.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
+            mods[".".join([prefix, *parts])] = f
+    return mods

@@ -23,11 +23,9 @@ import ast
 import importlib.util
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ROOTS = {"mismatch_probe": "mismatch_probe", "mismatch_probe.probes": "probes", "mismatch_probe.kernels": "kernels",
-         "mismatch_probe.reports": "reports"}
+from mp_testlib import package_modules
+
 # how the docs spell the roots besides their import names (the folders of the checkout)
 ALIASES = {"kernels": "mismatch_probe.kernels", "probes": "mismatch_probe.probes", "reports": "mismatch_probe.reports"}
 ROLE = re.compile(r":(?:py:)?(mod|func|class|meth|data|attr|obj|exc|const):`([^`]+)`")
@@ -125,13 +123,7 @@ def _members(cls: ast.ClassDef) -> set[str]:
 
 def index() -> dict[str, ModInfo]:
     """Every module of the four import roots, by dotted name."""
-    mods: dict[str, ModInfo] = {}
-    for prefix, folder in ROOTS.items():
-        for f in sorted((REPO / folder).rglob("*.py")):
-            parts = [p for p in f.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
-            name = ".".join([prefix, *parts])
-            mods[name] = parse_module(name, f.read_text(), f.name == "__init__.py")
-    return mods
+    return {name: parse_module(name, f.read_text(), f.name == "__init__.py") for name, f in package_modules().items()}
 
 
 class Resolver:

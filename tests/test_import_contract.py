@@ -14,10 +14,7 @@ import ast
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-# import root -> folder (pyproject's package-dir)
-ROOTS = {"mismatch_probe": "mismatch_probe", "mismatch_probe.probes": "probes", "mismatch_probe.kernels": "kernels",
-         "mismatch_probe.reports": "reports"}
+from mp_testlib import REPO, package_modules
 
 
 def _layers() -> list[list[str]]:
@@ -26,12 +23,7 @@ def _layers() -> list[list[str]]:
 
 
 def _modules() -> dict[str, Path]:
-    mods: dict[str, Path] = {}
-    for prefix, folder in ROOTS.items():
-        for f in sorted((REPO / folder).rglob("*.py")):
-            parts = [p for p in f.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
-            mods[".".join([prefix, *parts])] = f
-    return mods
+    return package_modules()
 
 
 def type_checking_imports(tree: ast.AST) -> int:

@@ -14,9 +14,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ROOTS = {"mismatch_probe": "mismatch_probe", "mismatch_probe.probes": "probes", "mismatch_probe.kernels": "kernels",
-         "mismatch_probe.reports": "reports"}
+from mp_testlib import package_modules
+
 FACTORY = ("mismatch_probe.probes.factory", "build_runner")
 RUNNER_BASE = "Runner"
 # a runner held in a variable or attribute with one of these words in its name (``engines.sampler``,
@@ -28,12 +27,7 @@ RUNNER_ONLY = {"ops_dest", "topk_support", "seq_meta", "dataset_dest", "ops_data
 
 
 def _modules() -> dict[str, Path]:
-    mods: dict[str, Path] = {}
-    for prefix, folder in ROOTS.items():
-        for f in sorted((REPO / folder).rglob("*.py")):
-            parts = [p for p in f.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
-            mods[".".join([prefix, *parts])] = f
-    return mods
+    return package_modules()
 
 
 def _trees(mods: dict[str, Path]) -> dict[str, ast.Module]:

@@ -224,9 +224,7 @@ def _embedding_apply(orig: Callable[..., Any]) -> Callable[..., Any]:
     def apply(self: Any, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not _on("logits", layer):
             return orig(self, layer, x, bias)
-        out = so.linear(x, layer.weight, bias)
-        _STATE["logits_dtype"] = out.dtype  # the log-softmax reads logits in this dtype, as the learner does
-        return out
+        return so.linear(x, layer.weight, bias)
 
     return apply
 
@@ -359,20 +357,11 @@ def _flash_attn_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-def _as_logits_dtype(logits: torch.Tensor) -> torch.Tensor:
-    """The logits in the dtype the strict logits op produced (exact: an upcast of those values), so
-    the log-softmax kernel is the same compiled kernel the learner runs on its bf16 logits."""
-    dt = _STATE.get("logits_dtype")
-    if dt is not None and logits.dtype == torch.float32 and dt != torch.float32:
-        return logits.to(dt)
-    return logits
-
-
 def _compute_logprobs(orig: Callable[..., Any]) -> Callable[..., Any]:
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
         if not _on("logsoftmax"):
             return orig(logits)
-        return so.log_softmax_fp32(_as_logits_dtype(logits))
+        return so.log_softmax_fp32(logits)  # vLLM passes the raw logits (model dtype), as the learner's
 
     return staticmethod(compute_logprobs)
 
@@ -387,9 +376,8 @@ def _v2_token_logprobs(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(logits, token_ids)
         from mismatch_probe.kernels.strict import triton_ops as st
 
-        lg = _as_logits_dtype(logits)
-        mx, lz = st.max_logz_rows(lg)
-        return (lg.gather(-1, token_ids.to(torch.int64)).float() - mx[:, None]) - lz[:, None]
+        mx, lz = st.max_logz_rows(logits)  # raw logits in the model's dtype, as the learner's
+        return (logits.gather(-1, token_ids.to(torch.int64)).float() - mx[:, None]) - lz[:, None]
 
     return compute_token_logprobs
 
