@@ -32,9 +32,16 @@ LEARNER_OWNED = {
 }
 
 EAGER_WHY = (
-    "the op-capture hooks and the recipes' op overrides run only outside CUDA graphs / torch.compile; "
-    "with --capture off and the engine recipe, --sampler-arg enforce_eager=false is allowed"
+    "the op-capture hooks run only outside CUDA graphs / torch.compile; with --capture off, "
+    "--sampler-arg enforce_eager=false is allowed (with a recipe: decode steps as whole CUDA graphs, no torch.compile)"
 )
+RECIPE_GRAPHS_WHY = (
+    "the recipe's ops run as they are in eager mode (no torch.compile: Inductor would re-fuse the torch code around "
+    "the recipe's kernels and change their bits); uniform decode steps replay as whole CUDA graphs of those same "
+    "kernels, batches padded to the graph sizes (every op is batch-invariant), prefill runs eager"
+)
+RECIPE_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # vLLM CompilationConfig: NONE, full decode graphs
+
 PREFIX_WHY = (
     "every token of the prefill rescoring must be computed (and captured); with prefix caching the "
     "prefill view would depend on which requests ran before"
@@ -44,6 +51,28 @@ STRICT_ATTN_WHY = (
     "the recipe's attention runs the learner's strict kernel over vLLM's paged KV cache through an override "
     "of vLLM's FLASH_ATTN backend (probes/vllm/plugin.py), so the sampler is held to that backend on CUDA"
 )
+
+
+def recipe_graphs(kwargs: dict[str, Any], recipe: str, *, on_cpu: bool, moe: bool) -> dict[str, Any] | None:
+    """With a recipe and ``enforce_eager=False``: vLLM's compilation settings that keep the recipe's bits
+    (:data:`RECIPE_COMPILATION`), or a one-line error where graphs cannot hold them. None: nothing to set."""
+    if recipe == "engine" or kwargs.get("enforce_eager", True):
+        return None
+    if on_cpu:
+        raise UsageError(f"--sampler-arg enforce_eager=false with the {recipe} recipe: vLLM has no CUDA graphs on the "
+                         "CPU, and torch.compile would change the recipe's bits (leave enforce_eager at its default)")
+    if moe:
+        raise UsageError(f"--sampler-arg enforce_eager=false with the {recipe} recipe on a MoE model: the recipe's "
+                         "fixed-order experts pick their rows on the host, which a CUDA graph cannot replay")
+    from mismatch_probe.kernels.recipes import parse
+
+    linear = parse(recipe).linear
+    if linear in ("nvfp4-static", "nvfp4-dynamic-tensor"):
+        why = ("it calibrates after vLLM has captured its graphs" if linear == "nvfp4-static"
+               else "its activation amax spans the whole batch, and a graph's batch includes padding rows")
+        raise UsageError(f"--sampler-arg enforce_eager=false with the {recipe} recipe: {why} "
+                         "(nvfp4-per-token and strict run in CUDA graphs)")
+    return dict(RECIPE_COMPILATION)
 
 
 def strict_attention_on_cuda(recipe: str) -> bool:
@@ -141,13 +170,13 @@ def sampler_kwargs(raw: dict[str, str], *, capture_on: bool, recipe: str) -> tup
     """(vLLM kwargs given by the user, typed; auto settings with reasons), or a conflict error."""
     typed = type_sampler_args(raw)
     auto: dict[str, dict] = {}
-    needs_eager = capture_on or recipe != "engine"
-    if typed.get("enforce_eager") is False and needs_eager:
-        why = "op capture (--capture)" if capture_on else f"the {recipe} recipe's op overrides"
+    if typed.get("enforce_eager") is False and capture_on:
         raise UsageError(
-            f"--sampler-arg enforce_eager=false conflicts with {why}: its hooks do not run inside CUDA graphs / "
-            "torch.compile (use --capture off and the engine recipe to measure that configuration)"
+            "--sampler-arg enforce_eager=false conflicts with op capture (--capture): its hooks do not run inside "
+            "CUDA graphs / torch.compile (use --capture off to measure that configuration)"
         )
+    if typed.get("enforce_eager") is False and recipe != "engine" and "compilation_config" in typed:
+        raise UsageError(f"--sampler-arg compilation_config conflicts with the {recipe} recipe: {RECIPE_GRAPHS_WHY}")
     if "enforce_eager" not in typed:
         auto["enforce_eager"] = {"value": True, "reason": EAGER_WHY}
     if strict_attention_on_cuda(recipe):

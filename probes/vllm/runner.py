@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -128,6 +129,7 @@ class VllmSampler(SamplerRunner):
         if not on_cpu and "attention_backend" not in kwargs and strict_attention_on_cuda(self.recipe or "engine"):
             kwargs["attention_backend"] = "FLASH_ATTN"  # the strict attention overrides this backend's forward
             self.info.auto["attention_backend"] = {"value": "FLASH_ATTN", "reason": STRICT_ATTN_WHY}
+        self._recipe_graphs(kwargs, on_cpu)
         from mismatch_probe.probes.vllm import tp as vllm_tp
 
         self.tp = vllm_tp.tp_size(kwargs)
@@ -158,6 +160,22 @@ class VllmSampler(SamplerRunner):
         )
         if kwargs["enforce_eager"]:
             self.info.notes.append("vLLM ran with enforce_eager=True (no CUDA graphs / torch.compile)")
+
+    def _recipe_graphs(self, kwargs: dict[str, Any], on_cpu: bool) -> None:
+        """A recipe with ``enforce_eager=False``: whole-step decode CUDA graphs, no torch.compile
+        (``engine_args.recipe_graphs``; refused on the CPU and on MoE models)."""
+        from mismatch_probe.probes.engine_args import RECIPE_GRAPHS_WHY, recipe_graphs
+
+        cfg_path = self.model_dir / "config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (OSError, ValueError):
+            cfg = {}
+        moe = any(int(cfg.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        comp = recipe_graphs(kwargs, self.recipe or "engine", on_cpu=on_cpu, moe=moe)
+        if comp is not None:
+            kwargs["compilation_config"] = comp
+            self.info.auto["compilation_config"] = {"value": comp, "reason": RECIPE_GRAPHS_WHY}
 
     def _finish_recipe(self, recipe: Any) -> dict[str, Any]:
         """Tag layers for op/layer subsets and run the static-NVFP4 calibration pass."""

@@ -52,12 +52,29 @@ def test_settings_the_tool_needs() -> None:
     assert auto["enforce_eager"]["reason"] and auto["enable_prefix_caching"]["reason"]
     with pytest.raises(UsageError, match="enforce_eager=false conflicts with op capture"):
         ea.sampler_kwargs({"enforce_eager": "false"}, capture_on=True, recipe="engine")
-    with pytest.raises(UsageError, match="conflicts with the strict recipe"):
-        ea.sampler_kwargs({"enforce_eager": "0"}, capture_on=False, recipe="strict")
+    kw, _ = ea.sampler_kwargs({"enforce_eager": "0"}, capture_on=False, recipe="strict")  # decode graphs (CUDA)
+    assert kw == {"enforce_eager": False}
+    with pytest.raises(UsageError, match="compilation_config conflicts with the strict recipe"):
+        ea.sampler_kwargs({"enforce_eager": "0", "compilation_config": '{"mode": 3}'}, capture_on=False, recipe="strict")
     with pytest.raises(UsageError, match="enable_prefix_caching=true conflicts with the prefill view"):
         ea.sampler_kwargs({"enable_prefix_caching": "true"}, capture_on=False, recipe="engine")
     kw, auto = ea.sampler_kwargs({"enforce_eager": "false"}, capture_on=False, recipe="engine")
     assert kw == {"enforce_eager": False} and "enforce_eager" not in auto  # allowed: nothing needs eager
+
+
+def test_recipe_graphs() -> None:
+    """A recipe in CUDA graphs: full decode graphs without torch.compile, or one line saying why not."""
+    assert ea.recipe_graphs({"enforce_eager": True}, "strict", on_cpu=False, moe=False) is None
+    assert ea.recipe_graphs({"enforce_eager": False}, "engine", on_cpu=False, moe=True) is None
+    for recipe in ("strict", "nvfp4-per-token", "strict+nvfp4-per-token"):
+        assert ea.recipe_graphs({"enforce_eager": False}, recipe, on_cpu=False, moe=False) == ea.RECIPE_COMPILATION
+    for kw, recipe, message in ((dict(on_cpu=True, moe=False), "strict", "no CUDA graphs on the CPU"),
+                                (dict(on_cpu=False, moe=True), "strict", "on a MoE model"),
+                                (dict(on_cpu=False, moe=False), "nvfp4-static", "calibrates after"),
+                                (dict(on_cpu=False, moe=False), "nvfp4-dynamic-tensor", "padding rows")):
+        with pytest.raises(UsageError, match=message):
+            ea.recipe_graphs({"enforce_eager": False}, recipe, **kw)
+    assert ea.RECIPE_COMPILATION == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 
 
 def test_learner_args(tmp_path) -> None:
@@ -82,6 +99,8 @@ def test_learner_args(tmp_path) -> None:
     [
         (("--sampler-arg", "tensor_paralel_size=2"), "--sampler-arg tensor_paralel_size: not a vLLM engine argument"),
         (("--sampler-arg", "enforce_eager=false"), "--sampler-arg enforce_eager=false conflicts with op capture"),
+        (("--align", "strict", "--capture", "off", "--sampler-arg", "enforce_eager=false"),
+         "vLLM has no CUDA graphs on the CPU"),
     ],
 )
 def test_cli_one_line_error_exit_2(tmp_path, args: tuple[str, ...], message: str) -> None:
