@@ -39,6 +39,10 @@ Q06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_
             num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, vocab_size=151936,
             max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
             pad_token_id=0)
+Q8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+           num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, vocab_size=151936,
+           max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
+           pad_token_id=0)
 TINY = ("tiny-qwen3", "tiny-llama", "tiny-qwen3-moe", "tiny-gemma3")
 ROWS: list[dict[str, Any]] = []
 T0 = time.time()
@@ -122,7 +126,7 @@ def summarize_run(run: Path) -> dict[str, Any]:
     try:
         m = json.loads((run / "manifest.json").read_text())
         sm = m["engines"]["sampler"]
-        out["sampler"] = {k: sm.get(k) for k in ("device", "enforce_eager", "attention_backend")}
+        out["sampler"] = {k: sm.get(k) for k in ("device", "enforce_eager", "attention_backend", "compilation_config")}
         ov = sm.get("recipe", {}).get("plugin_overrides") or []
         out["flash_attn_override"] = any("FlashAttentionImpl.forward" in o for o in ov)
         kern = sm.get("recipe", {}).get("kernels") or sm.get("nvfp4") or None
@@ -161,28 +165,41 @@ def step_bisect(name: str, run: Path, extra: list[str], timeout: float) -> None:
 
 
 SPEED = r'''
-import json, sys, time
+import hashlib, json, struct, sys, time
 import torch
 cfg = json.loads(sys.argv[1])
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from mismatch_probe.probes import engine_args as ea
 if cfg["recipe"] != "engine":
     from mismatch_probe.probes.vllm import plugin
     plugin.activate(cfg["recipe"])
-kw = dict(model=cfg["model"], dtype="bfloat16", seed=0, max_model_len=1024, gpu_memory_utilization=0.5,
-          enforce_eager=cfg["eager"], enable_prefix_caching=False)
-if cfg["recipe"] != "engine":
+kw = dict(model=cfg["model"], dtype="bfloat16", seed=0, max_model_len=1024, gpu_memory_utilization=cfg["mem"],
+          enforce_eager=cfg["eager"], enable_prefix_caching=False, load_format=cfg["load"])
+if ea.strict_attention_on_cuda(cfg["recipe"]):
     kw["attention_backend"] = "FLASH_ATTN"
+comp = ea.recipe_graphs(kw, cfg["recipe"], on_cpu=False, moe=False)  # what the tool sets for a recipe in graphs
+if comp is not None:
+    kw["compilation_config"] = comp
+t = time.time()
 llm = LLM(**kw)
-prompts = [TokensPrompt(prompt_token_ids=[1] + [8 + (i * 7 + j) % 400 for j in range(32)]) for i in range(64)]
-sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=1.0, seed=0, logprobs=0)
-llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)
-torch.cuda.synchronize(); t = time.time()
-outs = llm.generate(prompts, sp, use_tqdm=False)
-torch.cuda.synchronize(); dt = time.time() - t
-n = sum(len(o.outputs[0].token_ids) for o in outs)
-lp = [o.outputs[0].logprobs[k][o.outputs[0].token_ids[k]].logprob for o in outs[:2] for k in range(4)]
-print("SPEED", json.dumps({"tok_s": n / dt, "tokens": n, "seconds": dt, "lp": lp}))
+start = time.time() - t
+sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0.0, logprobs=0)
+llm.generate([TokensPrompt(prompt_token_ids=[1, 9, 10, 11])] * 4, SamplingParams(max_tokens=8), use_tqdm=False)
+res = {"start_s": start, "by_batch": {}}
+for n in cfg["batches"]:
+    prompts = [TokensPrompt(prompt_token_ids=[1] + [8 + (i * 7 + j) % 400 for j in range(32)]) for i in range(n)]
+    torch.cuda.synchronize(); t = time.time()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize(); dt = time.time() - t
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    h = hashlib.sha1()
+    for o in outs:
+        c = o.outputs[0]
+        h.update(struct.pack(f"{len(c.token_ids)}i", *c.token_ids))
+        h.update(struct.pack(f"{len(c.token_ids)}d", *[c.logprobs[k][c.token_ids[k]].logprob for k in range(len(c.token_ids))]))
+    res["by_batch"][str(n)] = {"tok_s": round(ntok / dt), "tokens": ntok, "seconds": round(dt, 2), "lp_sha1": h.hexdigest()[:12]}
+print("SPEED", json.dumps(res))
 '''
 
 LEARNER = r'''
@@ -208,20 +225,29 @@ print("LEARNER", json.dumps(res))
 '''
 
 
-def step_speed(model: Path, timeout: float) -> None:
-    for recipe, eager in (("engine", False), ("engine", True), ("strict", True), ("strict", False)):
-        cfg = json.dumps({"model": str(model), "recipe": recipe, "eager": eager})
-        t = time.time()
-        try:
-            p = subprocess.run([sys.executable, "-c", SPEED, cfg], capture_output=True, text=True, timeout=timeout)
-            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SPEED ")), None)
-            info = json.loads(line[6:]) if line else {"error": (p.stderr or "")[-400:]}
-        except subprocess.TimeoutExpired:
-            info = {"error": "timeout"}
-        row(step="speed", name=f"vLLM generate 64x256 {recipe} {'eager' if eager else 'cuda graphs'}",
-            seconds=round(time.time() - t, 1), **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in info.items()})
+def vllm_speed(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    t = time.time()
     try:
-        p = subprocess.run([sys.executable, "-c", LEARNER, str(model)], capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([sys.executable, "-c", SPEED, json.dumps(cfg)], capture_output=True, text=True, timeout=timeout,
+                           cwd=tempfile.gettempdir())
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SPEED ")), None)
+        info = json.loads(line[6:]) if line else {"error": (p.stderr or "")[-600:]}
+    except subprocess.TimeoutExpired:
+        info = {"error": "timeout"}
+    return row(step="speed", name=name, seconds=round(time.time() - t, 1), **info)
+
+
+def step_speed(model: Path, timeout: float, mem: float) -> None:
+    """0.6B shape, 64 x 256 generated tokens (greedy): vLLM's default (torch.compile + CUDA graphs)
+    vs strict eager vs strict in the tool's recipe graphs (and nvfp4-per-token in graphs); the logprob
+    digests say whether graphs and eager computed the same bits."""
+    base = {"model": str(model), "mem": mem, "load": "auto", "batches": [64]}
+    for recipe, eager in (("engine", False), ("strict", True), ("strict", False), ("nvfp4-per-token", False)):
+        vllm_speed(f"vLLM generate 64x256 {recipe} {'eager' if eager else 'cuda graphs'}",
+                   base | {"recipe": recipe, "eager": eager}, timeout)
+    try:
+        p = subprocess.run([sys.executable, "-c", LEARNER, str(model)], capture_output=True, text=True, timeout=timeout,
+                           cwd=tempfile.gettempdir())
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("LEARNER ")), None)
         info = json.loads(line[8:]) if line else {"error": (p.stderr or "")[-400:]}
     except subprocess.TimeoutExpired:
@@ -232,10 +258,50 @@ def step_speed(model: Path, timeout: float) -> None:
     row(step="speed", name="HF learner forward 4x1024, median of 5", **info)
 
 
+def step_speed8b(out: Path, timeout: float, mem: float) -> None:
+    """Issue 28: a Qwen3-8B-shaped model (vLLM's seeded dummy weights), 16 and 64 sequences x 256
+    generated tokens, CUDA graphs on both: vLLM's default bf16 vs nvfp4-per-token (the tool's recipe graphs)."""
+    model = out / "q8b"
+    model.mkdir(parents=True, exist_ok=True)
+    if not (model / "config.json").exists():
+        from transformers import Qwen3Config
+
+        from mismatch_probe.probes import tiny_models as tm
+
+        Qwen3Config(**Q8B, torch_dtype="bfloat16").save_pretrained(model)
+        old = tm.VOCAB_SIZE
+        tm.VOCAB_SIZE = Q8B["vocab_size"]
+        try:
+            tm._tokenizer("word").save_pretrained(model)
+        finally:
+            tm.VOCAB_SIZE = old
+    base = {"model": str(model), "mem": mem, "load": "dummy", "batches": [16, 64], "eager": False}
+    for recipe in ("engine", "nvfp4-per-token"):
+        vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe} cuda graphs", base | {"recipe": recipe}, timeout)
+
+
+Q06B_RUNS = {
+    "engine": [],
+    "strict": ["--align", "strict"],
+    "nvfp4-per-token": ["--recipe", "nvfp4-per-token"],
+    "mismatched": ["--learner-recipe", "nvfp4-dynamic-tensor", "--sampler-recipe", "nvfp4-static", "--capture", "off"],
+    # the recipes in CUDA graphs (the tool's full decode graphs, no torch.compile): capture must be off
+    "strict-graphs": ["--align", "strict", "--capture", "off", "--sampler-arg", "enforce_eager=false"],
+    "nvfp4-graphs": ["--recipe", "nvfp4-per-token", "--capture", "off", "--sampler-arg", "enforce_eager=false"],
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--only", default="tiny,q06b,bisect,speed")
+    ap.add_argument("--only", default="tiny,q06b,bisect,speed", help="steps: tiny, q06b, bisect, speed, speed8b")
+    ap.add_argument("--q06b", default="engine,strict,nvfp4-per-token,mismatched,strict-graphs,nvfp4-graphs",
+                    help=f"which 0.6B compare runs: {', '.join(Q06B_RUNS)}")
+    ap.add_argument("--tiny-models", default=",".join(TINY))
+    ap.add_argument("--mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (lower: two copies side by side)")
+    ap.add_argument("--wait", type=float, default=0.0,
+                    help="bisect: wait up to this many seconds for the 0.6B runs (written by another copy of this script)")
+    ap.add_argument("--tag", default="gpu_stack", help="name of the JSON written into --out")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--tiny", action="store_true", help="dry run on the CPU: tiny-qwen3 stands in for the 0.6B shape")
     args = ap.parse_args()
@@ -244,6 +310,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     runs = args.out / "runs"
     runs.mkdir(exist_ok=True)
+    mem = [] if args.mem == 0.5 else ["--sampler-arg", f"gpu_memory_utilization={args.mem}"]
 
     def left() -> float:
         return args.budget - (time.time() - T0)
@@ -257,29 +324,35 @@ def main() -> None:
         return True
 
     if go("tiny"):
-        for m in TINY[:1] if args.tiny else TINY:
+        for m in ["tiny-qwen3"] if args.tiny else args.tiny_models.split(","):
             if left() > 30:
-                step_compare(f"{m}-strict", m, ["--align", "strict", "--n", "1"], runs, min(240, left()))
+                step_compare(f"{m}-strict", m, ["--align", "strict", "--n", "1", *mem], runs, min(240, left()))
     if args.tiny:
         model, gen = "tiny-qwen3", ["--n", "2", "--max-tokens", "16"]
     else:
-        model = str(build_model(args.out / "q06b", Q06B)) if go("q06b") or go("speed") or go("bisect") else ""
+        model = str(build_model(args.out / "q06b", Q06B)) if go("q06b") or go("speed") else ""
         gen = ["--n", "2", "--max-tokens", "256", "--prompts", str(prompts_file(args.out / "prompts.jsonl", 32, 151936))]
     if go("q06b"):
-        for name, extra in (("q06b-engine", []), ("q06b-strict", ["--align", "strict"]),
-                            ("q06b-nvfp4-per-token", ["--recipe", "nvfp4-per-token"]),
-                            ("q06b-nvfp4-mismatched", ["--learner-recipe", "nvfp4-dynamic-tensor", "--sampler-recipe",
-                                                       "nvfp4-static", "--capture", "off"])):
+        for name in args.q06b.split(","):
+            extra = Q06B_RUNS[name]
+            if args.tiny and "enforce_eager=false" in extra:
+                continue  # no CUDA graphs on the CPU (a one-line refusal, tested in tests/probes)
             if left() > 40:
-                step_compare(name, model, gen + extra, runs, min(300, left()))
+                step_compare(f"q06b-{name}", model, gen + extra + mem, runs, min(300, left()))
     if go("bisect"):
-        if (runs / "q06b-engine/manifest.json").exists() and left() > 40:
-            step_bisect("bisect q06b-engine", runs / "q06b-engine", ["--ablation-seqs", "8"], min(300, left()))
-        if (runs / "q06b-strict/manifest.json").exists() and left() > 40:
-            step_bisect("bisect q06b-strict", runs / "q06b-strict", ["--no-ablation"], min(200, left()))
+        for name, extra, limit in (("q06b-engine", ["--ablation-seqs", "8"], 300), ("q06b-strict", ["--no-ablation"], 200)):
+            t = time.time()
+            while not (runs / name / "manifest.json").exists() and time.time() - t < args.wait and left() > 60:
+                time.sleep(5)
+            if (runs / name / "manifest.json").exists() and left() > 40:
+                step_bisect(f"bisect {name}", runs / name, extra, min(limit, left()))
+            else:
+                row(step="bisect", name=f"bisect {name}", result=f"no run {name}")
     if go("speed") and not args.tiny:
-        step_speed(Path(model), min(200, left()))
-    (args.out / "gpu_stack.json").write_text(json.dumps(ROWS, indent=1, default=str))
+        step_speed(Path(model), min(200, left()), args.mem)
+    if go("speed8b") and not args.tiny:
+        step_speed8b(args.out, min(300, left()), args.mem)
+    (args.out / f"{args.tag}.json").write_text(json.dumps(ROWS, indent=1, default=str))
     print("\n| step | name | result |\n|---|---|---|")
     for r in ROWS:
         rest = {k: v for k, v in r.items() if k not in ("step", "name")}

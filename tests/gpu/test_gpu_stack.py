@@ -110,3 +110,20 @@ def test_static_nvfp4_sampler_calibrates_inside_cuda_vllm(tmp_path: Path) -> Non
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     s = json.loads((out / "compare/summary.json").read_text())
     assert s["pairs"]["learner_vs_prefill"]["max_abs_dlogp"] > 0.0  # two schemes: a gap, shown, not a crash
+
+
+@needs_cuda_vllm
+@pytest.mark.parametrize("recipe", [("--align", "strict"), ("--recipe", "nvfp4-per-token")])
+def test_recipe_in_cuda_graphs_is_exactly_zero(tmp_path: Path, recipe: tuple[str, str]) -> None:
+    """With --capture off, enforce_eager=false runs the recipe's decode steps as whole CUDA graphs
+    (no torch.compile): still exactly the learner's bits, and the manifest says how vLLM ran."""
+    out = tmp_path / "graphs"
+    proc = cli("compare", "--model", "tiny-qwen3", *recipe, "--capture", "off", "--sampler-arg", "enforce_eager=false",
+               "--out", str(out))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    s = json.loads((out / "compare/summary.json").read_text())
+    for pair in ("learner_vs_prefill", "learner_vs_decode", "prefill_vs_decode"):
+        assert s["pairs"][pair]["max_abs_dlogp"] == 0.0, (pair, s["pairs"][pair])
+    sampler = json.loads((out / "manifest.json").read_text())["engines"]["sampler"]
+    assert sampler["enforce_eager"] is False
+    assert sampler["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
