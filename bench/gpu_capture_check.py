@@ -232,6 +232,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a check of this script on a CPU)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, one compare, no table checks, off/digest/stats")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--compare-reps", type=int, default=0, help="compare runs per mode (default 2, --quick 1)")
     ap.add_argument("--skip-score", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
     a = ap.parse_args()
@@ -267,7 +268,7 @@ def main() -> None:
             if a.tiny:  # the embedded tiny Qwen3 (vocabulary 512), 8 sequences x 16 tokens
                 res["compare"] = compare_part(None, 4, 2, 8, 16, 1, tmp)
             else:  # 32 prompts x 2 samples = 64 sequences, 256 generated tokens each
-                res["compare"] = compare_part("qwen3-0.6b", 32, 2, 32, 256, 1 if a.quick else 2, tmp)
+                res["compare"] = compare_part("qwen3-0.6b", 32, 2, 32, 256, a.compare_reps or (1 if a.quick else 2), tmp)
             dump.write_text(json.dumps(res, indent=1))
     finally:
         dump.write_text(json.dumps(res, indent=1))
