@@ -189,6 +189,13 @@ def nvfp4_state(layer: Any) -> NVFP4Linear | None:
     return getattr(layer, "_mp_nvfp4", None)
 
 
+def nvfp4_kernels(model: torch.nn.Module) -> dict[str, Any] | None:
+    """Per NVFP4 linear of vLLM's ``model``: which GEMM path computed it and how often (eager calls,
+    and each CUDA graph capture once), the last kernel's config; None where nothing is quantized."""
+    out = {name: st.kernel_summary() for name, mod in model.named_modules() if (st := nvfp4_state(mod)) is not None}
+    return out or None
+
+
 def _nvfp4_state(layer: Any, scheme: str) -> NVFP4Linear:
     st = getattr(layer, "_mp_nvfp4", None)
     if st is None or st.scheme.name != scheme:

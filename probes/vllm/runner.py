@@ -161,6 +161,14 @@ class VllmSampler(SamplerRunner):
         if kwargs["enforce_eager"]:
             self.info.notes.append("vLLM ran with enforce_eager=True (no CUDA graphs / torch.compile)")
 
+    def _record_kernels(self) -> None:
+        """The manifest's record of which NVFP4 GEMM computed each of the sampler's linears."""
+        recipe = self.info.settings.get("recipe") or {}
+        if str(recipe.get("linear", "bf16")).startswith("nvfp4") and self.tp == 1:
+            from mismatch_probe.probes.vllm.plugin import nvfp4_kernels
+
+            recipe["nvfp4_kernels"] = self.llm.apply_model(nvfp4_kernels)[0]
+
     def _recipe_graphs(self, kwargs: dict[str, Any], on_cpu: bool) -> None:
         """A recipe with ``enforce_eager=False``: whole-step decode CUDA graphs, no torch.compile
         (``engine_args.recipe_graphs``; refused on the CPU and on MoE models)."""
@@ -276,6 +284,7 @@ class VllmSampler(SamplerRunner):
             for i in range(len(prompts))
         ]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+        self._record_kernels()
         rollouts: list[Rollout] = []
         for pid, (p, out) in enumerate(zip(prompts, outs, strict=True)):
             for c in out.outputs:
@@ -307,6 +316,7 @@ class VllmSampler(SamplerRunner):
             outs = self.llm.generate(prompts, sp, use_tqdm=False)
         else:
             outs = self._captured_generate(prompts, sp, seqs, seq_ids)
+        self._record_kernels()
         res = []
         self.prefill_topk = [] if self.topk else None
         for s, out in zip(seqs, outs, strict=True):
