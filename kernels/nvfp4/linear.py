@@ -134,7 +134,12 @@ class NVFP4Linear:
         hit = self._tcache.get(key)
         if hit is not None and hit[0] == wk and all(t.tuning is self.tuning for t in hit[1]):
             return hit[1]
-        tws = [prepare(q, self.tuning) for q in self.weight(w, key)]
+        from . import sync
+
+        if w.is_cuda and sync.supported(w, self.scheme, self.partitions):  # 1x16 blocks: the fused weight sync
+            tws = sync.sync_weight(w, self.scheme, self.partitions, self.tuning)
+        else:
+            tws = [prepare(q, self.tuning) for q in self.weight(w, key)]
         self._tcache[key] = (wk, tws)
         return tws
 
