@@ -43,9 +43,10 @@ _ALL = (
             "build folder of the CUDA C++ NVFP4 kernels (default `<cache>/native`)"),
     Setting("MISMATCH_PROBE_NATIVE_VERBOSE", "user", "bool", "0", "0 or 1", "1: show the nvcc/ninja build output",
             choices=("0", "1")),
-    Setting("MISMATCH_PROBE_CAPTURE_WRITER", "tuning", "str", "process", "process or thread",
-            "who writes captured rows to disk: a separate process or a thread of the engine's process",
-            choices=("process", "thread")),
+    Setting("MISMATCH_PROBE_CAPTURE_WRITER", "tuning", "str", "auto", "auto, process or thread",
+            "who writes captured rows to disk: a separate process or a thread of the engine's process (auto: the "
+            "process where CUDA runs the forward, the thread on a CPU-only machine, where a second process only "
+            "competes for the same cores)", choices=("auto", "process", "thread")),
     Setting("MISMATCH_PROBE_CAPTURE_STREAM", "tuning", "str", "side", "side, side-equal or main",
             "CUDA stream of the capture kernels: a side stream (the engine's forwards on a high-priority stream; "
             "side-equal: on their own stream) or the engine's own", choices=("side", "side-equal", "main")),

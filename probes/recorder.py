@@ -107,7 +107,7 @@ class OpRecorder:
         self.queue_chunks = 2  # chunks waiting for the writer before recording blocks
         # rows are written by a separate process (recorder_writer.py: no GIL shared with the engine)
         # or, for in-memory recorders and MISMATCH_PROBE_CAPTURE_WRITER=thread, by a thread
-        self.writer_mode = "memory" if sink is None else settings.get("MISMATCH_PROBE_CAPTURE_WRITER")
+        self.writer_mode = "memory" if sink is None else _writer_mode()
         self._proc: Any = None
         self._sink = None if sink is None else Path(sink)
         if sink is not None:
@@ -599,3 +599,15 @@ class OpRecorder:
         if not self._tables:
             return _ops_schema().empty_table()
         return conform(pa.concat_tables(self._tables), "ops")
+
+
+def _writer_mode() -> str:
+    """``MISMATCH_PROBE_CAPTURE_WRITER``; ``auto``: a writer process beside a CUDA forward (no GIL
+    shared with its launches), a thread on a CPU-only machine (measured: the whole `capture` command
+    1.28x vs 1.34x of --capture off on 2 cores, BENCHMARKS.md)."""
+    mode = settings.get("MISMATCH_PROBE_CAPTURE_WRITER")
+    if mode == "auto":
+        import torch
+
+        mode = "process" if torch.cuda.is_available() else "thread"
+    return mode

@@ -44,7 +44,7 @@ def test_defaults_are_unchanged(monkeypatch):
     assert settings.get("MISMATCH_PROBE_NATIVE_CACHE") == Path("/home/someone/.cache/mismatch-probe/native")
     assert settings.get("MISMATCH_PROBE_NATIVE") is True
     assert settings.get("MISMATCH_PROBE_NATIVE_VERBOSE") is False
-    assert settings.get("MISMATCH_PROBE_CAPTURE_WRITER") == "process"
+    assert settings.get("MISMATCH_PROBE_CAPTURE_WRITER") == "auto"
     assert settings.get("MISMATCH_PROBE_CAPTURE_STREAM") == "side"
     assert settings.get("MISMATCH_PROBE_DIGEST_BLOCK") == 256
     assert settings.get("MISMATCH_PROBE_DIGEST_WARPS") == 1
@@ -73,7 +73,7 @@ def test_values_are_parsed_and_the_native_cache_follows_the_cache_root(monkeypat
 @pytest.mark.parametrize(
     ("name", "value", "allowed"),
     [
-        ("MISMATCH_PROBE_CAPTURE_WRITER", "threads", "process or thread"),
+        ("MISMATCH_PROBE_CAPTURE_WRITER", "threads", "auto, process or thread"),
         ("MISMATCH_PROBE_CAPTURE_STREAM", "aux", "side, side-equal or main"),
         ("MISMATCH_PROBE_NATIVE", "false", "0 or 1"),
         ("MISMATCH_PROBE_DIGEST_BLOCK", "300", "a power of two in 16..16384"),

@@ -204,8 +204,9 @@ def test_a_cache_that_cannot_be_used(tmp_path: Path, where: str) -> None:
     assert not (tmp_path / "r").exists()
 
 
-def test_a_full_disk_is_one_line(tmp_path: Path) -> None:
-    """ENOSPC while the run is written (here from the op writer process): one line, exit 2."""
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_full_disk_is_one_line(tmp_path: Path, writer: str) -> None:
+    """ENOSPC while the run is written (from the op writer process, or its thread): one line, exit 2."""
     import subprocess
 
     small = tmp_path / "small"
@@ -213,7 +214,8 @@ def test_a_full_disk_is_one_line(tmp_path: Path) -> None:
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(small)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN)")
     try:
-        p = mp("compare", "--out", small / "run", "--capture", "full", "--n", "1", "--max-tokens", "4")
+        p = mp("compare", "--out", small / "run", "--capture", "full", "--n", "1", "--max-tokens", "4",
+               env={"MISMATCH_PROBE_CAPTURE_WRITER": writer})
         one_line_error(p, "No space left on device", engines=True)
         assert not (small / "run").exists()
     finally:

@@ -195,8 +195,9 @@ def test_v1_ops_files_read_and_compare_by_values(tmp_path):
 def test_batched_device_path_equals_the_cpu_path(tmp_path, monkeypatch):
     """The CUDA code path (queued tensors, one Triton launch per dtype, device arena, chunked host
     copies), run on CPU tensors through Triton's interpreter, writes the same rows as the numba path,
-    whether the rows are kept in memory, streamed by the writer process (the default) or by a thread."""
+    whether the rows are kept in memory, streamed by the writer process (the default beside CUDA) or by a thread."""
     plan = build_plan("stats", ["0.mlp.*=digest"], full_rows=4, topk=2)
+    monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", "process")
     recs = [OpRecorder(plan, buffer_rows=30), OpRecorder(plan, buffer_rows=30, batched=True),
             OpRecorder(plan, sink=tmp_path / "p" / "ops.parquet", buffer_rows=30, batched=True)]
     monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", "thread")
@@ -221,8 +222,17 @@ def test_batched_device_path_equals_the_cpu_path(tmp_path, monkeypatch):
     assert recs[2].summary()["writer"] == "process" and recs[2].summary()["rows"] == len(a)
 
 
-def test_writer_process_abort_leaves_no_files_and_is_reused(tmp_path):
+def test_writer_auto_is_the_thread_without_cuda(tmp_path, monkeypatch):
+    monkeypatch.delenv("MISMATCH_PROBE_CAPTURE_WRITER", raising=False)
+    r = OpRecorder(CapturePlan("stats"), sink=tmp_path / "ops.parquet")
+    assert r.writer_mode == ("process" if torch.cuda.is_available() else "thread")
+    r.abort()
+
+
+def test_writer_process_abort_leaves_no_files_and_is_reused(tmp_path, monkeypatch):
     from mismatch_probe.probes.recorder_writer import _shm_dir
+
+    monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", "process")
 
     dest = tmp_path / "ops.parquet"
     r = OpRecorder(CapturePlan("stats"), sink=dest, buffer_rows=4)
