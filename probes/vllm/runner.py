@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from mismatch_probe.errors import UsageError
 from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
 
 
@@ -97,6 +98,7 @@ class VllmSampler(SamplerRunner):
         self.topk = topk
         self.prefill_topk: list[tuple[np.ndarray, np.ndarray]] | None = None  # per scored seq: ids, lps [len-1, K]
         self.tp = 1  # tensor_parallel_size (probes/vllm/tp.py)
+        self.recipe_graphs = False  # the recipe's decode steps run as CUDA graphs (engine_args.recipe_graphs)
 
     def _load_impl(self) -> None:
         vllm = import_vllm()
@@ -181,6 +183,7 @@ class VllmSampler(SamplerRunner):
             cfg = {}
         moe = any(int(cfg.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
         comp = recipe_graphs(kwargs, self.recipe or "engine", on_cpu=on_cpu, moe=moe)
+        self.recipe_graphs = comp is not None
         if comp is not None:
             kwargs["compilation_config"] = comp
             self.info.auto["compilation_config"] = {"value": comp, "reason": RECIPE_GRAPHS_WHY}
@@ -218,6 +221,9 @@ class VllmSampler(SamplerRunner):
         from mismatch_probe.probes.vllm import plugin as vllm_plugin
 
         own = parse(self.recipe or "engine")
+        if self.recipe_graphs:
+            raise UsageError("switching the sampler's recipe (bisect's ablation) needs it eager: its CUDA graphs hold "
+                             "the recipe it was captured with (leave enforce_eager at its default)")
         if own.is_engine:
             raise RuntimeError("recipe_applied needs a sampler built with a recipe (e.g. strict with no ops: idle)")
         vllm_plugin.activate(recipe, ops=ops, layers=layers)
