@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One round of GPU checks on the lent H200, in stages that each fit one 10-minute command (run from the
+# checkout after `. /tmp/site/mp-env.sh`; stages share /tmp/gs, so run them on one warm machine, in order).
+#   bash bench/gpu_round.sh tests   # every gpu-marked test; tiny-llama / tiny-qwen3-moe / tiny-gemma3 strict;
+#                                   # the 0.6B shape strict (captured) and strict in CUDA graphs       (#26)
+#   bash bench/gpu_round.sh bisect  # the 0.6B engine run, nvfp4-per-token in graphs, bisect with ablation (#26)
+#   bash bench/gpu_round.sh speed   # sampler / learner speed, 0.6B (#26) and the 8B shape (#28)
+#   bash bench/gpu_round.sh capture # the whole cost of op capture (#27), then the NVFP4 kernels (#28)
+# Logs and JSON go to $OUT (the device tool's output folder) or /tmp/gs-out; each stage prints its tables last.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-/tmp/gs-out}"
+mkdir -p "$out"
+gs=/tmp/gs
+left() { echo $(( ${1} - SECONDS )); }
+case "${1:?stage: tests, bisect, speed or capture}" in
+  tests)
+    bash "$here/gpu_tests.sh" > "$out/tests.log" 2>&1
+    python "$here/gpu_stack.py" --out "$gs" --only tiny,q06b --tiny-models tiny-llama,tiny-qwen3-moe,tiny-gemma3 \
+      --q06b strict,strict-graphs --tag tests --budget "$(left 575)" > "$out/stack_tests.log" 2>&1
+    cp "$gs/tests.json" "$out/" 2>/dev/null
+    grep -E "passed|failed|error" "$out/tests.log" | tail -15
+    sed -n '/^| step/,$p' "$out/stack_tests.log"
+    ;;
+  bisect)
+    python "$here/gpu_stack.py" --out "$gs" --only q06b,bisect --q06b engine,nvfp4-graphs --tag bisect \
+      --budget 575 > "$out/stack_bisect.log" 2>&1
+    cp "$gs/bisect.json" "$out/" 2>/dev/null
+    sed -n '/^| step/,$p' "$out/stack_bisect.log"
+    ;;
+  speed)
+    python "$here/gpu_stack.py" --out "$gs" --only speed,speed8b --tag speed --budget 575 > "$out/stack_speed.log" 2>&1
+    cp "$gs/speed.json" "$out/" 2>/dev/null
+    sed -n '/^| step/,$p' "$out/stack_speed.log"
+    ;;
+  capture)
+    python "$here/gpu_capture_check.py" --out "$out/capture" --rounds 5 --compare-reps 1 > "$out/capture.log" 2>&1
+    python "$here/gpu_nvfp4_check.py" --out "$out/nvfp4" --budget "$(left 585)" > "$out/nvfp4.log" 2>&1
+    tail -30 "$out/capture.log"
+    sed -n '/^| /,$p' "$out/nvfp4.log" | tail -40
+    ;;
+esac
