@@ -1,0 +1,416 @@
+"""Issue #28 acceptance points 2-4 on one GPU in one run (<= 240 s): NVFP4 linear vs cuBLAS, weight sync vs
+a device-to-device copy, HF learner forward bf16 vs nvfp4-per-token.
+
+Run from outside the checkout (the package installed), e.g. on the H200 after ``. /tmp/site/mp-env.sh``::
+
+    python bench/gpu_nvfp4_check.py --out /tmp/nvfp4_check        # GPU
+    python bench/gpu_nvfp4_check.py --device cpu --tiny --out DIR  # dry run of the Python (tiny shapes)
+
+Sections (each case catches its own exceptions: a failure is a row with its error; past ``--budget``
+seconds the remaining cases are rows saying skipped). Run in the order b, a, c (b is the cheapest and
+needs no native build):
+
+* b ``sync``: every linear of the Qwen3-8B shape (36 layers: qkv [6144, 4096] shards [4096, 1024, 1024],
+  o [4096, 4096], gate_up [24576, 4096] shards [12288, 12288], down [4096, 12288]), random bf16:
+  ``sync_model`` vs one ``dst.copy_(src)`` per weight (median of 3 after a warm-up), the ratio
+  (acceptance: <= 2), and bitwise equality with the reference path (``prepare(nvfp4_quantize_ref)``
+  + the native layout) on two layers, both 1x16-block schemes.
+* a ``linear``: ``NVFP4Linear("nvfp4-per-token")(x, w)`` (activation quantize + GEMM), the GEMM alone on
+  pre-quantized activations, cuBLAS bf16 ``F.linear`` and FP8 per-tensor ``torch._scaled_mm`` (GEMM only),
+  each captured in a CUDA graph and replayed (CUDA events, median of 5), weights resident; N = K = 8192 at
+  M = 1, 16, 64, 8192 (acceptance: M = 16 >= 2.5x bf16, M = 8192 <= 1.3x slower) and the Qwen3-8B
+  shapes at M = 16 and 2048; rows of M = 16 equal to the same rows at M = 8192 (torch.equal).
+* c ``learner``: HF Qwen3 forward, random weights, 0.6B shape (4 x 1,024 tokens) and 8B shape
+  (2 x 1,024): bf16 vs the nvfp4-per-token recipe (``probes.hf.patch.patch``), median of 5 after a
+  warm-up, the first nvfp4 forward (it prepares the weights) timed apart (acceptance: <= 1.3x bf16),
+  and batch invariance: sequence 0's logits alone equal its rows in the batch.
+
+Writes ``--out/gpu_nvfp4_check.json`` and prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+T0 = time.time()
+ROWS: list[dict[str, Any]] = []
+ARGS: argparse.Namespace
+
+
+def left() -> float:
+    return ARGS.budget - (time.time() - T0)
+
+
+def row(section: str, case: str, **kw: Any) -> dict[str, Any]:
+    r = {"section": section, "case": case, "t_s": round(time.time() - T0, 1), **kw}
+    ROWS.append(r)
+    print("ROW", json.dumps(r, default=str), flush=True)
+    return r
+
+
+def guarded(section: str, case: str, need_s: float, fn: Callable[[], dict[str, Any]]) -> None:
+    """Run one case: its row, or a row with its error, or skipped past the budget."""
+    if left() < need_s:
+        row(section, case, status="skipped", note=f"budget ({left():.0f} s left, needs ~{need_s:.0f})")
+        return
+    try:
+        row(section, case, status="ok", **fn())
+    except Exception as e:  # one failing case is a row, never a crash
+        row(section, case, status="error", error=f"{type(e).__name__}: {str(e)[:300]}",
+            where=traceback.format_exc(limit=-2)[-600:])
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def cuda() -> bool:
+    return ARGS.device == "cuda"
+
+
+def sync() -> None:
+    if cuda():
+        torch.cuda.synchronize()
+
+
+def wall(fn: Callable[[], Any], reps: int = 3, warm: int = 1) -> float:
+    """Median seconds of ``fn`` (synchronized before and after), after ``warm`` calls."""
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def graph_us(fn: Callable[[], Any], target_ms: float = 20.0, repeats: int = 5) -> float:
+    """Median microseconds per call of ``fn`` captured in a CUDA graph and replayed (CUDA events)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    est = max(time.perf_counter() - t, 1e-6)
+    reps = int(max(3, min(500, target_ms / 1e3 / est)))
+    per = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        per.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(per)
+
+
+# ------------------------------------------------------------------------------------------------
+# b: weight sync
+
+
+def q8b_linears(layers: int, hidden: int, inter: int, heads: int, kv: int, hd: int) -> tuple[dict[str, tuple[int, int]],
+                                                                                          dict[str, list[int]]]:
+    shapes, parts = {}, {}
+    for i in range(layers):
+        shapes[f"{i}.qkv"] = ((heads + 2 * kv) * hd, hidden)
+        parts[f"{i}.qkv"] = [heads * hd, kv * hd, kv * hd]
+        shapes[f"{i}.o"] = (hidden, heads * hd)
+        shapes[f"{i}.gate_up"] = (2 * inter, hidden)
+        parts[f"{i}.gate_up"] = [inter, inter]
+        shapes[f"{i}.down"] = (hidden, inter)
+    return shapes, parts
+
+
+def section_sync() -> None:
+    from mismatch_probe.kernels.nvfp4 import native as NA
+    from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
+    from mismatch_probe.kernels.nvfp4.sync import sync_model
+    from mismatch_probe.kernels.nvfp4.tc_linear import prepare
+
+    dims = (2, 64, 96, 4, 2, 16) if ARGS.tiny else (36, 4096, 12288, 32, 8, 128)
+    shapes, parts = q8b_linears(*dims)
+    state: dict[str, Any] = {}
+
+    def make() -> dict[str, Any]:
+        g = torch.Generator(device=ARGS.device).manual_seed(0)
+        ws = {nm: (torch.randn(s, generator=g, device=ARGS.device) * 0.02).to(torch.bfloat16) for nm, s in shapes.items()}
+        state["ws"] = ws
+        nbytes = sum(w.numel() * 2 for w in ws.values())
+        return {"weights": len(ws), "params_M": round(nbytes / 2e6, 1), "bf16_GB": round(nbytes / 1e9, 2)}
+
+    guarded("b sync", "make random weights", 20, make)
+    if "ws" not in state:
+        return
+    ws = state["ws"]
+
+    def timing() -> dict[str, Any]:
+        dst = {nm: torch.empty_like(w) for nm, w in ws.items()}
+
+        def copy() -> None:
+            for nm, w in ws.items():
+                dst[nm].copy_(w)
+
+        def run() -> None:
+            state["out"] = None  # free the previous result first
+            state["out"] = sync_model(ws, "nvfp4-per-token", parts)
+
+        t_copy = wall(copy)
+        dst.clear()
+        t_sync = wall(run)
+        nbytes = sum(w.numel() * 2 for w in ws.values())
+        return {"sync_ms": round(t_sync * 1e3, 2), "copy_ms": round(t_copy * 1e3, 2), "ratio": round(t_sync / t_copy, 2),
+                "copy_GBps": round(2 * nbytes / t_copy / 1e9), "sync_read_GBps": round(nbytes / t_sync / 1e9),
+                "target": "ratio <= 2", "pass": t_sync / t_copy <= 2.0 if cuda() else None}
+
+    guarded("b sync", "sync_model vs D2D copy (all linears)", 60 if cuda() else 5, timing)
+
+    def equal(scheme: str, layer: int) -> dict[str, Any]:
+        from mismatch_probe.kernels.nvfp4.sync import sync_weight
+
+        bad, n, t_ref, t_syn = [], 0, 0.0, 0.0
+        reuse = scheme == "nvfp4-per-token" and bool(state.get("out"))
+        for nm in [k for k in shapes if k.startswith(f"{layer}.")]:
+            w, p = ws[nm], parts.get(nm)
+            sync()
+            t = time.perf_counter()
+            got = state["out"][nm] if reuse else sync_weight(w, scheme, p)
+            sync()
+            t_syn += time.perf_counter() - t
+            t = time.perf_counter()
+            ref = [prepare(q) for q in NVFP4Linear(scheme, p).weight(w)]
+            for r in ref:
+                NA.decode_ok(r)
+            sync()
+            t_ref += time.perf_counter() - t
+            for si, (g_, r) in enumerate(zip(got, ref)):
+                for f in ("codes", "scales", "amax", "dec", "dsc"):
+                    n += 1
+                    if not torch.equal(getattr(g_, f), getattr(r, f)):
+                        bad.append(f"{nm}[{si}].{f}")
+                n += 1
+                if (g_.native, g_.bkc, g_.nseg) != (r.native, r.bkc, r.nseg) or (
+                        r.native and not all(torch.equal(a, b) for a, b in zip(g_.native_w, r.native_w))):
+                    bad.append(f"{nm}[{si}].native")
+        return {"fields": n, "unequal": bad[:8], "pass": not bad, "ref_layer_s": round(t_ref, 2),
+                "sync_layer_s": None if reuse else round(t_syn, 4)}
+
+    last = dims[0] - 1
+    guarded("b sync", "bitwise vs reference, layer 0 (per-token)", 15, lambda: equal("nvfp4-per-token", 0))
+    guarded("b sync", f"bitwise vs reference, layer {last} (per-token)", 15, lambda: equal("nvfp4-per-token", last))
+    guarded("b sync", "bitwise vs reference, layer 1 (static)", 15, lambda: equal("nvfp4-static", 1))
+    state.clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# a: linear
+
+
+def section_linear() -> None:
+    from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
+    from mismatch_probe.kernels.nvfp4.tc_linear import OP_DTYPE, tc_matmul
+
+    big = (64, 64) if ARGS.tiny else (8192, 8192)
+    m_big = 256 if ARGS.tiny else 8192
+    cases: list[tuple[int, int, int, str]] = [(m, *big, "") for m in (1, 16, 64, m_big)]
+    if ARGS.tiny:
+        q8 = {"qkv": (96, 64), "down": (64, 96)}
+    else:
+        q8 = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+    for m in (48,) if ARGS.tiny else (16, 2048):
+        cases += [(m, n, k, f" ({nm})") for nm, (n, k) in q8.items()]
+    g = torch.Generator(device=ARGS.device).manual_seed(1)
+
+    def one(m: int, n: int, k: int) -> dict[str, Any]:
+        x = torch.randn(m, k, generator=g, device=ARGS.device).to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=g, device=ARGS.device) * 0.02).to(torch.bfloat16)
+        lin = NVFP4Linear("nvfp4-per-token")
+        y = lin(x, w)
+        res: dict[str, Any] = {"paths": dict(lin.paths_used), "out": list(y.shape)}
+        tw = lin.prepared(w)[0]
+        qa, op = lin.quantize_input(x, None, tw)
+        tc_matmul(qa, tw, a_op=op)  # (on the CPU: the interpreter, once)
+        if not cuda():
+            torch.nn.functional.linear(x, w)
+            return {**res, "note": "timing skipped (no CUDA): linear on the reference path, GEMM in the interpreter, once"}
+        fp8 = {}
+        try:
+            xf, wf = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+            one_ = torch.ones((), dtype=torch.float32, device=x.device)
+            torch._scaled_mm(xf, wf.t(), scale_a=one_, scale_b=one_, out_dtype=torch.bfloat16)
+            fp8["fn"] = lambda: torch._scaled_mm(xf, wf.t(), scale_a=one_, scale_b=one_, out_dtype=torch.bfloat16)
+        except Exception as e:
+            res["fp8_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        us_bf16 = graph_us(lambda: torch.nn.functional.linear(x, w))
+        us_lin = graph_us(lambda: lin(x, w))
+        us_gemm = graph_us(lambda: tc_matmul(qa, tw, a_op=op))
+        res.update(bf16_us=round(us_bf16, 1), nvfp4_linear_us=round(us_lin, 1), nvfp4_gemm_only_us=round(us_gemm, 1),
+                   speedup_vs_bf16=round(us_bf16 / us_lin, 2), paths=dict(lin.paths_used), op_dtype=str(OP_DTYPE))
+        if "fn" in fp8:
+            us8 = graph_us(fp8["fn"])
+            res.update(fp8_gemm_us=round(us8, 1))
+        if (m, n, k) == (16, *big):
+            res["target"] = "speedup >= 2.5"
+            res["pass"] = us_bf16 / us_lin >= 2.5
+        if (m, n, k) == (m_big, *big):
+            res["target"] = "nvfp4 <= 1.3x bf16 time"
+            res["pass"] = us_lin / us_bf16 <= 1.3
+        return res
+
+    for m, n, k, nm in cases:
+        label = f"M={m} N={n} K={k}{nm}"
+        guarded("a linear", label, 10 if m < 4096 else 20, lambda m=m, n=n, k=k: one(m, n, k))
+
+    def rows_check() -> dict[str, Any]:
+        n, k = big
+        x = torch.randn(m_big, k, generator=g, device=ARGS.device).to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=g, device=ARGS.device) * 0.02).to(torch.bfloat16)
+        lin = NVFP4Linear("nvfp4-per-token")
+        y_big = lin(x, w)
+        out = {}
+        for m in (1, 16, 64):
+            out[f"M={m}"] = bool(torch.equal(lin(x[:m].clone(), w), y_big[:m]))
+        return {**out, "pass": all(out.values()), "paths": dict(lin.paths_used)}
+
+    guarded("a linear", f"rows M=1/16/64 == rows of M={m_big} (N=K={big[0]}, torch.equal)", 10, rows_check)
+
+
+# ------------------------------------------------------------------------------------------------
+# c: HF learner
+
+
+Q06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, vocab_size=151936,
+            max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)
+Q8B = {**Q06B, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+       "tie_word_embeddings": False}
+TINY = {**Q06B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+
+
+def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from mismatch_probe.probes.hf.patch import patch
+
+    cfg = Qwen3Config(**shape)
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    with torch.device(ARGS.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    res: dict[str, Any] = {"build_s": round(time.perf_counter() - t, 1), "tokens": f"{batch} x {tokens}"}
+    ids = torch.randint(8, min(400, shape["vocab_size"]), (batch, tokens), device=ARGS.device)
+    reps = 5 if cuda() else 1
+    h = None
+    try:
+        with torch.inference_mode():
+            res["bf16_s"] = round(wall(lambda: model(ids), reps=reps), 4)
+            lb = model(ids).logits
+            res["bf16_batch_invariant"] = bool(torch.equal(model(ids[:1]).logits[0], lb[0]))
+            del lb
+            h = patch(model, "nvfp4-per-token")
+            sync()
+            t = time.perf_counter()
+            model(ids)
+            sync()
+            res["nvfp4_first_s"] = round(time.perf_counter() - t, 3)
+            res["nvfp4_s"] = round(wall(lambda: model(ids), reps=reps), 4)
+            res["ratio"] = round(res["nvfp4_s"] / res["bf16_s"], 3)
+            lb = model(ids).logits
+            res["nvfp4_batch_invariant"] = bool(torch.equal(model(ids[:1]).logits[0], lb[0]))
+            res["target"] = "ratio <= 1.3, batch invariant"
+            res["pass"] = res["ratio"] <= 1.3 and res["nvfp4_batch_invariant"] if cuda() else None
+    finally:
+        if h is not None:
+            h.undo()
+    return res
+
+
+def section_learner() -> None:
+    if ARGS.tiny:
+        guarded("c learner", "tiny Qwen3 (2 x 32 tokens)", 5, lambda: learner(TINY, 2, 32))
+        return
+    guarded("c learner", "Qwen3-0.6B shape, 4 x 1024 tokens", 30, lambda: learner(Q06B, 4, 1024))
+    guarded("c learner", "Qwen3-8B shape, 2 x 1024 tokens", 60, lambda: learner(Q8B, 2, 1024))
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def env() -> dict[str, Any]:
+    import triton
+
+    out: dict[str, Any] = {"torch": torch.__version__, "triton": triton.__version__, "device": ARGS.device,
+                           "tiny": ARGS.tiny}
+    if cuda():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["cuda"] = torch.version.cuda
+    try:
+        from mismatch_probe.kernels.nvfp4 import native
+
+        out["native"] = native.status()
+    except Exception as e:
+        out["native"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def table() -> str:
+    skip = {"section", "case", "status", "t_s", "where"}
+    lines = ["| section | case | status | figures |", "|---|---|---|---|"]
+    for r in ROWS:
+        figs = ", ".join(f"{k}={v}" for k, v in r.items() if k not in skip)
+        lines.append(f"| {r['section']} | {r['case']} | {r['status']} | {figs.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    global ARGS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget", type=float, default=230.0, help="seconds; later cases past it are skipped")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (dry run of the script's Python)")
+    ap.add_argument("--only", default="bac", help="sections to run, in this order (letters of a, b, c)")
+    ARGS = ap.parse_args()
+    if ARGS.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: use --device cpu --tiny for a dry run")
+    ARGS.out.mkdir(parents=True, exist_ok=True)
+    info = env()
+    print("ENV", json.dumps(info, default=str), flush=True)
+    sections = {"a": section_linear, "b": section_sync, "c": section_learner}
+    for s in ARGS.only:
+        try:
+            sections[s]()
+        except Exception as e:  # belt and braces: the cases catch their own
+            row(s, "section", status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+    info["elapsed_s"] = round(time.time() - T0, 1)
+    (ARGS.out / "gpu_nvfp4_check.json").write_text(json.dumps({"env": info, "rows": ROWS}, indent=1, default=str))
+    print(f"\nwrote {ARGS.out / 'gpu_nvfp4_check.json'} ({info['elapsed_s']} s)\n")
+    print(table())
+
+
+if __name__ == "__main__":
+    main()
