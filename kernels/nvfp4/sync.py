@@ -22,6 +22,7 @@ reads all flags of :func:`sync_model` with one synchronization at the end.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -170,28 +171,47 @@ def _amaxes(w: torch.Tensor, sizes: list[int], fused: bool, amax: torch.Tensor, 
     return [shared] * len(sizes)
 
 
-def _launch_shard(x: torch.Tensor, amax: torch.Tensor, tuning: GemmTuning) -> Any:
-    """One shard [n, K] (contiguous bf16) -> TCWeight (``native`` still undecided if K % 128 == 0)."""
-    from .tc_linear import TCWeight, chunk_for, nseg_for
+@functools.lru_cache(maxsize=256)
+def _plan(n: int, k: int, tuning: GemmTuning) -> tuple[int, int, int, bool, tuple[int, ...]]:
+    """(bkc, chunks, nseg, native, byte sizes of codes, scales, dec, dsc, wq, ws16) of one shard."""
+    from .tc_linear import chunk_for, nseg_for
 
-    n, k = x.shape
     bkc = chunk_for(k)
-    nt, chunks = triton.cdiv(n, TILE), k // bkc
+    nt, chunks = -(-n // TILE), k // bkc
     nseg = nseg_for(n, k, False, tuning.segments)
     native = bkc == 128 and (k // 128) % nseg == 0  # decode_ok's shape conditions
-    dev = x.device
-    codes = torch.empty(n, k // 2, dtype=torch.uint8, device=dev)
-    scales = torch.empty(n, k // 16, dtype=torch.uint8, device=dev)
-    dec = torch.empty(1, nt, chunks, TILE, bkc // 2, dtype=torch.uint8, device=dev)
-    dsc = torch.empty(1, nt, chunks, TILE, bkc // 16, dtype=torch.uint8, device=dev)
-    wq = torch.empty(nt * chunks * 4096 if native else 1, dtype=torch.uint8, device=dev)
-    ws16 = torch.empty(nt * chunks * 512 if native else 1, dtype=torch.float16, device=dev)
+    pad = nt * TILE * k
+    sizes = (n * k // 2, n * k // 16, pad // 2, pad // 16, pad // 2 if native else 0, pad // 8 if native else 0)
+    return bkc, chunks, nseg, native, sizes
+
+
+def _carve(buf: torch.Tensor, off: int, nbytes: int) -> tuple[torch.Tensor, int]:
+    """A view of ``nbytes`` of ``buf`` at ``off``; the next offset, 256-byte aligned."""
+    return buf[off:off + nbytes], off + (nbytes + 255) // 256 * 256
+
+
+def _launch_shard(x: torch.Tensor, amax: torch.Tensor, tuning: GemmTuning, buf: torch.Tensor, off: int) -> tuple[Any, int]:
+    """One shard [n, K] (contiguous bf16) -> TCWeight (``native`` still undecided if K % 128 == 0), its
+    tensors carved from ``buf`` (one allocation per weight) at ``off``; the next offset."""
+    from .tc_linear import TCWeight
+
+    n, k = x.shape
+    bkc, chunks, nseg, native, sizes = _plan(n, k, tuning)
+    nt = -(-n // TILE)
+    parts = []
+    for nbytes in sizes:
+        t, off = _carve(buf, off, max(nbytes, 2))
+        parts.append(t)
+    codes, scales = parts[0].view(n, k // 2), parts[1].view(n, k // 16)
+    dec = parts[2].view(1, nt, chunks, TILE, bkc // 2)
+    dsc = parts[3].view(1, nt, chunks, TILE, bkc // 16)
+    wq, ws16 = parts[4], parts[5].view(torch.float16)
     launch(_sync_kernel, (nt, chunks), x.view(torch.int16), amax, codes, scales, dec, dsc, wq, ws16, n, k, bkc, bkc // 2,
            native, num_warps=4)
     tw = TCWeight(codes, scales, amax, False, dec, dsc, bkc, nseg, False, tuning=tuning)
     if native:
-        tw.native_w = (wq, dsc.view(-1), ws16.view(torch.uint8))
-    return tw
+        tw.native_w = (wq, dsc.view(-1), parts[5])
+    return tw, off
 
 
 def _sync_async(w: torch.Tensor, scheme: Any, partitions: list[int] | None, tuning: GemmTuning,
@@ -202,9 +222,13 @@ def _sync_async(w: torch.Tensor, scheme: Any, partitions: list[int] | None, tuni
         w = w.contiguous()
     sizes = _sizes(w.shape[0], partitions)
     amaxes = _amaxes(w, sizes, s.fused_weight_amax, amax, flag)
-    tws, r0 = [], 0
+    k = w.shape[1]
+    total = sum((max(nb, 2) + 255) // 256 * 256 for size in sizes for nb in _plan(size, k, tuning)[4])
+    buf = torch.empty(total, dtype=torch.uint8, device=w.device)
+    tws, r0, off = [], 0, 0
     for size, a in zip(sizes, amaxes):
-        tws.append(_launch_shard(w[r0:r0 + size], a, tuning))
+        tw, off = _launch_shard(w[r0:r0 + size], a, tuning, buf, off)
+        tws.append(tw)
         r0 += size
     # a shard's blocks are NaN-flagged iff it holds a non-finite value (or, shared amax, a NaN anywhere)
     flags = flag[: len(sizes)]
