@@ -187,6 +187,37 @@ def section_sync() -> None:
 
     guarded("b sync", "sync_model vs D2D copy (all linears)", 60 if cuda() else 5, timing)
 
+    def enqueue() -> dict[str, Any]:
+        # diagnostic: host time to queue every launch (sync_model without its final flag read) vs the total
+        from mismatch_probe.kernels.nvfp4 import sync as SY
+
+        state["out"] = None
+        buf = torch.zeros(len(ws), 2 * SY.MAX_SHARDS, dtype=torch.float32, device=ARGS.device)
+        sync()
+        t = time.perf_counter()
+        for i, (nm, w) in enumerate(ws.items()):
+            SY._sync_async(w, "nvfp4-per-token", parts.get(nm), SY.DEFAULT, buf[i, :SY.MAX_SHARDS],
+                           buf[i, SY.MAX_SHARDS:].view(torch.int32))
+        t_host = time.perf_counter() - t
+        sync()
+        t_all = time.perf_counter() - t
+        return {"host_enqueue_ms": round(t_host * 1e3, 2), "total_ms": round(t_all * 1e3, 2),
+                "note": "host-bound if enqueue ~ total"}
+
+
+    def big_weight() -> dict[str, Any]:
+        # diagnostic: the kernels' throughput on one large weight (GPU-bound: host time negligible)
+        from mismatch_probe.kernels.nvfp4.sync import sync_weight
+
+        n, k = (256, 256) if ARGS.tiny else (65536, 8192)
+        w = (torch.randn(n, k, device=ARGS.device) * 0.02).to(torch.bfloat16)
+        dst = torch.empty_like(w)
+        t_copy = wall(lambda: dst.copy_(w))
+        t_sync = wall(lambda: sync_weight(w, "nvfp4-per-token"))
+        return {"shape": [n, k], "sync_ms": round(t_sync * 1e3, 3), "copy_ms": round(t_copy * 1e3, 3),
+                "ratio": round(t_sync / t_copy, 2), "sync_read_GBps": round(w.numel() * 2 / t_sync / 1e9)}
+
+
     def equal(scheme: str, layer: int) -> dict[str, Any]:
         from mismatch_probe.kernels.nvfp4.sync import sync_weight
 
@@ -221,6 +252,8 @@ def section_sync() -> None:
     guarded("b sync", "bitwise vs reference, layer 0 (per-token)", 15, lambda: equal("nvfp4-per-token", 0))
     guarded("b sync", f"bitwise vs reference, layer {last} (per-token)", 15, lambda: equal("nvfp4-per-token", last))
     guarded("b sync", "bitwise vs reference, layer 1 (static)", 15, lambda: equal("nvfp4-static", 1))
+    guarded("b sync", "diagnostic: host enqueue time of all launches", 20 if cuda() else 5, enqueue)
+    guarded("b sync", "diagnostic: one large weight (kernel throughput)", 20 if cuda() else 5, big_weight)
     state.clear()
 
 

@@ -137,11 +137,12 @@ def _sync_kernel(x_ptr, amax_ptr, codes_ptr, scales_ptr, dec_ptr, dsc_ptr, wq_pt
 
 
 def supported(w: torch.Tensor, scheme: Any, partitions: list[int] | None = None) -> bool:
-    """The fused path computes this weight: bf16 [N, K], K % 32 == 0, a 1x16-block scheme, at most
-    MAX_SHARDS shards."""
+    """The fused path computes this weight: a plain bf16 [N, K] tensor (no subclass such as DTensor),
+    K % 32 == 0, a 1x16-block scheme, at most MAX_SHARDS shards."""
     from .tc_linear import chunk_for
 
-    return (w.dtype == torch.bfloat16 and w.dim() == 2 and chunk_for(w.shape[1]) > 0 and w.shape[0] > 0
+    return (type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == torch.bfloat16 and w.dim() == 2
+            and chunk_for(w.shape[1]) > 0 and w.shape[0] > 0
             and not _scheme(scheme).weight_tile16 and len(_sizes(w.shape[0], partitions)) <= MAX_SHARDS)
 
 
