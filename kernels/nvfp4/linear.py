@@ -75,6 +75,9 @@ def qdq(x: torch.Tensor, mode: str, amax: torch.Tensor | None = None) -> torch.T
     return nvfp4_dequantize_ref(q, torch.float32).to(x.dtype)
 
 
+SYNC_FAILED: list[str | None] = [None]  # the fused weight sync failed once in this process: the reference path after
+
+
 def use_kernels(x: torch.Tensor) -> bool:
     """The Triton kernels run for bf16 activations on a CUDA device (else the reference)."""
     return x.device.type == "cuda" and x.dtype == torch.bfloat16
@@ -108,6 +111,7 @@ class NVFP4Linear:
         self._tcache: dict[Any, tuple[tuple[Any, ...], list[Any]]] = {}
         self.paths_used: dict[str, int] = {}  # "reference" | "cuda-native:decode" | "triton:decode" | "triton:prefill" -> calls
         self._last: tuple[int, Any] | None = None  # (M, TCWeight) of the last Triton call
+        self.weight_prep = "not yet"  # how the GEMM's weight layouts were made: "fused sync" or the reference path
 
     def weight(self, w: torch.Tensor, key: Any = None) -> list[NVFP4Tensor]:
         """Quantized shards of ``w [N, K]`` (computed once per weight version)."""
@@ -136,10 +140,16 @@ class NVFP4Linear:
             return hit[1]
         from . import sync
 
-        if w.is_cuda and sync.supported(w, self.scheme, self.partitions):  # 1x16 blocks: the fused weight sync
-            tws = sync.sync_weight(w, self.scheme, self.partitions, self.tuning)
-        else:
+        tws = None
+        if SYNC_FAILED[0] is None and w.is_cuda and sync.supported(w, self.scheme, self.partitions):
+            try:  # 1x16 blocks: the fused weight sync (bitwise the reference path)
+                tws = sync.sync_weight(w, self.scheme, self.partitions, self.tuning)
+                self.weight_prep = "fused sync"
+            except Exception as e:  # noqa: BLE001 - a kernel that fails to build here: the reference path, recorded
+                SYNC_FAILED[0] = f"{type(e).__name__}: {str(e)[:200]}"
+        if tws is None:
             tws = [prepare(q, self.tuning) for q in self.weight(w, key)]
+            self.weight_prep = "reference" + (f" (fused sync failed: {SYNC_FAILED[0]})" if SYNC_FAILED[0] else "")
         self._tcache[key] = (wk, tws)
         return tws
 
@@ -204,7 +214,7 @@ class NVFP4Linear:
             from .tc_linear import kernel_record
 
             kernel = kernel_record(*self._last)
-        return {"paths_used": dict(sorted(self.paths_used.items())), "kernel": kernel}
+        return {"paths_used": dict(sorted(self.paths_used.items())), "kernel": kernel, "weight_prep": self.weight_prep}
 
     def describe(self) -> dict[str, Any]:
         s = self.scheme
