@@ -22,8 +22,11 @@ Op classes (the ``ops=`` subset of a patch; ``bisect``'s ablation picks subsets 
 ``embedding, norm, linear, rope, attention, act, moe, logits, logsoftmax``. Under an ``engine``
 alignment with an NVFP4 linear, ``linear``, the ops that produce the quantizer's input (``norm``,
 ``act``), the ops whose last-bit differences FP4 amplifies (``rope``, ``attention``) and, on MoE
-models, ``moe`` (expert GEMMs in NVFP4) are replaced (:data:`NVFP4_OPS`); embedding, logits and
-log-softmax stay the engine's.
+models, ``moe`` (expert GEMMs in NVFP4) are replaced (:data:`NVFP4_OPS`), and so are the LM head
+(``logits``, the strict bf16 GEMM) and the log-softmax: the logprob is what the recipes are measured
+by, and on CUDA vLLM computes it in its own kernel (model runner V2) and the LM head at its batch's
+row count (cuBLAS picks kernels by shape), one fp32 ulp away from the learner's (measured on an H200:
+4.8e-7). The embedding (a row gather, exact everywhere) stays the engine's.
 The LM head (``logits``) and the MoE router stay bf16 in every recipe,
 as NVFP4 checkpoints and TE recipes keep them.
 """
@@ -40,9 +43,9 @@ ALIGNS = ("engine", "strict")
 # produce their inputs (RMSNorm before q/k/v and gate/up, SiLU-and-mul before down: fused
 # norm+quantize / act+quantize kernels in an NVFP4 stack) and the ops whose last-bit differences
 # FP4 rounding amplifies into whole E2M1 steps (rotary, attention: they produce the residual
-# stream and o_proj's input). All NVFP4 recipes share these, so they differ only in the scaling
-# scheme; the LM head, log-softmax and embedding stay each engine's (strict adds them).
-NVFP4_OPS = ("linear", "norm", "act", "moe", "rope", "attention")
+# stream and o_proj's input), plus the LM head and the log-softmax that make the logprob. All NVFP4
+# recipes share these, so they differ only in the scaling scheme; the embedding stays each engine's.
+NVFP4_OPS = ("linear", "norm", "act", "moe", "rope", "attention", "logits", "logsoftmax")
 RECIPES = ("engine", "strict", "nvfp4-dynamic-tensor", "nvfp4-static", "nvfp4-per-token")
 
 OP_DOC = {  # the CPU definition (kernels/strict/ops.py)

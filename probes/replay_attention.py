@@ -50,11 +50,11 @@ def hf_attention(model: Any, layer: int, xs: list[Any], pos: Any) -> Any:
             q = q_all[s:e].reshape(t, -1, d).transpose(0, 1).unsqueeze(0)
             k = k_all[s:e].reshape(t, -1, d).transpose(0, 1).unsqueeze(0)
             v = v_all[s:e].reshape(t, -1, d).transpose(0, 1).unsqueeze(0)
-            i = torch.arange(t)
+            i = torch.arange(t, device=q.device)  # the mask on the rows' device (CUDA sdpa refuses a host mask)
             vis = i[None, :] <= i[:, None]
             if win:
                 vis &= i[None, :] > i[:, None] - win
-            mask = torch.zeros(1, 1, t, t, dtype=q.dtype).masked_fill(~vis, torch.finfo(q.dtype).min)
+            mask = torch.zeros(1, 1, t, t, dtype=q.dtype, device=q.device).masked_fill(~vis, torch.finfo(q.dtype).min)
             out, _ = fn(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, sliding_window=getattr(a, "sliding_window", None))
             outs.append(out.reshape(t, -1))
     return torch.cat(outs)

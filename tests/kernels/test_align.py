@@ -114,7 +114,7 @@ def test_recipe_resolution_and_names() -> None:
     assert resolve("strict", None).name == "strict"
     assert resolve("strict", "nvfp4-per-token").name == "strict+nvfp4-per-token"
     assert parse("strict+nvfp4-static") == Recipe("strict", "nvfp4-static")
-    assert parse("nvfp4-static").ops() == {"linear", "norm", "act", "moe", "rope", "attention"}
+    assert parse("nvfp4-static").ops() == {"linear", "norm", "act", "moe", "rope", "attention", "logits", "logsoftmax"}
     assert parse("strict").ops() == set(OP_KINDS)
     assert parse("engine").describe()["ops"]["linear"] == "engine"
     with pytest.raises(ValueError):
