@@ -4,7 +4,7 @@ The numerics contract (quantizer bit for bit, GEMM accumulation, what is bitwise
 
 The recipes' path (both engines build the same object per linear layer):
 
-* :class:`linear.NVFP4Linear`: made from the recipe's :class:`linear.Scheme` (activation amax per
+* :class:`linear.NVFP4Linear`: made from the recipe's :class:`schemes.Scheme` (activation amax per
   token / per tensor / static, weight blocks, weight amax); owns the scheme's quantizers and the
   prepared weights, and runs every GEMM through
 * :mod:`tc_linear`: **the** NVFP4 GEMM (:func:`tc_linear.prepare`, :func:`tc_linear.tc_matmul`,
@@ -12,6 +12,9 @@ The recipes' path (both engines build the same object per linear layer):
   either way, tensor-core fp32 accumulation in K segments that depend only on (N, K). Its kernels:
   :mod:`gemm_tc` (Triton) and :mod:`native` (CUDA C++ in ``csrc/``, built at first use on sm_89+:
   the decode GEMM and the quantizer, same bits).
+* :mod:`sync`: the weights' layouts for that GEMM (codes, scales, decode and native layouts) in
+  one fused pass per weight shard, bitwise :func:`schemes.quantize_weight_ref` + :func:`tc_linear.prepare`
+  (what :meth:`linear.NVFP4Linear.prepared` runs on CUDA; the learner-to-sampler weight sync).
 * :mod:`tuning`: how it runs, as frozen dataclasses (:class:`tuning.GemmTuning`; only the segment
   rule decides bits).
 * quantizers: :mod:`quant_fast` (one pass, per token, emits the GEMM operand), :mod:`triton_quant`
@@ -37,8 +40,8 @@ from typing import Any
 
 _EXPORTS: dict[str, str] = {
     "NVFP4Linear": "linear",
-    "Scheme": "linear",
-    "SCHEMES": "linear",
+    "Scheme": "schemes",
+    "SCHEMES": "schemes",
     "GemmTuning": "tuning",
     "prepare": "tc_linear",
     "tc_matmul": "tc_linear",

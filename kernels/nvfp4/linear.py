@@ -27,33 +27,13 @@ ran.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .ref import NVFP4Tensor, nvfp4_dequantize_ref, nvfp4_quantize_ref, w4a4_gemm_ref
+from .schemes import SCHEMES, Scheme, quantize_weight_ref
 from .tuning import DEFAULT, GemmTuning
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """An NVFP4 activation-scaling scheme: per-token or per-tensor activation amax, static
-    (calibrated) or dynamic, 16x16 or 1x16 weight blocks, one weight amax over fused shards or one
-    per logical weight."""
-
-    name: str
-    per_token: bool
-    static: bool
-    weight_tile16: bool
-    fused_weight_amax: bool
-
-
-SCHEMES = {
-    "nvfp4-dynamic-tensor": Scheme("nvfp4-dynamic-tensor", False, False, True, False),
-    "nvfp4-static": Scheme("nvfp4-static", False, True, False, True),
-    "nvfp4-per-token": Scheme("nvfp4-per-token", True, False, False, False),
-}
 
 CALIBRATION = {"on": False}  # process-global: static schemes record input amax instead of quantizing
 
@@ -119,13 +99,7 @@ class NVFP4Linear:
         hit = self._wcache.get(key)
         if hit is not None and hit[0] == wk:
             return hit[1]
-        sizes = self.partitions if self.partitions and sum(self.partitions) == w.shape[0] else [w.shape[0]]
-        parts = list(torch.split(w.detach(), sizes, dim=0))
-        s = self.scheme
-        shared = None
-        if s.fused_weight_amax:
-            shared = w.detach().float().abs().amax().reshape(1)
-        shards = [nvfp4_quantize_ref(p, tile16=s.weight_tile16, amax=shared) for p in parts]
+        shards = quantize_weight_ref(w, self.scheme, self.partitions)
         self._wcache[key] = (wk, shards)
         return shards
 

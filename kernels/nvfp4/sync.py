@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET, e2m1_encode, e4m3_round, kjit, launch, rmax, rsum
+from .schemes import SCHEMES, Scheme, quantize_weight_ref, shard_sizes
 from .tuning import DEFAULT, GemmTuning
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -147,14 +148,12 @@ def supported(w: torch.Tensor, scheme: Any, partitions: list[int] | None = None)
 
 
 def _scheme(scheme: Any) -> Any:
-    from .linear import SCHEMES, Scheme
-
     return scheme if isinstance(scheme, Scheme) else SCHEMES[scheme]
 
 
 def _sizes(n: int, partitions: list[int] | None) -> list[int]:
     """The shards as NVFP4Linear.weight splits them (partitions that do not add up to N: one shard)."""
-    return list(partitions) if partitions and sum(partitions) == n else [n]
+    return shard_sizes(n, partitions)
 
 
 def _amaxes(w: torch.Tensor, sizes: list[int], fused: bool, amax: torch.Tensor, flag: torch.Tensor) -> list[torch.Tensor]:
@@ -248,10 +247,9 @@ def _decide_native(tws: list[Any], flags: list[int]) -> None:
 
 def _reference(w: torch.Tensor, scheme: Any, partitions: list[int] | None, tuning: GemmTuning) -> list[Any]:
     """The reference path: ``prepare(nvfp4_quantize_ref(shard))`` per shard (NVFP4Linear.weight's shards)."""
-    from .linear import NVFP4Linear
     from .tc_linear import prepare
 
-    return [prepare(q, tuning) for q in NVFP4Linear(_scheme(scheme).name, partitions, tuning).weight(w)]
+    return [prepare(q, tuning) for q in quantize_weight_ref(w, _scheme(scheme), partitions)]
 
 
 def sync_weight(w: torch.Tensor, scheme: Any = "nvfp4-per-token", partitions: list[int] | None = None,
