@@ -9,11 +9,13 @@ The learner is the reference (``l``).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from mismatch_probe.analysis import pair_stats
 from mismatch_probe.families.opnames import DEFAULT_RTOL, exec_order, split_op
 from mismatch_probe.run import reader as layout
 
@@ -63,9 +65,10 @@ def error_stats(s: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     s, ref = np.where(fin, s, 0.0), np.where(fin, ref, 0.0)
     diff = s - ref
     nd, nr, ns = float(np.linalg.norm(diff)), float(np.linalg.norm(ref)), float(np.linalg.norm(s))
+    ad = np.abs(diff)
     return {
-        "max_abs_diff": float(np.abs(diff).max()) if diff.size else 0.0,
-        "mean_abs_diff": float(np.abs(diff).mean()) if diff.size else 0.0,
+        "max_abs_diff": float(ad.max()) if diff.size else 0.0,
+        "mean_abs_diff": float(ad.mean()) if diff.size else 0.0,
         "rel_l2": nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf),
         "cosine": 1.0 if nd == 0 else (float((s * ref).sum() / (ns * nr)) if ns > 0 and nr > 0 else 0.0),
         "sqnr_db": 10 * math.log10(nr**2 / nd**2) if nd > 0 and nr > 0 else math.inf,
@@ -73,6 +76,8 @@ def error_stats(s: np.ndarray, ref: np.ndarray) -> dict[str, float]:
 
 
 _KEYS = ("op", "seq_id", "pos", "dtype", "digest", "values")
+# threads for the per-op arithmetic over the rows both sides kept in full (results do not depend on it)
+OP_THREADS = min(8, os.cpu_count() or 1)
 
 
 class _Side:
@@ -322,8 +327,8 @@ def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], nu
     # their bytes, taken once per side in that order; each op's rows are a slice of them
     va = a.values_at(ia[fi]) if fi.size else None
     vb = b.values_at(ib[fi]) if fi.size else None
-    rows = []
-    for c in sorted(present, key=lambda c: first[c]):  # the ops in the order of their first joined row
+
+    def one(c: int) -> dict[str, Any]:
         name = op_names[c]
         layer, kind = split_op(name)
         same_dtype = n_dt_diff[c] == 0
@@ -342,7 +347,10 @@ def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], nu
                 row["bitwise_equal_frac"] = float(np.mean(same))
             else:
                 row["bitwise_equal_frac"] = math.nan
-        if sel.size:
+        if sel.size and same_dtype and pair_stats.supported(row["dtype"]) and np.array_equal(ll, ls) \
+                and (ll.size == 0 or (ll == ll[0]).all()):  # one pass over the raw bits, no float64 copies
+            row.update(pair_stats.pair_stats(bl, bs, row["dtype"]))
+        elif sel.size:
             try:
                 ref = decode_buffer(bl, sel.size, dtype_names[dl[sel[0]]])
                 got = decode_buffer(bs, sel.size, dtype_names[ds[sel[0]]])
@@ -350,7 +358,16 @@ def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], nu
                 ref = got = None
             row.update(error_stats(got, ref) if ref is not None and ref.shape == got.shape else {"rel_l2": math.nan})
             row["max_ulp"] = ulp_distance_buffers(bs, bl, row["dtype"]) if same_dtype else math.nan
-        rows.append(row)
+        return row
+
+    order = sorted(present, key=lambda c: first[c])  # the ops in the order of their first joined row
+    if fi.size and len(order) > 1 and OP_THREADS > 1:  # the full rows' arithmetic: numpy releases the GIL
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(OP_THREADS, len(order))) as ex:
+            rows = list(ex.map(one, order))
+    else:
+        rows = [one(c) for c in order]
     out = pd.DataFrame(rows, columns=OP_ERRORS_COLUMNS)
     return out.sort_values("exec_order", kind="stable").reset_index(drop=True)
 
