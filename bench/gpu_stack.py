@@ -14,6 +14,9 @@ vLLM's paged cache vs the learner's call, bitwise) is a gpu-marked test: ``bash 
   ``compare`` with the engine recipe, ``--align strict``, ``--recipe nvfp4-per-token``, and
   ``--learner-recipe nvfp4-dynamic-tensor --sampler-recipe nvfp4-static``.
 * ``bisect``: ``bisect`` (with ablation) on the 0.6B engine run, ``bisect --no-ablation`` on the strict run.
+* ``speed8b`` / ``q8b`` (issue 28): vLLM generation on an 8B-shaped model (dummy weights), bf16 vs
+  nvfp4-per-token, CUDA graphs on both, 16 and 64 x 256 tokens; ``compare --recipe nvfp4-per-token``
+  in CUDA graphs on an 8B-shaped checkpoint (16 x 256 tokens: the logprobs vs the learner's).
 * ``speed``: vLLM generation throughput on the 0.6B shape, 64 x 256 tokens (``ignore_eos``): the
   engine with CUDA graphs, the engine eager, strict eager, strict with CUDA graphs; and the HF
   learner forward (4 x 1,024 tokens), engine vs strict.
@@ -294,7 +297,7 @@ Q06B_RUNS = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--only", default="tiny,q06b,bisect,speed", help="steps: tiny, q06b, bisect, speed, speed8b")
+    ap.add_argument("--only", default="tiny,q06b,bisect,speed", help="steps: tiny, q06b, bisect, speed, speed8b, q8b")
     ap.add_argument("--q06b", default="engine,strict,nvfp4-per-token,mismatched,strict-graphs,nvfp4-graphs",
                     help=f"which 0.6B compare runs: {', '.join(Q06B_RUNS)}")
     ap.add_argument("--tiny-models", default=",".join(TINY))
@@ -352,6 +355,11 @@ def main() -> None:
         step_speed(Path(model), min(200, left()), args.mem)
     if go("speed8b") and not args.tiny:
         step_speed8b(args.out, min(300, left()), args.mem)
+    if go("q8b") and not args.tiny:  # issue 28: the sampler's NVFP4 logprobs == the learner's on the 8B shape
+        m8 = build_model(args.out / "q8b-ckpt", Q8B)
+        step_compare("q8b-nvfp4-graphs", str(m8), ["--n", "1", "--max-tokens", "256", "--prompts",
+                                                   str(prompts_file(args.out / "prompts16.jsonl", 16, 151936)),
+                                                   *Q06B_RUNS["nvfp4-graphs"]], runs, min(400, left()))
     (args.out / f"{args.tag}.json").write_text(json.dumps(ROWS, indent=1, default=str))
     print("\n| step | name | result |\n|---|---|---|")
     for r in ROWS:
