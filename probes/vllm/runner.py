@@ -16,6 +16,24 @@ from mismatch_probe.errors import UsageError
 from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
 
 
+@contextlib.contextmanager
+def _llvmlite_hidden_from_kernel_scan() -> Iterator[None]:
+    """vLLM (0.32's ``triton_utils.dispatcher``) scans every loaded module's globals at engine start
+    and reads ``vars(value).get(...)``; llvmlite's ``binding.ffi.lib`` answers every attribute,
+    ``__dict__`` included, with a C-function wrapper, so the scan raises once numba has compiled or
+    loaded anything in this process (the capture digests, the op comparison before bisect's engines
+    start). The object is taken out of its module for the engine start, and put back."""
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    lib = ffi.__dict__.pop("lib", None) if ffi is not None else None
+    try:
+        yield
+    finally:
+        if lib is not None:
+            ffi.lib = lib
+
+
 def import_vllm() -> Any:
     """Import vLLM for in-process use (v1 engine without its extra process)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -152,7 +170,8 @@ class VllmSampler(SamplerRunner):
         # vLLM's warm-up forwards (profile, dummy runs) come before the calibration pass
         nvfp4_linear.CALIBRATION["warmup"] = recipe.linear == "nvfp4-static"
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _llvmlite_hidden_from_kernel_scan():
+                self.llm = vllm.LLM(**kwargs)
             self.info.settings["recipe"] = self._finish_recipe(recipe)
         finally:
             nvfp4_linear.CALIBRATION["warmup"] = False
