@@ -64,21 +64,26 @@ def build_model(out: Path, shape: dict[str, Any]) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from mismatch_probe.probes import tiny_models as tm
-
     cfg = Qwen3Config(**shape, torch_dtype="bfloat16")
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(out, shape["vocab_size"])
+    return out
+
+
+def save_tokenizer(out: Path, vocab: int) -> None:
+    """The embedded tiny models' word-level tokenizer, widened to ``vocab`` ids, into ``out``."""
+    from mismatch_probe.probes import tiny_models as tm
+
     old = tm.VOCAB_SIZE
-    tm.VOCAB_SIZE = shape["vocab_size"]
+    tm.VOCAB_SIZE = vocab
     try:
         tm._tokenizer("word").save_pretrained(out)
     finally:
         tm.VOCAB_SIZE = old
-    return out
 
 
 def prompts_file(out: Path, n: int, vocab: int, seed: int = 0) -> Path:
@@ -269,15 +274,8 @@ def step_speed8b(out: Path, timeout: float, mem: float) -> None:
     if not (model / "config.json").exists():
         from transformers import Qwen3Config
 
-        from mismatch_probe.probes import tiny_models as tm
-
         Qwen3Config(**Q8B, torch_dtype="bfloat16").save_pretrained(model)
-        old = tm.VOCAB_SIZE
-        tm.VOCAB_SIZE = Q8B["vocab_size"]
-        try:
-            tm._tokenizer("word").save_pretrained(model)
-        finally:
-            tm.VOCAB_SIZE = old
+        save_tokenizer(model, Q8B["vocab_size"])
     base = {"model": str(model), "mem": mem, "load": "dummy", "batches": [16, 64], "eager": False}
     for recipe in ("engine", "nvfp4-per-token"):
         vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe} cuda graphs", base | {"recipe": recipe}, timeout)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -195,12 +194,12 @@ class VllmSampler(SamplerRunner):
         (``engine_args.recipe_graphs``; refused on the CPU and on MoE models)."""
         from mismatch_probe.probes.engine_args import RECIPE_GRAPHS_WHY, recipe_graphs
 
-        cfg_path = self.model_dir / "config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        except (OSError, ValueError):
-            cfg = {}
-        moe = any(int(cfg.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        if self.recipe in (None, "engine") or kwargs.get("enforce_eager", True):
+            self.recipe_graphs = False
+            return
+        from mismatch_probe.probes.models import inspect_model_dir
+
+        moe = inspect_model_dir(self.model_dir).is_moe  # the model family's spec (validated before any engine)
         comp = recipe_graphs(kwargs, self.recipe or "engine", on_cpu=on_cpu, moe=moe)
         self.recipe_graphs = comp is not None
         if comp is not None:
