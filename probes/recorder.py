@@ -20,7 +20,10 @@ Cost model (what keeps capture cheap at scale):
   waits when the writer falls behind.
 
 Recording only reads tensors: it never changes what the engine computes (tested: logprobs with
-and without capture are bitwise equal).
+and without capture are bitwise equal). An engine that overwrites a tensor in place after the hook
+read it (vLLM's CUDA kernels: the fused add + RMSNorm rewrites its input and the residual, rotary
+rewrites q and k) would change a queued tensor before its launch: such an engine's recorder is made
+with ``copy_on_record=True``, which queues a device copy taken at the hook, on the engine's stream.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, on
 # tensors alive beyond their use in the engine (plus the batches in flight, _HELD_MAX).
 _QUEUE_OPS = 1024
 _QUEUE_BYTES = 4 << 30
+_COPY_QUEUE_BYTES = 1 << 30  # copy_on_record: the queued copies are memory the engine did not plan for
 # CPU: kept values go to the writer in pieces of this size, so it writes them while the engine runs on
 _CPU_VALUE_BYTES = 64 << 20
 _HELD_MAX = 4  # side-stream batches in flight before the recording thread waits for the oldest
@@ -86,7 +90,7 @@ class OpRecorder:
     memory (``sink=None``: :meth:`table`). Call :meth:`close` when done (``table`` does it)."""
 
     def __init__(self, plan: Any = None, sink: Path | None = None, *, buffer_rows: int | None = None,
-                 buffer_bytes: int = 256 << 20, batched: bool = False) -> None:
+                 buffer_bytes: int = 256 << 20, batched: bool = False, copy_on_record: bool = False) -> None:
         from mismatch_probe.probes.capture import CapturePlan
 
         self.plan = plan or CapturePlan()
@@ -129,6 +133,10 @@ class OpRecorder:
                 self._writer = packed_writer(self._sink, _META)
         self._device: Any = None
         self.force_batched = batched
+        # batched path: queue a copy taken at the hook, not a reference (the engine may overwrite the
+        # tensor in place before the queue launches; see the module docstring)
+        self.copy_on_record = copy_on_record
+        self._queue_limit = _COPY_QUEUE_BYTES if copy_on_record else _QUEUE_BYTES
         self._is_batched: bool | None = None
         self._closed = False
         self._reset_chunk()
@@ -197,7 +205,7 @@ class OpRecorder:
         come from the layout cached at that first call: no torch call but ``data_ptr``, no reshape);
         a slow host is what limits a small model's forward, so the cost per op call is what
         capture costs there. Rows kept ``full`` and the logits' top-k take the general path."""
-        if self._is_batched:
+        if self._is_batched and not self.copy_on_record:
             lay = _LAYOUTS.get((op, tensor.dtype, tensor.shape, tensor.stride()))
             if lay is not None and op != self._topk_op:
                 # the op's rows in this batch: two dict lookups (its rule set, that set's rows)
@@ -257,6 +265,8 @@ class OpRecorder:
         if self._device is None:
             self._device = t.device
         cuda = self._batched(t)
+        if cuda and self.copy_on_record:  # on the engine's stream, before its next kernel can overwrite t
+            t = t.clone(memory_format=torch.contiguous_format)
         k = rows.keep.size
         need = t.shape[0] if cuda else k
         if need > self.buffer_rows:
@@ -348,7 +358,7 @@ class OpRecorder:
         q[0].append(t)
         q[1].extend(desc)
         self._qb += cost
-        if self._qb >= _QUEUE_BYTES:
+        if self._qb >= self._queue_limit:
             self._launch()
 
     def launch(self) -> None:

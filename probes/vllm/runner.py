@@ -359,7 +359,9 @@ class VllmSampler(SamplerRunner):
             from mismatch_probe.probes.vllm import tp
 
             return tp.captured_generate(self, prompts, sp, seqs, seq_ids)
-        rec = OpRecorder(self.capture, sink=self.ops_dest)
+        # vLLM's CUDA kernels overwrite tensors in place after the hooks read them (fused add + RMSNorm,
+        # rotary): the recorder queues copies taken at the hook (OpRecorder's docstring)
+        rec = OpRecorder(self.capture, sink=self.ops_dest, copy_on_record=True)
         rec.begin(seq_ids, [len(s) for s in seqs])
         cap = VllmCapture(rec, seqs, seq_ids)
         self.llm.apply_model(cap.install)

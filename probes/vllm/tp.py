@@ -126,7 +126,7 @@ class _RankRecorder:
     def __init__(self, plan: Any, rank: int, kv_keep: bool) -> None:
         from mismatch_probe.probes.recorder import OpRecorder
 
-        self.rec = OpRecorder(_full_plan(plan))
+        self.rec = OpRecorder(_full_plan(plan), copy_on_record=True)  # in-place kernels: OpRecorder's docstring
         self.rank = rank
         self.kv_keep = kv_keep
 

@@ -285,3 +285,24 @@ def test_batched_digest_only_chunks_equal_the_cpu_path(tmp_path):
     b = read_table(tmp_path / "ops.parquet", "ops").to_pandas()
     pd.testing.assert_frame_equal(a, b)
     assert len(a) == 3 * 4 * 5 and a["sum"].isna().all() and a.digest.str.len().eq(16).all()
+
+
+def test_copy_on_record_keeps_what_the_hook_saw_when_the_engine_overwrites_in_place():
+    """vLLM's CUDA kernels overwrite tensors in place after the hook (fused add + RMSNorm rewrites the
+    residual and its input, rotary rewrites q and k). On the batched (CUDA) path a queued reference
+    would be digested after that; ``copy_on_record`` queues the values the hook saw, so its rows equal
+    the immediate (numba) path's, and the plain batched recorder's do not (the hazard this guards)."""
+    plan = build_plan("stats", [])
+    seq, pos = np.array([0, 0, 1]), np.array([0, 1, 0])
+    recs = [OpRecorder(plan), OpRecorder(plan, batched=True, copy_on_record=True), OpRecorder(plan, batched=True)]
+    for r in recs:
+        r.begin([0, 1], [2, 1])
+        x = _rand(torch.bfloat16, 3, 40, 1)
+        qkv = _rand(torch.bfloat16, 3, 48, 2)
+        r.record("embed", x, seq, pos)
+        r.record("0.attn.q", qkv[:, :16], seq, pos)  # a strided view, as vLLM's split of qkv
+        x.add_(1.0)  # the engine's in-place kernels, after the hooks
+        qkv[:, :16].mul_(-2.0)
+    ref, copied, referenced = (r.table().to_pandas() for r in recs)
+    pd.testing.assert_frame_equal(ref, copied)
+    assert (ref["digest"] != referenced["digest"]).all()
