@@ -28,6 +28,16 @@ class _Rows:
     full_dev: Any = None
     stats: bool = True  # any row kept in stats or full mode (else the device kernel computes digests only)
     runs: Any = None  # the packed layout's runs (see run/ops_packed.py), made once per row set
+    counts: Any = None  # (rows in stats or full mode, rows in full mode, stats mask or None if all/none)
+
+    def mode_counts(self) -> tuple[int, int, np.ndarray | None]:
+        """(rows kept with stats, rows kept full, the per-row stats mask where only some rows have
+        stats, else None): computed once per row set, so a chunk's table costs per op call, not per row."""
+        if self.counts is None:
+            on = self.modes >= STATS
+            n = int(on.sum())
+            self.counts = (n, int((self.modes == FULL).sum()), on if 0 < n < on.size else None)
+        return self.counts
 
     def __getstate__(self) -> dict[str, Any]:  # sent to the writer process without the device copy
         return {**self.__dict__, "full_dev": None}
@@ -194,33 +204,36 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
 
     segs = [s if isinstance(s, _Seg) else _Seg(*s) for s in segs]
     ks = np.array([s.rows.keep.size for s in segs], np.int64)
-    arena: Any = _contiguous(segs, ks)
-    if arena is None:
-        arena = np.concatenate([s.arena_off + (s.rows.keep if s.batched else np.arange(s.rows.keep.size)) for s in segs])
-    modes = np.concatenate([s.rows.modes for s in segs])
-    stats_on = modes >= STATS
-    seg_of = np.repeat(np.arange(len(segs)), ks)
-    n_stats = np.bincount(seg_of, weights=stats_on, minlength=len(segs)).astype(np.int64)
-    n_full = np.bincount(seg_of, weights=modes == FULL, minlength=len(segs)).astype(np.int64)
+    counts = [s.rows.mode_counts() for s in segs]  # per row set: nothing here is per row
+    n_stats = np.array([c[0] for c in counts], np.int64)
+    n_full = np.array([c[1] for c in counts], np.int64)
     width = np.array([s.width for s in segs], np.int64)
     itemsize = np.array([s.itemsize for s in segs], np.int64)
     runs = [s.rows.packed_runs() for s in segs]
+    arena: Any = _contiguous(segs, ks)
+    if arena is None:
+        arena = np.concatenate([s.arena_off + (s.rows.keep if s.batched else np.arange(s.rows.keep.size)) for s in segs])
     d = np.ascontiguousarray(dig[arena]).view("<u8") if dig.ndim == 1 else None
     if d is None:
         raise ValueError("the packed layout takes raw digests, not hex digits")
-    if st is not None and stats_on.any():
+    some = any(c[2] is not None for c in counts)  # a row set with stats on some rows only
+    stats_on = np.concatenate([c[2] if c[2] is not None else np.full(k, c[0] > 0) for c, k in zip(counts, ks, strict=True)]) \
+        if some else None
+    if st is not None and n_stats.any():
         stats = st[arena]  # a view where the arena rows are one slice
-        if not stats_on.all():
+        if some:
             stats = stats[stats_on]
-        stats, counts = np.ascontiguousarray(stats[:, :3], "<f8"), np.ascontiguousarray(stats[:, 3:], "<i4")
+        elif not (n_stats == ks).all():
+            stats = stats[np.repeat(n_stats > 0, ks)]
+        stats, counts_b = np.ascontiguousarray(stats[:, :3], "<f8"), np.ascontiguousarray(stats[:, 3:], "<i4")
     else:
-        stats = counts = None
+        stats = counts_b = None
         n_stats = np.zeros(len(segs), np.int64)
     has_topk = np.array([s.has_topk for s in segs], bool)
     if tv is not None and has_topk.any():
         kk = int(tv.shape[1])
-        src = np.concatenate([s.topk_rows if s.has_topk else np.zeros(s.rows.keep.size, np.int64) for s in segs])
-        take = src[np.repeat(has_topk, ks) & stats_on]
+        take = np.concatenate([s.topk_rows if c[2] is None else s.topk_rows[c[2]]
+                               for s, c in zip(segs, counts, strict=True) if s.has_topk and c[0] > 0] or [np.zeros(0, np.int64)])
         t_ids, t_vals = ti[take].astype("<i4"), tv[take].astype("<f4")
         topk_k = np.where(has_topk, kk, 0)
         t_rows = np.where(has_topk, n_stats, 0)
@@ -241,7 +254,7 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
         pa.BinaryArray.from_buffers(pa.binary(), len(segs), [None, pa.py_buffer(roff), pa.py_buffer(np.concatenate(runs))]),
         _blob_col(d, ks * 8),
         _blob_col(stats, n_stats * 24),
-        _blob_col(counts, n_stats * 8),
+        _blob_col(counts_b, n_stats * 8),
         _blob_col(vals, n_full * width * itemsize),
         pa.array(topk_k.astype(np.int32)),
         _blob_col(t_ids, t_rows * topk_k * 4),
