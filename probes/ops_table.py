@@ -220,12 +220,14 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
     stats_on = np.concatenate([c[2] if c[2] is not None else np.full(k, c[0] > 0) for c, k in zip(counts, ks, strict=True)]) \
         if some else None
     if st is not None and n_stats.any():
-        stats = st[arena]  # a view where the arena rows are one slice
+        # st: the arena's [rows, 5] float64 (CPU), or (float64 [rows, 3], int32 [rows, 2]) split on the device
+        parts = list(st) if isinstance(st, tuple) else [st[:, :3], st[:, 3:]]
+        parts = [a[arena] for a in parts]  # views where the arena rows are one slice
         if some:
-            stats = stats[stats_on]
+            parts = [a[stats_on] for a in parts]
         elif not (n_stats == ks).all():
-            stats = stats[np.repeat(n_stats > 0, ks)]
-        stats, counts_b = np.ascontiguousarray(stats[:, :3], "<f8"), np.ascontiguousarray(stats[:, 3:], "<i4")
+            parts = [a[np.repeat(n_stats > 0, ks)] for a in parts]
+        stats, counts_b = np.ascontiguousarray(parts[0], "<f8"), np.ascontiguousarray(parts[1], "<i4")
     else:
         stats = counts_b = None
         n_stats = np.zeros(len(segs), np.int64)

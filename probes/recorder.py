@@ -8,9 +8,10 @@ Cost model (what keeps capture cheap at scale):
   launched at each new micro-batch of the HF learner: see _QUEUE_BYTES);
   queued tensors of one dtype are digested and reduced by ONE Triton launch (``digest_triton``)
   into a device arena of ``buffer_rows`` rows. When the arena fills, or the run ends, it is
-  copied to pinned host memory with one asynchronous copy; a writer thread waits for that copy's
-  event, builds the Arrow rows and writes them. No copy per op, no synchronization inside the
-  forward, nothing per row in Python.
+  copied to pinned host memory with one asynchronous copy per part (digests; stats split on the
+  device into the file's float64 sums and int32 counts); the writer waits for that copy's event,
+  builds the Arrow rows per op call (never per row) and writes them. No copy per op, no
+  synchronization inside the forward, nothing per row in Python.
 - CPU: a numba kernel (one pass over each row) writes straight into the host arena.
 - ``full`` rows are gathered on the device (``index_select``) and copied with the arena;
   ``logits`` rows keep the top-k (values and ids) unless the plan keeps them ``full``.
@@ -449,7 +450,10 @@ class OpRecorder:
                 # raw digests (8 bytes a row): the packed ops.parquet stores them as they are
                 hd = self._to_host([dig[:u]])
                 # no stats copy for a chunk of digest-only ops (their stats columns are null)
-                hs = self._to_host([st[:u]]) if self._chunk_has_stats() else None  # stream-ordered
+                # the stats as the file stores them, split on the device: float64 sum, sum_sq, abs_max
+                # and int32 NaN / Inf counts (32 bytes a row over the bus, no host-side pass)
+                hs = (self._to_host([st[:u, :3].contiguous()]), self._to_host([st[:u, 3:].to(torch.int32)])) \
+                    if self._chunk_has_stats() else None  # stream-ordered
                 ev = None
                 if self._device.type == "cuda":
                     ev = torch.cuda.Event()
@@ -476,7 +480,8 @@ class OpRecorder:
 
         if self.writer_mode == "process":
             ev, segs, dig, st, vals, tv, ti = job
-            self._proc.submit((ev, segs, {"dig": dig, "st": st, "vals": vals, "tv": tv, "ti": ti}))
+            st, cnt = st if isinstance(st, tuple) else (st, None)
+            self._proc.submit((ev, segs, {"dig": dig, "st": st, "cnt": cnt, "vals": vals, "tv": tv, "ti": ti}))
             return
         if self._thread is None:
             self._jobs: queue.Queue = queue.Queue(maxsize=self.queue_chunks)
@@ -524,7 +529,8 @@ class OpRecorder:
         if isinstance(vals, list):
             vals = np.concatenate(vals)
         if not isinstance(dig, np.ndarray):
-            dig, st = dig.numpy(), None if st is None else st.numpy()  # dig: int64 digests (the uint64 bits)
+            dig = dig.numpy()  # int64 digests (the uint64 bits)
+            st = None if st is None else (st[0].numpy(), st[1].numpy()) if isinstance(st, tuple) else st.numpy()
             vals = None if vals is None else vals.numpy()
             tv = None if tv is None else tv.numpy()
             ti = None if ti is None else ti.numpy()
@@ -534,6 +540,8 @@ class OpRecorder:
             self.rows_written += int(np.asarray(table.column("n")).sum())
             self._writer.write(table)
         else:
+            if isinstance(st, tuple):  # the in-memory table takes the arena's [rows, 5] float64 layout
+                st = np.concatenate([st[0], st[1].astype(np.float64)], axis=1)
             table = _build_table(segs, dig, st, vals, tv, ti)
             self.rows_written += table.num_rows
             self._tables.append(table)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-PARTS = ("dig", "st", "vals", "tv", "ti")
+PARTS = ("dig", "st", "cnt", "vals", "tv", "ti")  # st + cnt: the stats split on the device (recorder.flush)
 
 
 @functools.cache
@@ -305,7 +305,8 @@ def main(rfd: int, wfd: int) -> None:
                 _, path, layout, segs = msg
                 p = _read_parts(path, layout)
                 os.unlink(path)
-                table = _build_packed(segs, p["dig"], p.get("st"), p.get("vals"), p.get("tv"), p.get("ti"))
+                st = (p["st"], p["cnt"]) if "cnt" in p else p.get("st")
+                table = _build_packed(segs, p["dig"], st, p.get("vals"), p.get("tv"), p.get("ti"))
                 assert writer is not None
                 writer.write(table)
                 vals = p.get("vals")
