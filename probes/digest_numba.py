@@ -11,8 +11,12 @@ their bits (bf16: shift into a float32; fp16: LLVM's half type), exactly.
 
 No ``parallel=True``: numba's parallel backend (OpenMP by default) runs a second OpenMP runtime
 beside torch's, and the two pools' spinning threads slowed the engine's own kernels (sdpa) several
-times over on a 2-core machine. One thread at ~0.3 ns per bf16 element is far below a forward's
-cost per element."""
+times over on a 2-core machine. The kernels release the GIL instead (``nogil``), and :func:`rows`
+splits a large tensor's rows over a small pool of plain threads, as many as torch's intra-op
+threads: the recorder calls it between the engine's ops, while torch's threads wait, so the
+cores the forward uses are the ones the capture uses (one thread left the other cores idle for
+~40% of a 129M model's forward on 2 cores). Each row is still one loop of one thread: the bits do
+not depend on the split."""
 
 from __future__ import annotations
 
@@ -155,9 +159,23 @@ SUPPORTED = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.
              torch.int8, torch.uint8, torch.bool)
 
 
-def rows(t: torch.Tensor, dig: np.ndarray, st: np.ndarray, col_offset: int = 0) -> None:
-    """``t``: 2-D CPU tensor with unit inner stride; writes ``dig`` (uint64 [rows]) and ``st``."""
-    off = np.int64(col_offset)
+SPLIT_ELEMENTS = 1 << 18  # a tensor this large or larger is split over the pool (below: one call)
+_POOL: Any = None
+_POOL_N = 0
+
+
+def _pool(n: int) -> Any:
+    global _POOL, _POOL_N
+    if _POOL is None or _POOL_N != n:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if _POOL is not None:
+            _POOL.shutdown(wait=False)
+        _POOL, _POOL_N = ThreadPoolExecutor(n, thread_name_prefix="mp-digest"), n
+    return _POOL
+
+
+def _one(t: torch.Tensor, dig: np.ndarray, st: np.ndarray, off: np.int64) -> None:
     if t.dtype == torch.bool:
         u8 = t.view(torch.uint8)
         _rows_int(u8.view(torch.int8).numpy(), u8.numpy(), off, dig, st)
@@ -168,3 +186,20 @@ def rows(t: torch.Tensor, dig: np.ndarray, st: np.ndarray, col_offset: int = 0) 
         k(words, off, dig, st)
     else:
         _rows_int(words, t.numpy(), off, dig, st)
+
+
+def rows(t: torch.Tensor, dig: np.ndarray, st: np.ndarray, col_offset: int = 0) -> None:
+    """``t``: 2-D CPU tensor with unit inner stride; writes ``dig`` (uint64 [rows]) and ``st``
+    (a large tensor's rows split over torch's intra-op thread count of plain threads)."""
+    off = np.int64(col_offset)
+    n = min(torch.get_num_threads(), 8, t.shape[0])
+    if n < 2 or t.numel() < SPLIT_ELEMENTS:
+        _one(t, dig, st, off)
+        return
+    cut = np.linspace(0, t.shape[0], n + 1).astype(np.int64)
+    parts = [(int(a), int(b)) for a, b in zip(cut[:-1], cut[1:], strict=True) if b > a]
+    futs = [_pool(n - 1).submit(_one, t[a:b], dig[a:b], st[a:b], off) for a, b in parts[1:]]
+    a, b = parts[0]
+    _one(t[a:b], dig[a:b], st[a:b], off)  # the calling thread takes the first part
+    for f in futs:
+        f.result()

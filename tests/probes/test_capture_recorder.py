@@ -62,6 +62,24 @@ def test_digest_known_answer_freezes_the_definition():
         assert sum(term(w & m, i + 1) for i, w in enumerate(row)) & m == int(want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32, torch.bool], ids=str)
+def test_numba_rows_split_over_threads_is_bitwise_one_call(dtype, monkeypatch):
+    """A large tensor's rows go to a pool of plain threads (the engine's cores while it waits on the
+    hook): digests and stats are bitwise those of one call over all rows, for every split."""
+    from mismatch_probe.probes import digest_numba as N
+
+    x = _rand(dtype, 37, 700, seed=3)
+    dig1, st1 = np.zeros(37, np.uint64), np.zeros((37, 5))
+    N._one(x, dig1, st1, np.int64(0))
+    assert np.array_equal(dig1, _ref(x))
+    monkeypatch.setattr(N, "SPLIT_ELEMENTS", 1)
+    for threads in (2, 3, 5):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        dig, st = np.zeros(37, np.uint64), np.zeros((37, 5))
+        N.rows(x, dig, st)
+        assert np.array_equal(dig, dig1) and np.array_equal(st.view(np.int64), st1.view(np.int64)), threads
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_digest_bitwise_equal_numpy_torch_numba_triton(dtype):
     from mismatch_probe.probes import digest_triton
