@@ -405,6 +405,11 @@ def profile_forward(shape: str, modes: list[str], device: str, seq_len: int, per
     return out
 
 
+
+def _save(path: Path, res: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+
 def cli_check(seq_len: int, n_seqs: int, repeats: int) -> list[dict[str, Any]]:
     """`mismatch-probe capture --engine hf --capture off|stats` on n_seqs sequences of a 129M model."""
     import pyarrow as pa
@@ -632,7 +637,7 @@ def main() -> None:
             for f in tmp.glob("*.parquet"):
                 f.unlink()
             if a.out:  # after each shape: a later failure keeps what ran
-                a.out.write_text(json.dumps(res, indent=1))
+                _save(a.out, res)
         for k in res.get("kernel", []):
             print(f"kernel {k['shape']:12} block {k['block']:5d} warps {k['warps']} {'stats' if k['stats'] else 'digest'} "
                   f"{k['g_elements_per_s']:7.1f} G el/s "
@@ -656,7 +661,7 @@ def main() -> None:
                   f"{r.get('rows', 0):10d} {r['peak_rss_mb']:11.0f} {str(r['logprobs_equal_off']):>7} "
                   f"{r.get('table_sha', ''):>12}")
     if a.out:
-        a.out.write_text(json.dumps(res, indent=1))
+        _save(a.out, res)
 
 
 if __name__ == "__main__":
