@@ -129,6 +129,9 @@ def summarize_run(run: Path) -> dict[str, Any]:
         bad = df[df.bitwise_equal_frac != 1.0]
         if len(bad):
             out["first_bad_ops"] = list(bad.op)[:4]
+        # a row gather in both engines: bitwise in every run, the engine's included (an embed that
+        # differs means the capture read a tensor the engine overwrote in place: OpRecorder.copy_on_record)
+        out["embed_bitwise"] = bool((df[df.op == "embed"].bitwise_equal_frac == 1.0).all())
     except Exception as e:  # noqa: BLE001
         out["ops"] = f"no op errors: {type(e).__name__}"
     try:
