@@ -10,6 +10,7 @@ checkout so the installed package is imported (docs/gpu.md: ``bash bench/gpu_tes
   the FLASH_ATTN override in the sampler's manifest; ``bisect`` on it reports no divergent op.
 * ``--learner-recipe nvfp4-dynamic-tensor --sampler-recipe nvfp4-static`` completes (the static
   calibration inside CUDA vLLM) and shows a gap.
+* An engine run (vLLM's in-place CUDA kernels) captures what each hook saw: embed bitwise.
 """
 
 from __future__ import annotations
@@ -127,3 +128,18 @@ def test_recipe_in_cuda_graphs_is_exactly_zero(tmp_path: Path, recipe: tuple[str
     sampler = json.loads((out / "manifest.json").read_text())["engines"]["sampler"]
     assert sampler["enforce_eager"] is False
     assert sampler["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
+@needs_cuda_vllm
+def test_engine_capture_reads_what_the_hook_saw(tmp_path: Path) -> None:
+    """With vLLM's own CUDA kernels (no recipe), the fused add + RMSNorm overwrites the residual (at
+    layer 0 the embedding output) and rotary overwrites q / k in place after the hooks: the
+    captured rows must still be the hook's values. The embedding, a row gather in both engines,
+    is the op whose rows are equal by construction."""
+    import pandas as pd
+
+    out = tmp_path / "engine"
+    proc = cli("compare", "--model", "tiny-qwen3", "--out", str(out))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    df = pd.read_parquet(out / "compare/op_errors.parquet")
+    assert df[df.op == "embed"].bitwise_equal_frac.tolist() == [1.0]
