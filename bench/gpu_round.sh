@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One round of GPU checks on the lent H200, in stages that each fit one 10-minute command (run from the
 # checkout after `. /tmp/site/mp-env.sh`; stages share /tmp/gs, so run them on one warm machine, in order).
-#   bash bench/gpu_round.sh tests   # every gpu-marked test; tiny-llama / tiny-qwen3-moe / tiny-gemma3 strict;
-#                                   # the 0.6B shape strict (captured) and strict in CUDA graphs       (#26)
+#   bash bench/gpu_round.sh tests   # tests/gpu (8 tests, ~8 min: the CLI against CUDA vLLM)        (#26, #27)
+#   bash bench/gpu_round.sh kernels # the kernel gpu tests; tiny-llama / tiny-qwen3-moe / tiny-gemma3 strict (#26)
 #   bash bench/gpu_round.sh bisect  # the 0.6B engine run, nvfp4-per-token in graphs, bisect with ablation (#26)
 #   bash bench/gpu_round.sh speed   # sampler / learner speed, 0.6B (#26) and the 8B shape (#28)
 #   bash bench/gpu_round.sh capture # the whole cost of op capture (#27), then the NVFP4 kernels (#28)
@@ -13,14 +13,18 @@ out="${OUT:-/tmp/gs-out}"
 mkdir -p "$out"
 gs=/tmp/gs
 left() { echo $(( ${1} - SECONDS )); }
-case "${1:?stage: tests, bisect, speed or capture}" in
+case "${1:?stage: tests, kernels, bisect, speed or capture}" in
   tests)
-    bash "$here/gpu_tests.sh" > "$out/tests.log" 2>&1
-    python "$here/gpu_stack.py" --out "$gs" --only tiny,q06b --tiny-models tiny-llama,tiny-qwen3-moe,tiny-gemma3 \
-      --q06b strict,strict-graphs --tag tests --budget "$(left 575)" > "$out/stack_tests.log" 2>&1
-    cp "$gs/tests.json" "$out/" 2>/dev/null
-    grep -E "passed|failed|error" "$out/tests.log" | tail -15
-    sed -n '/^| step/,$p' "$out/stack_tests.log"
+    timeout "$(left 585)" bash "$here/gpu_tests.sh" -m gpu tests/gpu -rA > "$out/tests.log" 2>&1
+    grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -15
+    ;;
+  kernels)
+    bash "$here/gpu_tests.sh" -m gpu tests/kernels/test_strict_gpu.py tests/kernels/test_kernels_gpu.py > "$out/kernels.log" 2>&1
+    python "$here/gpu_stack.py" --out "$gs" --only tiny --tiny-models tiny-llama,tiny-qwen3-moe,tiny-gemma3 \
+      --tag kernels --budget "$(left 575)" > "$out/stack_kernels.log" 2>&1
+    cp "$gs/kernels.json" "$out/" 2>/dev/null
+    grep -E "passed|failed|error" "$out/kernels.log" | tail -15
+    sed -n '/^| step/,$p' "$out/stack_kernels.log"
     ;;
   bisect)
     python "$here/gpu_stack.py" --out "$gs" --only q06b,bisect --q06b engine,nvfp4-graphs --tag bisect \
