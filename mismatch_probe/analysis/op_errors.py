@@ -112,6 +112,15 @@ class _Side:
     def set_full(self, idx: np.ndarray, vals: Any) -> None:
         self.full_idx, self.full_vals = idx, vals
 
+    def in_full(self, idx: np.ndarray) -> np.ndarray:
+        """Whether each row ``idx`` was kept in ``full`` (a mask over the rows, then one gather: no
+        search per joined row)."""
+        if not self.full_idx.size:
+            return np.zeros(idx.size, bool)
+        mask = np.zeros(self.size(), bool)
+        mask[self.full_idx] = True
+        return mask[idx]
+
     def values_at(self, idx: np.ndarray) -> Any:
         """The kept bytes of rows ``idx`` (each one kept in ``full``)."""
         import pyarrow as pa
@@ -236,6 +245,7 @@ def _side_from_table(t: Any, ops: dict[str, int], dtypes: dict[str, int]) -> _Si
                     t.column("values").combine_chunks(), kind)
 
 
+_PACKED_COLUMNS = ("op", "dtype", "width", "itemsize", "n", "runs", "digest", "values")  # what _PackedSide reads
 _DENSE_MAX = 1 << 27  # key-space size up to which the join uses a dense index (4 bytes an entry)
 
 
@@ -315,13 +325,7 @@ def _compare(a: _Side, b: _Side, op_names: list[str], dtype_names: list[str], nu
     present = np.nonzero(n_rows)[0]
     same_digest = a.kind == b.kind
     # the joined rows both sides kept in full, grouped by op (in a's order within one)
-    fa = np.searchsorted(a.full_idx, ia)
-    fb = np.searchsorted(b.full_idx, ib)
-    in_a = (fa < a.full_idx.size) & (a.full_idx[np.minimum(fa, max(a.full_idx.size - 1, 0))] == ia) if a.full_idx.size else \
-        np.zeros(ia.size, bool)
-    in_b = (fb < b.full_idx.size) & (b.full_idx[np.minimum(fb, max(b.full_idx.size - 1, 0))] == ib) if b.full_idx.size else \
-        np.zeros(ib.size, bool)
-    fi = np.nonzero(in_a & in_b)[0]
+    fi = np.nonzero(a.in_full(ia) & b.in_full(ib))[0]
     fi = fi[np.argsort(op[fi], kind="stable")]
     fcut = np.searchsorted(op[fi], np.arange(n_ops + 1))
     # their bytes, taken once per side in that order; each op's rows are a slice of them
@@ -415,7 +419,8 @@ def _read_side(path: Any, ops: dict[str, int], dtypes: dict[str, int]) -> _Side:
     from mismatch_probe.run.schema import SCHEMA_VERSION, read_schema_version, read_table
 
     if read_schema_version(path) <= SCHEMA_VERSION and is_packed(pq.read_schema(path)):
-        return _PackedSide(pq.read_table(path), ops, dtypes)
+        # the columns the join and the full rows need: not the stats, counts or top-k blobs
+        return _PackedSide(pq.read_table(path, columns=list(_PACKED_COLUMNS)), ops, dtypes)
     return _side_from_table(read_table(path, "ops").select(list(_KEYS)), ops, dtypes)
 
 
