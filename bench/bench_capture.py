@@ -405,10 +405,10 @@ def profile_forward(shape: str, modes: list[str], device: str, seq_len: int, per
     return out
 
 
-
 def _save(path: Path, res: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
+
 
 def cli_check(seq_len: int, n_seqs: int, repeats: int) -> list[dict[str, Any]]:
     """`mismatch-probe capture --engine hf --capture off|stats` on n_seqs sequences of a 129M model."""

@@ -204,9 +204,9 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
 
     segs = [s if isinstance(s, _Seg) else _Seg(*s) for s in segs]
     ks = np.array([s.rows.keep.size for s in segs], np.int64)
-    counts = [s.rows.mode_counts() for s in segs]  # per row set: nothing here is per row
-    n_stats = np.array([c[0] for c in counts], np.int64)
-    n_full = np.array([c[1] for c in counts], np.int64)
+    mc = [s.rows.mode_counts() for s in segs]  # per row set: nothing here is per row
+    n_stats = np.array([c[0] for c in mc], np.int64)
+    n_full = np.array([c[1] for c in mc], np.int64)
     width = np.array([s.width for s in segs], np.int64)
     itemsize = np.array([s.itemsize for s in segs], np.int64)
     runs = [s.rows.packed_runs() for s in segs]
@@ -216,8 +216,8 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
     d = np.ascontiguousarray(dig[arena]).view("<u8") if dig.ndim == 1 else None
     if d is None:
         raise ValueError("the packed layout takes raw digests, not hex digits")
-    some = any(c[2] is not None for c in counts)  # a row set with stats on some rows only
-    stats_on = np.concatenate([c[2] if c[2] is not None else np.full(k, c[0] > 0) for c, k in zip(counts, ks, strict=True)]) \
+    some = any(c[2] is not None for c in mc)  # a row set with stats on some rows only
+    stats_on = np.concatenate([c[2] if c[2] is not None else np.full(k, c[0] > 0) for c, k in zip(mc, ks, strict=True)]) \
         if some else None
     if st is not None and n_stats.any():
         # st: the arena's [rows, 5] float64 (CPU), or (float64 [rows, 3], int32 [rows, 2]) split on the device
@@ -227,15 +227,15 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
             parts = [a[stats_on] for a in parts]
         elif not (n_stats == ks).all():
             parts = [a[np.repeat(n_stats > 0, ks)] for a in parts]
-        stats, counts_b = np.ascontiguousarray(parts[0], "<f8"), np.ascontiguousarray(parts[1], "<i4")
+        stats, counts = np.ascontiguousarray(parts[0], "<f8"), np.ascontiguousarray(parts[1], "<i4")
     else:
-        stats = counts_b = None
+        stats = counts = None
         n_stats = np.zeros(len(segs), np.int64)
     has_topk = np.array([s.has_topk for s in segs], bool)
     if tv is not None and has_topk.any():
         kk = int(tv.shape[1])
         take = np.concatenate([s.topk_rows if c[2] is None else s.topk_rows[c[2]]
-                               for s, c in zip(segs, counts, strict=True) if s.has_topk and c[0] > 0] or [np.zeros(0, np.int64)])
+                               for s, c in zip(segs, mc, strict=True) if s.has_topk and c[0] > 0] or [np.zeros(0, np.int64)])
         t_ids, t_vals = ti[take].astype("<i4"), tv[take].astype("<f4")
         topk_k = np.where(has_topk, kk, 0)
         t_rows = np.where(has_topk, n_stats, 0)
@@ -256,7 +256,7 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
         pa.BinaryArray.from_buffers(pa.binary(), len(segs), [None, pa.py_buffer(roff), pa.py_buffer(np.concatenate(runs))]),
         _blob_col(d, ks * 8),
         _blob_col(stats, n_stats * 24),
-        _blob_col(counts_b, n_stats * 8),
+        _blob_col(counts, n_stats * 8),
         _blob_col(vals, n_full * width * itemsize),
         pa.array(topk_k.astype(np.int32)),
         _blob_col(t_ids, t_rows * topk_k * 4),

@@ -144,16 +144,11 @@ def supported(w: torch.Tensor, scheme: Any, partitions: list[int] | None = None)
 
     return (type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == torch.bfloat16 and w.dim() == 2
             and chunk_for(w.shape[1]) > 0 and w.shape[0] > 0
-            and not _scheme(scheme).weight_tile16 and len(_sizes(w.shape[0], partitions)) <= MAX_SHARDS)
+            and not _scheme(scheme).weight_tile16 and len(shard_sizes(w.shape[0], partitions)) <= MAX_SHARDS)
 
 
 def _scheme(scheme: Any) -> Any:
     return scheme if isinstance(scheme, Scheme) else SCHEMES[scheme]
-
-
-def _sizes(n: int, partitions: list[int] | None) -> list[int]:
-    """The shards as NVFP4Linear.weight splits them (partitions that do not add up to N: one shard)."""
-    return shard_sizes(n, partitions)
 
 
 def _amaxes(w: torch.Tensor, sizes: list[int], fused: bool, amax: torch.Tensor, flag: torch.Tensor) -> list[torch.Tensor]:
@@ -220,7 +215,7 @@ def _sync_async(w: torch.Tensor, scheme: Any, partitions: list[int] | None, tuni
     w = w.detach()
     if not w.is_contiguous():
         w = w.contiguous()
-    sizes = _sizes(w.shape[0], partitions)
+    sizes = shard_sizes(w.shape[0], partitions)
     amaxes = _amaxes(w, sizes, s.fused_weight_amax, amax, flag)
     k = w.shape[1]
     total = sum((max(nb, 2) + 255) // 256 * 256 for size in sizes for nb in _plan(size, k, tuning)[4])
