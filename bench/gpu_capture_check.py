@@ -57,6 +57,9 @@ def _plans() -> dict[str, Any]:
             "default": build_plan("stats", [], topk=8)}
 
 
+_CLOSE: list[float] = []
+
+
 def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, rounds: int, modes: list[str],
                check_tables: bool, tmp: Path) -> list[dict[str, Any]]:
     """Point 1: score() with ops streamed to disk, per mode, rounds interleaved (round 0 warms up)."""
@@ -73,10 +76,28 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     lps: dict[str, Any] = {}
     sizes: dict[str, int] = {}
     rows: dict[str, int] = {}
+    from mismatch_probe.probes import recorder as recmod
+
+    defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES)
+    closes: dict[str, list[float]] = {m: [] for m in modes}
+    orig_close = recmod.OpRecorder.close
+
+    def timed_close(self: Any) -> None:  # how long score() waits after its last forward (rows to disk)
+        t = time.perf_counter()
+        try:
+            orig_close(self)
+        finally:
+            _CLOSE.append(time.perf_counter() - t)
+
+    recmod.OpRecorder.close = timed_close
     for i in range(rounds + 1):
         for mode in modes:
             base_mode, _, variant = mode.partition("@")  # MODE@thread: the writer thread, not the writer process
             os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
+            # MODE@rNk: chunks of N*1024 rows; MODE@qNm: queued tensors launched every N MiB
+            recmod.BUFFER_ROWS = int(variant[1:-1]) << 10 if variant[:1] == "r" and variant.endswith("k") else defaults[0]
+            recmod._QUEUE_BYTES = int(variant[1:-1]) << 20 if variant[:1] == "q" and variant.endswith("m") else defaults[1]
+            _CLOSE.clear()
             r.capture = plans[base_mode]
             dest = tmp / f"{shape}-{mode}.parquet"
             dest.unlink(missing_ok=True)
@@ -88,10 +109,13 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             dt = time.perf_counter() - t0
             if i:
                 times[mode].append(dt)
+                closes[mode].append(sum(_CLOSE))
             lps[mode] = lp
             if r.capture is not None:
                 sizes[mode] = dest.stat().st_size
                 rows[mode] = int((r.info.settings.get("capture") or {}).get("rows", 0))
+    recmod.OpRecorder.close = orig_close
+    recmod.BUFFER_ROWS, recmod._QUEUE_BYTES = defaults
     out = []
     base = times.get("off")
     for mode in modes:
@@ -99,12 +123,13 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
         row = {"part": "score", "shape": shape, "params_m": round(n_params / 1e6, 1), "device": device,
                "tokens": n_seqs * seq_len, "micro_batch": mb, "mode": mode, "seconds": statistics.median(times[mode]),
                "all_s": times[mode], "logprobs_bitwise_equal_off": bool(equal),
-               "bytes": sizes.get(mode, 0), "rows": rows.get(mode, 0)}
+               "bytes": sizes.get(mode, 0), "rows": rows.get(mode, 0),
+               "close_s": statistics.median(closes[mode]) if closes[mode] else 0.0}
         if base:
             row["x_off"] = row["seconds"] / statistics.median(base)
             row["x_off_per_round"] = statistics.median(t / o for t, o in zip(times[mode], base, strict=True))
         plan = plans[mode.partition("@")[0]]
-        if check_tables and plan is not None:  # the streamed (packed) table == the in-memory per-row one
+        if check_tables and plan is not None and "@" not in mode:  # the streamed (packed) table == the in-memory per-row one
             r.capture, r.ops_dest = plan, None
             r.score(seqs, ids)
             mem = r.ops
@@ -211,12 +236,13 @@ def _table(res: dict[str, Any]) -> str:
     if "cuda_digest_equal_numpy" in res:
         bad = [d for d, r in res["cuda_digest_equal_numpy"].items() if not all(r.values())]
         lines.append(f"CUDA digest/stats kernel == numpy reference: {'all dtypes' if not bad else 'NOT for ' + ', '.join(bad)}")
-    lines += [f"\n{'shape':12} {'mode':8} {'tokens':>7} {'seconds':>9} {'x off':>6} {'x/round':>7} {'MB':>8} "
-             f"{'B/token':>8} {'rows':>10} {'lp==off':>7} {'table==mem':>10}"]
+    lines += [f"\n{'shape':12} {'mode':14} {'tokens':>7} {'seconds':>9} {'x off':>6} {'x/round':>7} {'MB':>8} "
+             f"{'B/token':>8} {'rows':>10} {'lp==off':>7} {'table==mem':>10} {'close s':>8}"]
     for r in res.get("score", []):
-        lines.append(f"{r['shape']:12} {r['mode']:8} {r['tokens']:7d} {r['seconds']:9.4f} {r.get('x_off', 1.0):6.2f} "
+        lines.append(f"{r['shape']:12} {r['mode']:14} {r['tokens']:7d} {r['seconds']:9.4f} {r.get('x_off', 1.0):6.2f} "
                      f"{r.get('x_off_per_round', 1.0):7.2f} {r['bytes'] / 1e6:8.2f} {r['bytes'] / r['tokens']:8.0f} "
-                     f"{r['rows']:10d} {str(r['logprobs_bitwise_equal_off']):>7} {str(r.get('table_equal_in_memory', '-')):>10}")
+                     f"{r['rows']:10d} {str(r['logprobs_bitwise_equal_off']):>7} {str(r.get('table_equal_in_memory', '-')):>10} "
+                     f"{r.get('close_s', 0.0):8.4f}")
     for r in res.get("compare", []):
         lines.append(f"\ncompare {r['shape']}: {r['sequences']} sequences, {r['tokens']} tokens: --capture off "
                      f"{r['off_s']:.1f} s, default capture {r['default_s']:.1f} s ({r['x_off']:.2f}x); "
@@ -233,6 +259,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 rounds, one compare, no table checks, off/digest/stats")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--compare-reps", type=int, default=0, help="compare runs per mode (default 2, --quick 1)")
+    ap.add_argument("--modes", default="", help="score modes (default off,digest,stats[,default,...]); "
+                    "variants MODE@rNk (chunks of N Ki rows), MODE@qNm (launch every N MiB), MODE@thread")
     ap.add_argument("--skip-score", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
     a = ap.parse_args()
@@ -243,6 +271,8 @@ def main() -> None:
     os.chdir(tempfile.gettempdir())
     rounds = 3 if a.quick else a.rounds
     modes = ["off", "digest", "stats"] + ([] if a.quick else ["default", "digest@thread", "stats@thread"])
+    if a.modes:
+        modes = a.modes.split(",")
     res: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "argv": sys.argv,
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": a.device}
     import torch

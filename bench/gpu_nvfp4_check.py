@@ -218,6 +218,57 @@ def section_sync() -> None:
                 "ratio": round(t_sync / t_copy, 2), "sync_read_GBps": round(w.numel() * 2 / t_sync / 1e9)}
 
 
+    def kernels_graph() -> dict[str, Any]:
+        # diagnostic: every launch of the model's sync captured in one CUDA graph and replayed (no host
+        # enqueue in the figure): what the kernels cost, and with the native layout's stores left out
+        from mismatch_probe.kernels.nvfp4 import sync as SY
+
+        state["out"] = None
+        buf = torch.zeros(len(ws), 2 * SY.MAX_SHARDS, dtype=torch.float32, device=ARGS.device)
+
+        def all_async() -> None:
+            for i, (nm, w) in enumerate(ws.items()):
+                SY._sync_async(w, "nvfp4-per-token", parts.get(nm), SY.DEFAULT, buf[i, :SY.MAX_SHARDS],
+                               buf[i, SY.MAX_SHARDS:].view(torch.int32))
+
+        if not cuda():
+            all_async()
+            return {"note": "cpu: no graph"}
+        nbytes = sum(w.numel() * 2 for w in ws.values())
+        us = graph_us(all_async, target_ms=50.0, repeats=3)
+        return {"graph_replay_ms": round(us / 1e3, 2), "read_GBps": round(nbytes / us / 1e3)}
+
+    def kernel_parts() -> dict[str, Any]:
+        # diagnostic: one [24576, 4096] shard (gate_up's shape): the amax pass, the fused kernel with and
+        # without the native layout's stores, a copy; each in a CUDA graph (us)
+        from mismatch_probe.kernels.nvfp4 import sync as SY
+        from mismatch_probe.kernels.nvfp4.common import launch
+
+        n, k = (128, 256) if ARGS.tiny else (24576, 4096)
+        w = (torch.randn(n, k, device=ARGS.device) * 0.02).to(torch.bfloat16)
+        am = torch.zeros(2 * SY.MAX_SHARDS, dtype=torch.float32, device=ARGS.device)
+        SY._amaxes(w, [n], False, am[:3], am[3:].view(torch.int32))
+        bkc, chunks, nseg, native, sizes = SY._plan(n, k, SY.DEFAULT)
+        nt = -(-n // SY.TILE)
+        outs = [torch.empty(max(b, 2), dtype=torch.uint8, device=ARGS.device) for b in sizes]
+        codes, scales = outs[0].view(n, k // 2), outs[1].view(n, k // 16)
+
+        def kern(nat: bool) -> None:
+            launch(SY._sync_kernel, (nt, chunks), w.view(torch.int16), am[:1], codes, scales, outs[2], outs[3], outs[4],
+                   outs[5].view(torch.float16), n, k, bkc, bkc // 2, nat and native, num_warps=4)
+
+        dst = torch.empty_like(w)
+        if not cuda():
+            kern(True)
+            return {"note": "cpu"}
+        r = {"shape": [n, k], "native": native,
+             "amax_us": round(graph_us(lambda: SY._amaxes(w, [n], False, am[:3], am[3:].view(torch.int32))), 1),
+             "kernel_us": round(graph_us(lambda: kern(True)), 1),
+             "kernel_no_native_us": round(graph_us(lambda: kern(False)), 1),
+             "copy_us": round(graph_us(lambda: dst.copy_(w)), 1)}
+        r["kernel_read_GBps"] = round(w.numel() * 2 / r["kernel_us"] / 1e3)
+        return r
+
     def equal(scheme: str, layer: int) -> dict[str, Any]:
         from mismatch_probe.kernels.nvfp4.sync import sync_weight
 
@@ -254,6 +305,8 @@ def section_sync() -> None:
     guarded("b sync", "bitwise vs reference, layer 1 (static)", 15, lambda: equal("nvfp4-static", 1))
     guarded("b sync", "diagnostic: host enqueue time of all launches", 20 if cuda() else 5, enqueue)
     guarded("b sync", "diagnostic: one large weight (kernel throughput)", 20 if cuda() else 5, big_weight)
+    guarded("b sync", "diagnostic: all launches in one CUDA graph", 30 if cuda() else 5, kernels_graph)
+    guarded("b sync", "diagnostic: kernel parts, one [24576, 4096] shard", 20 if cuda() else 5, kernel_parts)
     state.clear()
 
 

@@ -32,14 +32,16 @@ case "${1:?stage: tests, kernels, bisect, speed or capture}" in
     cp "$gs/bisect.json" "$out/" 2>/dev/null
     sed -n '/^| step/,$p' "$out/stack_bisect.log"
     ;;
-  speed)
-    python "$here/gpu_stack.py" --out "$gs" --only speed,speed8b --tag speed --budget 575 > "$out/stack_speed.log" 2>&1
+  speed)  # STEPS: gpu_stack steps (default speed,speed8b)
+    python "$here/gpu_stack.py" --out "$gs" --only "${STEPS:-speed,speed8b}" --tag speed --budget 575 > "$out/stack_speed.log" 2>&1
     cp "$gs/speed.json" "$out/" 2>/dev/null
     sed -n '/^| step/,$p' "$out/stack_speed.log"
     ;;
   capture)
-    python "$here/gpu_capture_check.py" --out "$out/capture" --rounds 5 --compare-reps 1 > "$out/capture.log" 2>&1
-    python "$here/gpu_nvfp4_check.py" --out "$out/nvfp4" --budget "$(left 585)" > "$out/nvfp4.log" 2>&1
+    # CAPTURE_ARGS: extra arguments (e.g. --modes off,digest,stats,digest@r128k); NVFP4_ONLY: sections (default bac)
+    python "$here/gpu_capture_check.py" --out "$out/capture" --rounds "${ROUNDS:-5}" --compare-reps 1 ${CAPTURE_ARGS:-} \
+      > "$out/capture.log" 2>&1
+    python "$here/gpu_nvfp4_check.py" --out "$out/nvfp4" --only "${NVFP4_ONLY:-bac}" --budget "$(left 585)" > "$out/nvfp4.log" 2>&1
     tail -30 "$out/capture.log"
     sed -n '/^| /,$p' "$out/nvfp4.log" | tail -40
     ;;
