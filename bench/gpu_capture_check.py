@@ -198,6 +198,14 @@ def compare_part(shape: str | None, n_prompts: int, n: int, prompt_len: int, max
     exe = [sys.executable, "-m", "mismatch_probe", "compare", *model, "--prompts", str(prompts), "--n", str(n),
            "--max-tokens", str(max_tokens), "--overwrite"]
     runs: dict[str, list[float]] = {"default": [], "off": []}
+    # untimed warm-up (a short compare with capture): the first engine start of a machine fills the disk
+    # caches (torch.compile, Triton, the checkpoint's pages) that every later start reuses
+    warm = tmp / "prompts-warm.jsonl"
+    warm.write_text("".join(prompts.read_text().splitlines(keepends=True)[:4]))
+    p = subprocess.run([*exe[:exe.index("--prompts")], "--prompts", str(warm), "--n", "1", "--max-tokens", "8", "--overwrite",
+                        "--out", str(tmp / "run-warm")], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"compare (warm-up) failed, exit {p.returncode}:\n{p.stderr[-4000:]}")
     for _ in range(reps):
         for mode in ("off", "default"):
             out = tmp / f"run-{mode}"

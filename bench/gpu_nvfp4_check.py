@@ -250,11 +250,11 @@ def section_sync() -> None:
         SY._amaxes(w, [n], False, am[:3], am[3:].view(torch.int32))
         bkc, chunks, nseg, native, sizes = SY._plan(n, k, SY.DEFAULT)
         nt = -(-n // SY.TILE)
-        outs = [torch.empty(max(b, 2), dtype=torch.uint8, device=ARGS.device) for b in sizes]
+        outs = [torch.empty(max(b, 4), dtype=torch.uint8, device=ARGS.device) for b in sizes]
         codes, scales = outs[0].view(n, k // 2), outs[1].view(n, k // 16)
 
         def kern(nat: bool) -> None:
-            launch(SY._sync_kernel, (nt, chunks), w.view(torch.int16), am[:1], codes, scales, outs[2], outs[3], outs[4],
+            launch(SY._sync_kernel, (nt, chunks), w.view(torch.int16), am[:1], codes, scales, outs[2], outs[3], outs[4].view(torch.int32),
                    outs[5].view(torch.float16), n, k, bkc, bkc // 2, nat and native, num_warps=4)
 
         dst = torch.empty_like(w)

@@ -277,7 +277,9 @@ def step_speed8b(out: Path, timeout: float, mem: float) -> None:
     if not (model / "config.json").exists():
         from transformers import Qwen3Config
 
-        Qwen3Config(**Q8B, torch_dtype="bfloat16").save_pretrained(model)
+        # the architecture named, as save_pretrained of a model writes it: without it vLLM 0.26 builds a
+        # non-generative runner (LLM.generate refused) and downgrades the recipe's full decode graphs
+        Qwen3Config(**Q8B, torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"]).save_pretrained(model)
         save_tokenizer(model, Q8B["vocab_size"])
     base = {"model": str(model), "mem": mem, "load": "dummy", "batches": [16, 64], "eager": False}
     for recipe in ("engine", "nvfp4-per-token"):

@@ -81,9 +81,9 @@ def _quant_half(x, s_dec, mult, nanrow, R: tl.constexpr, H: tl.constexpr):
 
 
 @kjit
-def _store_half(codes, sbyte, sf, rows, rmask, rl, c, s, K, codes_ptr, scales_ptr, dsc_ptr, tile, wq_ptr, ws16_ptr,
-                H: tl.constexpr, BKC: tl.constexpr, NATIVE: tl.constexpr):
-    """Half ``s`` (K columns c*BKC + s*H + [0, H)) of a tile: codes, scales, dsc, native bytes."""
+def _store_half(codes, sbyte, rows, rmask, rl, c, s, K, codes_ptr, scales_ptr, dsc_ptr, tile, H: tl.constexpr,
+                BKC: tl.constexpr):
+    """Half ``s`` (K columns c*BKC + s*H + [0, H)) of a tile: codes, scales, dsc."""
     lo, hi = tl.split(tl.reshape(codes, (ROWS, H // 2, 2)))
     j2 = tl.arange(0, H // 2)
     tl.store(codes_ptr + rows[:, None] * (K // 2) + c * (BKC // 2) + s * (H // 2) + j2[None, :],
@@ -93,19 +93,35 @@ def _store_half(codes, sbyte, sf, rows, rmask, rl, c, s, K, codes_ptr, scales_pt
              sbyte.to(tl.uint8), mask=rmask[:, None])
     tl.store(dsc_ptr + tile * (ROWS * (BKC // 16)) + rl[:, None] * (BKC // 16) + s * (H // 16) + j16[None, :],
              sbyte.to(tl.uint8))
-    if NATIVE:  # BKC == 128, H == 64: native_layout's byte of (row 8t+g, q, w = 2s + w', i)
-        c4 = tl.reshape(codes, (ROWS, 2, 2, 16))  # [row, w', h, kk]
-        h = tl.arange(0, 2)[None, None, :, None]
-        part = tl.where(h == 0, ((c4 & 7) << 1) | ((c4 & 8) << 4), ((c4 & 7) << 4) | (c4 >> 3))
-        byte = rsum(part, 2)  # disjoint bits: the sum is the OR
-        kk = tl.arange(0, 16)[None, None, :]
-        wp = tl.arange(0, 2)[None, :, None]
-        q = (kk % 8) // 2
-        i = 2 * (kk % 2) + kk // 8
-        r3 = rl[:, None, None]
-        off = (r3 // 8) * 512 + (r3 % 8) * 64 + q * 16 + (2 * s + wp) * 4 + i
-        tl.store(wq_ptr + tile * 4096 + off, byte.to(tl.uint8))
-        tl.store(ws16_ptr + tile * 512 + rl[:, None] * 8 + s * 4 + j16[None, :], (sf * 128.0).to(tl.float16))
+
+
+@kjit
+def _native_words(codes):
+    """One half's codes [ROWS, 4, 16] (H = 64) -> the native layout's int32 words of each row [ROWS, 2, 4]
+    (w', q): byte (w', kk = 8a + 2q + b) of :func:`native.native_layout` (its codes of blocks 2w' and
+    2w' + 1, k position kk) goes to byte 2b + a of word (q, w') of the half."""
+    c4 = tl.reshape(codes, (ROWS, 2, 2, 16))  # [row, w', h, kk]
+    h = tl.arange(0, 2)[None, None, :, None]
+    part = tl.where(h == 0, ((c4 & 7) << 1) | ((c4 & 8) << 4), ((c4 & 7) << 4) | (c4 >> 3))
+    byte = rsum(part, 2)  # [row, w', kk]; disjoint bits: the sum is the OR
+    b5 = tl.reshape(byte, (ROWS, 2, 2, 4, 2))  # [row, w', a, q, b]
+    a = tl.arange(0, 2)[None, None, :, None, None]
+    b = tl.arange(0, 2)[None, None, None, None, :]
+    return rsum(rsum(b5 << (8 * (2 * b + a)), 4), 2)  # [row, w', q]; disjoint bytes: the sums are ORs
+
+
+@kjit
+def _store_native(c0, c1, f0, f1, rl, tile, wq_ptr, ws16_ptr):
+    """The native layout of a 64 x 128 tile (BKC == 128): 64 contiguous bytes per row at ``64 * row``,
+    word q * 4 + 2s + w' from half s (as int32 words: 16-byte stores, not byte scatters), and the
+    8 fp16 ``sf * 2^7`` of the row's blocks (half s: blocks 4s + j)."""
+    w = tl.join(_native_words(c0), _native_words(c1))  # [row, w', q, s]
+    w = tl.reshape(tl.permute(w, (0, 2, 3, 1)), (ROWS, 16))  # [row, q * 4 + 2s + w']
+    j = tl.arange(0, 16)
+    tl.store(wq_ptr + tile * 1024 + rl[:, None] * 16 + j[None, :], w)
+    f = tl.reshape(tl.permute(tl.join(f0, f1), (0, 2, 1)), (ROWS, 8))  # [row, 4s + j]
+    j8 = tl.arange(0, 8)
+    tl.store(ws16_ptr + tile * 512 + rl[:, None] * 8 + j8[None, :], (f * 128.0).to(tl.float16))
 
 
 @kjit
@@ -133,8 +149,10 @@ def _sync_kernel(x_ptr, amax_ptr, codes_ptr, scales_ptr, dec_ptr, dsc_ptr, wq_pt
     c1, s1, f1 = _quant_half(x1, s_dec, mult, nanrow, ROWS, H)
     dec = tl.reshape(c0, (ROWS, H)) | (tl.reshape(c1, (ROWS, H)) << 4)
     tl.store(dec_ptr + tile * (ROWS * H) + rl[:, None] * H + jh[None, :], dec.to(tl.uint8))
-    _store_half(c0, s0, f0, rows, rmask, rl, c, 0, K, codes_ptr, scales_ptr, dsc_ptr, tile, wq_ptr, ws16_ptr, H, BKC, NATIVE)
-    _store_half(c1, s1, f1, rows, rmask, rl, c, 1, K, codes_ptr, scales_ptr, dsc_ptr, tile, wq_ptr, ws16_ptr, H, BKC, NATIVE)
+    _store_half(c0, s0, rows, rmask, rl, c, 0, K, codes_ptr, scales_ptr, dsc_ptr, tile, H, BKC)
+    _store_half(c1, s1, rows, rmask, rl, c, 1, K, codes_ptr, scales_ptr, dsc_ptr, tile, H, BKC)
+    if NATIVE:  # BKC == 128, H == 64
+        _store_native(c0, c1, f0, f1, rl, tile, wq_ptr, ws16_ptr)
 
 
 def supported(w: torch.Tensor, scheme: Any, partitions: list[int] | None = None) -> bool:
@@ -195,14 +213,14 @@ def _launch_shard(x: torch.Tensor, amax: torch.Tensor, tuning: GemmTuning, buf: 
     nt = -(-n // TILE)
     parts = []
     for nbytes in sizes:
-        t, off = _carve(buf, off, max(nbytes, 2))
+        t, off = _carve(buf, off, max(nbytes, 4))  # (wq is viewed as int32 words)
         parts.append(t)
     codes, scales = parts[0].view(n, k // 2), parts[1].view(n, k // 16)
     dec = parts[2].view(1, nt, chunks, TILE, bkc // 2)
     dsc = parts[3].view(1, nt, chunks, TILE, bkc // 16)
     wq, ws16 = parts[4], parts[5].view(torch.float16)
-    launch(_sync_kernel, (nt, chunks), x.view(torch.int16), amax, codes, scales, dec, dsc, wq, ws16, n, k, bkc, bkc // 2,
-           native, num_warps=4)
+    launch(_sync_kernel, (nt, chunks), x.view(torch.int16), amax, codes, scales, dec, dsc, wq.view(torch.int32), ws16, n, k,
+           bkc, bkc // 2, native, num_warps=4)
     tw = TCWeight(codes, scales, amax, False, dec, dsc, bkc, nseg, False, tuning=tuning)
     if native:
         tw.native_w = (wq, dsc.view(-1), parts[5])
@@ -218,7 +236,7 @@ def _sync_async(w: torch.Tensor, scheme: Any, partitions: list[int] | None, tuni
     sizes = shard_sizes(w.shape[0], partitions)
     amaxes = _amaxes(w, sizes, s.fused_weight_amax, amax, flag)
     k = w.shape[1]
-    total = sum((max(nb, 2) + 255) // 256 * 256 for size in sizes for nb in _plan(size, k, tuning)[4])
+    total = sum((max(nb, 4) + 255) // 256 * 256 for size in sizes for nb in _plan(size, k, tuning)[4])
     buf = torch.empty(total, dtype=torch.uint8, device=w.device)
     tws, r0, off = [], 0, 0
     for size, a in zip(sizes, amaxes):
