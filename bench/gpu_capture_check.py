@@ -78,7 +78,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     rows: dict[str, int] = {}
     from mismatch_probe.probes import recorder as recmod
 
-    defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES)
+    defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS)
     closes: dict[str, list[float]] = {m: [] for m in modes}
     orig_close = recmod.OpRecorder.close
 
@@ -95,7 +95,9 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             base_mode, _, variant = mode.partition("@")  # MODE@thread: the writer thread, not the writer process
             os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
             # MODE@rNk: chunks of N*1024 rows; MODE@qNm: queued tensors launched every N MiB
-            recmod.BUFFER_ROWS = int(variant[1:-1]) << 10 if variant[:1] == "r" and variant.endswith("k") else defaults[0]
+            rk = variant[:1] == "r" and variant.endswith("k")
+            recmod.BUFFER_ROWS = int(variant[1:-1]) << 10 if rk else defaults[0]
+            recmod.STATS_BUFFER_ROWS = int(variant[1:-1]) << 10 if rk else defaults[2]
             recmod._QUEUE_BYTES = int(variant[1:-1]) << 20 if variant[:1] == "q" and variant.endswith("m") else defaults[1]
             _CLOSE.clear()
             r.capture = plans[base_mode]
@@ -115,7 +117,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
                 sizes[mode] = dest.stat().st_size
                 rows[mode] = int((r.info.settings.get("capture") or {}).get("rows", 0))
     recmod.OpRecorder.close = orig_close
-    recmod.BUFFER_ROWS, recmod._QUEUE_BYTES = defaults
+    recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS = defaults
     out = []
     base = times.get("off")
     for mode in modes:
@@ -268,7 +270,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--compare-reps", type=int, default=0, help="compare runs per mode (default 2, --quick 1)")
     ap.add_argument("--modes", default="", help="score modes (default off,digest,stats[,default,...]); "
-                    "variants MODE@rNk (chunks of N Ki rows), MODE@qNm (launch every N MiB), MODE@thread")
+                    "variants MODE@rNk (chunks of N Ki rows, any plan), MODE@qNm (launch every N MiB), MODE@thread")
     ap.add_argument("--skip-score", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
     a = ap.parse_args()

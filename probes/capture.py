@@ -79,6 +79,10 @@ class CapturePlan:
         self._matching: dict[str, list[CaptureRule]] = {}
         self._keys: dict[str, tuple[int, ...]] = {}
 
+    def keeps_stats(self) -> bool:
+        """Some rows may be kept in ``stats`` or ``full`` (40 host bytes a row or more; ``digest`` 8)."""
+        return self.full_rows > 0 or any(_RANK[m] >= _RANK["stats"] for m in [self.default, *(r.mode for r in self.rules)])
+
     def op_modes(self, op: str) -> list[tuple[str, tuple[int, int] | None]]:
         out: list[tuple[str, tuple[int, int] | None]] = [(self.default, None)]
         out += [(r.mode, r.pos_range) for r in self._rules_for(op)]

@@ -43,6 +43,12 @@ from mismatch_probe.probes.ops_table import FULL, STATS, _build_packed, _build_t
 from mismatch_probe.run.schema import DIGEST_KEY
 
 BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, one row group)
+# CUDA, plans that keep stats (40 host bytes a row, not 8): smaller chunks, so the rows of all but the last
+# reach the writer while the forward runs and the wait after it is short. H200, HF learner score(), the
+# whole cost (BENCHMARKS.md, issue 27): stats 1.87x -> 1.38x of capture off on the 8B shape, 2.35x -> 1.95x
+# on the 0.6B shape; digest-only chunks stay large (on the host-bound 0.6B forward each chunk's host work
+# costs more than the shorter wait saves: 1.36x -> 1.71x with 128 Ki rows)
+STATS_BUFFER_ROWS = 1 << 17
 # CUDA: queued tensors launch when their bytes reach _QUEUE_BYTES (each tensor counted as at least
 # _QUEUE_BYTES // _QUEUE_OPS, so at most _QUEUE_OPS tensors wait), and at each new micro-batch of the HF
 # learner (launch(): after the previous forward's logprobs reached the host, so the kernels overlap the
@@ -98,6 +104,7 @@ class OpRecorder:
         self.seen_ops: list[str] = []
         self._seen: set[str] = set()
         self.buffer_rows = int(buffer_rows or BUFFER_ROWS)
+        self._rows_given = buffer_rows is not None
         self.buffer_bytes = int(buffer_bytes)
         self.rows_written = 0
         self.value_bytes = 0
@@ -521,6 +528,8 @@ class OpRecorder:
         interpreter, for tests) go through the queued Triton launches and the device arena."""
         if self._is_batched is None:
             self._is_batched = t.device.type == "cuda" or self.force_batched
+            if self._is_batched and not self._rows_given and self.plan.keeps_stats():  # nothing recorded yet
+                self.buffer_rows = min(self.buffer_rows, STATS_BUFFER_ROWS)
         return self._is_batched
 
     def _drain(self, ev: Any, segs: list[_Seg], dig: Any, st: Any, vals: Any, tv: Any, ti: Any) -> None:

@@ -324,3 +324,25 @@ def test_copy_on_record_keeps_what_the_hook_saw_when_the_engine_overwrites_in_pl
     ref, copied, referenced = (r.table().to_pandas() for r in recs)
     pd.testing.assert_frame_equal(ref, copied)
     assert (ref["digest"] != referenced["digest"]).all()
+
+
+def test_batched_chunks_are_smaller_where_the_plan_keeps_stats():
+    """CUDA (batched) recorders of a plan with stats rows cut chunks of STATS_BUFFER_ROWS (the rows reach
+    the writer during the forward); digest-only plans, CPU recorders and an explicit buffer_rows keep theirs.
+    Same table either way."""
+    from mismatch_probe.probes import recorder as R
+
+    assert CapturePlan("stats").keeps_stats() and build_plan("digest", [], full_rows=8).keeps_stats()
+    assert not CapturePlan("digest").keeps_stats() and not build_plan("digest", ["*=off"]).keeps_stats()
+    assert build_plan("digest", ["logits=stats"]).keeps_stats()
+    x, seq, pos = _rand(torch.float32, 6, 8, 1), np.zeros(6, np.int64), np.arange(6)
+    got = {}
+    for name, rec in {"stats": OpRecorder(CapturePlan("stats"), batched=True),
+                      "digest": OpRecorder(CapturePlan("digest"), batched=True),
+                      "cpu": OpRecorder(CapturePlan("stats")),
+                      "given": OpRecorder(CapturePlan("stats"), batched=True, buffer_rows=1 << 19)}.items():
+        rec.record("0.out", x, seq, pos)
+        got[name] = rec.buffer_rows
+        rec.table()
+    assert got == {"stats": R.STATS_BUFFER_ROWS, "digest": R.BUFFER_ROWS, "cpu": R.BUFFER_ROWS, "given": 1 << 19}
+    assert R.STATS_BUFFER_ROWS < R.BUFFER_ROWS
