@@ -58,6 +58,7 @@ def _plans() -> dict[str, Any]:
 
 
 _CLOSE: list[float] = []
+LOGS: Path | None = None  # where compare's output goes (--out)
 
 
 def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, rounds: int, modes: list[str],
@@ -218,6 +219,8 @@ def compare_part(shape: str | None, n_prompts: int, n: int, prompt_len: int, max
             if p.returncode != 0:
                 raise RuntimeError(f"compare ({mode}) failed, exit {p.returncode}:\n{p.stderr[-4000:]}")
             runs[mode].append(dt)
+            if LOGS:  # the stages' elapsed times (compare's progress display)
+                (LOGS / f"compare_{mode}_{len(runs[mode])}.log").write_text(p.stdout + p.stderr)
             print(json.dumps({"compare": mode, "seconds": round(dt, 2)}), flush=True)
     seq = {m: pq.read_table(tmp / f"run-{m}" / "sequences.parquet").sort_by("seq_id").column("token_ids").to_pylist()
            for m in ("off", "default")}
@@ -276,6 +279,8 @@ def main() -> None:
     a = ap.parse_args()
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
+    global LOGS
+    LOGS = a.out
     # outside any checkout: the op writer subprocess and the compare commands (python -m ...) import the
     # installed package, not the checkout's mismatch_probe/ folder (which lacks probes/ and kernels/)
     os.chdir(tempfile.gettempdir())

@@ -253,9 +253,10 @@ def section_sync() -> None:
         outs = [torch.empty(max(b, 4), dtype=torch.uint8, device=ARGS.device) for b in sizes]
         codes, scales = outs[0].view(n, k // 2), outs[1].view(n, k // 16)
 
-        def kern(nat: bool) -> None:
-            launch(SY._sync_kernel, (nt, chunks), w.view(torch.int16), am[:1], codes, scales, outs[2], outs[3], outs[4].view(torch.int32),
-                   outs[5].view(torch.float16), n, k, bkc, bkc // 2, nat and native, num_warps=4)
+        def kern(nat: bool, warps: int = 4) -> None:
+            launch(SY._sync_kernel, (nt, chunks), w.view(torch.int16), am[:1], codes, scales, outs[2], outs[3],
+                   outs[4].view(torch.int32), outs[5].view(torch.float16), n, k, bkc, bkc // 2, nat and native,
+                   num_warps=warps)
 
         dst = torch.empty_like(w)
         if not cuda():
@@ -265,6 +266,7 @@ def section_sync() -> None:
              "amax_us": round(graph_us(lambda: SY._amaxes(w, [n], False, am[:3], am[3:].view(torch.int32))), 1),
              "kernel_us": round(graph_us(lambda: kern(True)), 1),
              "kernel_no_native_us": round(graph_us(lambda: kern(False)), 1),
+             "kernel_8warps_us": round(graph_us(lambda: kern(True, 8)), 1),
              "copy_us": round(graph_us(lambda: dst.copy_(w)), 1)}
         r["kernel_read_GBps"] = round(w.numel() * 2 / r["kernel_us"] / 1e3)
         return r
