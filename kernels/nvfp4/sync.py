@@ -220,7 +220,7 @@ def _launch_shard(x: torch.Tensor, amax: torch.Tensor, tuning: GemmTuning, buf: 
     dsc = parts[3].view(1, nt, chunks, TILE, bkc // 16)
     wq, ws16 = parts[4], parts[5].view(torch.float16)
     launch(_sync_kernel, (nt, chunks), x.view(torch.int16), amax, codes, scales, dec, dsc, wq.view(torch.int32), ws16, n, k,
-           bkc, bkc // 2, native, num_warps=4)
+           bkc, bkc // 2, native, num_warps=8)
     tw = TCWeight(codes, scales, amax, False, dec, dsc, bkc, nseg, False, tuning=tuning)
     if native:
         tw.native_w = (wq, dsc.view(-1), parts[5])
