@@ -271,6 +271,46 @@ def section_sync() -> None:
         r["kernel_read_GBps"] = round(w.numel() * 2 / r["kernel_us"] / 1e3)
         return r
 
+    def tune() -> dict[str, Any]:
+        # the launch configurations (no bit changes): amax pass (rows per program, K block, warps) and the
+        # fused kernel's warps, timed in CUDA graphs on the 8B layer's shard shapes (one of each, summed);
+        # the best become SY.AMAX_CFG / SY.SYNC_WARPS for the rest of this section
+        from mismatch_probe.kernels.nvfp4 import sync as SY
+
+        shard_shapes = [(128, 256), (64, 512)] if ARGS.tiny else [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
+                                                                    (12288, 4096), (12288, 4096), (4096, 12288)]
+        xs = [(torch.randn(n, k, device=ARGS.device) * 0.02).to(torch.bfloat16) for n, k in shard_shapes]
+        am = torch.zeros(2 * SY.MAX_SHARDS, dtype=torch.float32, device=ARGS.device)
+        if not cuda():
+            return {"note": "cpu: no tuning"}
+        base = (SY.AMAX_CFG, SY.SYNC_WARPS)
+        amax_t = {}
+        for cfg in [(r, bk, w) for r in (8, 16, 32, 64) for bk in (128, 256, 512) for w in (4, 8)]:
+            SY.AMAX_CFG = cfg
+            try:
+                amax_t[cfg] = sum(graph_us(lambda x=x: SY._amaxes(x, [x.shape[0]], False, am[:3], am[3:].view(torch.int32)),
+                                           target_ms=5.0, repeats=3) for x in xs)
+            except Exception as e:  # a configuration the compiler refuses: skipped
+                amax_t[cfg] = float("inf")
+                print("amax cfg", cfg, type(e).__name__, flush=True)
+        best_amax = min(amax_t, key=amax_t.get)
+        SY.AMAX_CFG = best_amax
+        sync_t = {}
+        for warps in (4, 8, 16):
+            SY.SYNC_WARPS = warps
+            try:
+                sync_t[warps] = sum(graph_us(lambda x=x: SY._sync_async(x, "nvfp4-per-token", None, SY.DEFAULT, am[:3],
+                                                                        am[3:].view(torch.int32)), target_ms=5.0, repeats=3)
+                                    for x in xs)
+            except Exception as e:
+                sync_t[warps] = float("inf")
+                print("sync warps", warps, type(e).__name__, flush=True)
+        SY.SYNC_WARPS = min(sync_t, key=sync_t.get)
+        return {"amax_default": list(base[0]), "amax_default_us": round(amax_t.get(base[0], float("nan")), 1),
+                "amax_best": list(best_amax), "amax_best_us": round(amax_t[best_amax], 1),
+                "sync_warps_us": {w: round(t, 1) for w, t in sync_t.items()}, "sync_warps_best": SY.SYNC_WARPS,
+                "note": "sums over one layer's shards; the rest of section b runs with the best"}
+
     def equal(scheme: str, layer: int) -> dict[str, Any]:
         from mismatch_probe.kernels.nvfp4.sync import sync_weight
 
@@ -301,6 +341,9 @@ def section_sync() -> None:
         return {"fields": n, "unequal": bad[:8], "pass": not bad, "ref_layer_s": round(t_ref, 2),
                 "sync_layer_s": None if reuse else round(t_syn, 4)}
 
+    if ARGS.tune:
+        guarded("b sync", "launch configurations (amax pass, fused kernel)", 90 if cuda() else 5, tune)
+        guarded("b sync", "sync_model vs D2D copy (all linears), tuned", 60 if cuda() else 5, timing)
     last = dims[0] - 1
     guarded("b sync", "bitwise vs reference, layer 0 (per-token)", 15, lambda: equal("nvfp4-per-token", 0))
     guarded("b sync", f"bitwise vs reference, layer {last} (per-token)", 15, lambda: equal("nvfp4-per-token", last))
@@ -482,6 +525,7 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (dry run of the script's Python)")
     ap.add_argument("--only", default="bac", help="sections to run, in this order (letters of a, b, c)")
+    ap.add_argument("--tune", action="store_true", help="b: try the sync's launch configurations, keep the best")
     ARGS = ap.parse_args()
     if ARGS.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu --tiny for a dry run")

@@ -35,6 +35,10 @@ from .tuning import DEFAULT, GemmTuning
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 TILE = 64  # rows per program = tc_linear.TILE_ROWS (one decode-layout tile)
+# launch configurations (H200, bench/gpu_nvfp4_check.py --only b: BENCHMARKS.md, "Issue 28"); they change
+# no bit (max-reductions and disjoint-bit sums), only the speed
+AMAX_CFG = (16, 256, 4)  # amax pass: rows per program, K block, warps
+SYNC_WARPS = 8  # the fused kernel, per 64-row tile
 ROWS = tl.constexpr(TILE)
 MAX_SHARDS = 3
 
@@ -173,9 +177,9 @@ def _amaxes(w: torch.Tensor, sizes: list[int], fused: bool, amax: torch.Tensor, 
     """Launch the amax pass into ``amax``/``flag`` ([MAX_SHARDS], zeroed); the [1] amax per shard."""
     n, k = w.shape
     b = [sum(sizes[:i]) for i in range(1, len(sizes))] + [n] * MAX_SHARDS
-    r = 4 if INTERPRET else 16
-    bk = min(triton.next_power_of_2(k), 64 if INTERPRET else 256)
-    launch(_amax_kernel, (triton.cdiv(n, r),), w.view(torch.int16), amax, flag, n, k, b[0], b[1], r, bk, num_warps=4)
+    r, bk, warps = (4, 64, 4) if INTERPRET else AMAX_CFG
+    bk = min(triton.next_power_of_2(k), bk)
+    launch(_amax_kernel, (triton.cdiv(n, r),), w.view(torch.int16), amax, flag, n, k, b[0], b[1], r, bk, num_warps=warps)
     if not fused:
         return [amax[i:i + 1] for i in range(len(sizes))]
     # NVFP4Linear.weight: w.float().abs().amax(), non-finite values included (NaN wins, then Inf)
@@ -220,7 +224,7 @@ def _launch_shard(x: torch.Tensor, amax: torch.Tensor, tuning: GemmTuning, buf: 
     dsc = parts[3].view(1, nt, chunks, TILE, bkc // 16)
     wq, ws16 = parts[4], parts[5].view(torch.float16)
     launch(_sync_kernel, (nt, chunks), x.view(torch.int16), amax, codes, scales, dec, dsc, wq.view(torch.int32), ws16, n, k,
-           bkc, bkc // 2, native, num_warps=8)
+           bkc, bkc // 2, native, num_warps=SYNC_WARPS)
     tw = TCWeight(codes, scales, amax, False, dec, dsc, bkc, nseg, False, tuning=tuning)
     if native:
         tw.native_w = (wq, dsc.view(-1), parts[5])
