@@ -187,23 +187,23 @@ def section_sync() -> None:
 
     guarded("b sync", "sync_model vs D2D copy (all linears)", 60 if cuda() else 5, timing)
 
+    names = list(ws)
+    wlist = [ws[nm] for nm in names]
+    plist = [parts.get(nm) for nm in names]
+
     def enqueue() -> dict[str, Any]:
         # diagnostic: host time to queue every launch (sync_model without its final flag read) vs the total
         from mismatch_probe.kernels.nvfp4 import sync as SY
 
         state["out"] = None
-        buf = torch.zeros(len(ws), 2 * SY.MAX_SHARDS, dtype=torch.float32, device=ARGS.device)
         sync()
         t = time.perf_counter()
-        for i, (nm, w) in enumerate(ws.items()):
-            SY._sync_async(w, "nvfp4-per-token", parts.get(nm), SY.DEFAULT, buf[i, :SY.MAX_SHARDS],
-                           buf[i, SY.MAX_SHARDS:].view(torch.int32))
+        SY._sync_async(wlist, plist, "nvfp4-per-token", SY.DEFAULT)
         t_host = time.perf_counter() - t
         sync()
         t_all = time.perf_counter() - t
         return {"host_enqueue_ms": round(t_host * 1e3, 2), "total_ms": round(t_all * 1e3, 2),
                 "note": "host-bound if enqueue ~ total"}
-
 
     def big_weight() -> dict[str, Any]:
         # diagnostic: the kernels' throughput on one large weight (GPU-bound: host time negligible)
@@ -217,79 +217,36 @@ def section_sync() -> None:
         return {"shape": [n, k], "sync_ms": round(t_sync * 1e3, 3), "copy_ms": round(t_copy * 1e3, 3),
                 "ratio": round(t_sync / t_copy, 2), "sync_read_GBps": round(w.numel() * 2 / t_sync / 1e9)}
 
-
-    def kernels_graph() -> dict[str, Any]:
-        # diagnostic: every launch of the model's sync captured in one CUDA graph and replayed (no host
-        # enqueue in the figure): what the kernels cost, and with the native layout's stores left out
+    def parts_timing() -> dict[str, Any]:
+        # diagnostic: the model's amax pass alone and amax + fused kernel (no flag read), synchronized, median
         from mismatch_probe.kernels.nvfp4 import sync as SY
 
         state["out"] = None
-        buf = torch.zeros(len(ws), 2 * SY.MAX_SHARDS, dtype=torch.float32, device=ARGS.device)
-
-        def all_async() -> None:
-            for i, (nm, w) in enumerate(ws.items()):
-                SY._sync_async(w, "nvfp4-per-token", parts.get(nm), SY.DEFAULT, buf[i, :SY.MAX_SHARDS],
-                               buf[i, SY.MAX_SHARDS:].view(torch.int32))
-
-        if not cuda():
-            all_async()
-            return {"note": "cpu: no graph"}
-        nbytes = sum(w.numel() * 2 for w in ws.values())
-        us = graph_us(all_async, target_ms=50.0, repeats=3)
-        return {"graph_replay_ms": round(us / 1e3, 2), "read_GBps": round(nbytes / us / 1e3)}
-
-    def kernel_parts() -> dict[str, Any]:
-        # diagnostic: one [24576, 4096] shard (gate_up's shape): the amax pass, the fused kernel with and
-        # without the native layout's stores, a copy; each in a CUDA graph (us)
-        from mismatch_probe.kernels.nvfp4 import sync as SY
-        from mismatch_probe.kernels.nvfp4.common import launch
-
-        n, k = (128, 256) if ARGS.tiny else (24576, 4096)
-        w = (torch.randn(n, k, device=ARGS.device) * 0.02).to(torch.bfloat16)
-        am = torch.zeros(2 * SY.MAX_SHARDS, dtype=torch.float32, device=ARGS.device)
-        SY._amaxes(w, [n], False, am[:3], am[3:].view(torch.int32))
-        bkc, chunks, nseg, native, sizes = SY._plan(n, k, SY.DEFAULT)
-        nt = -(-n // SY.TILE)
-        outs = [torch.empty(max(b, 4), dtype=torch.uint8, device=ARGS.device) for b in sizes]
-        codes, scales = outs[0].view(n, k // 2), outs[1].view(n, k // 16)
-
-        def kern(nat: bool, warps: int = 4) -> None:
-            launch(SY._sync_kernel, (nt, chunks), w.view(torch.int16), am[:1], codes, scales, outs[2], outs[3],
-                   outs[4].view(torch.int32), outs[5].view(torch.float16), n, k, bkc, bkc // 2, nat and native,
-                   num_warps=warps)
-
-        dst = torch.empty_like(w)
-        if not cuda():
-            kern(True)
-            return {"note": "cpu"}
-        r = {"shape": [n, k], "native": native,
-             "amax_us": round(graph_us(lambda: SY._amaxes(w, [n], False, am[:3], am[3:].view(torch.int32))), 1),
-             "kernel_us": round(graph_us(lambda: kern(True)), 1),
-             "kernel_no_native_us": round(graph_us(lambda: kern(False)), 1),
-             "kernel_8warps_us": round(graph_us(lambda: kern(True, 8)), 1),
-             "copy_us": round(graph_us(lambda: dst.copy_(w)), 1)}
-        r["kernel_read_GBps"] = round(w.numel() * 2 / r["kernel_us"] / 1e3)
-        return r
+        nbytes = sum(w.numel() * 2 for w in wlist)
+        ab = torch.zeros(len(wlist), SY._COLS, dtype=torch.float32, device=ARGS.device)
+        sizes = [SY.shard_sizes(w.shape[0], p) for w, p in zip(wlist, plist)]
+        t_amax = wall(lambda: SY._amax_pass(wlist, sizes, ab.zero_()))
+        t_all = wall(lambda: SY._sync_async(wlist, plist, "nvfp4-per-token", SY.DEFAULT))
+        return {"amax_ms": round(t_amax * 1e3, 2), "amax_read_GBps": round(nbytes / t_amax / 1e9),
+                "amax_and_kernel_ms": round(t_all * 1e3, 2), "kernel_ms": round((t_all - t_amax) * 1e3, 2)}
 
     def tune() -> dict[str, Any]:
         # the launch configurations (no bit changes): amax pass (rows per program, K block, warps) and the
-        # fused kernel's warps, timed in CUDA graphs on the 8B layer's shard shapes (one of each, summed);
-        # the best become SY.AMAX_CFG / SY.SYNC_WARPS for the rest of this section
+        # fused kernel's warps, each timed on the whole model (synchronized, median of 3); the best become
+        # SY.AMAX_CFG / SY.SYNC_WARPS for the rest of this section
         from mismatch_probe.kernels.nvfp4 import sync as SY
 
-        shard_shapes = [(128, 256), (64, 512)] if ARGS.tiny else [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
-                                                                    (12288, 4096), (12288, 4096), (4096, 12288)]
-        xs = [(torch.randn(n, k, device=ARGS.device) * 0.02).to(torch.bfloat16) for n, k in shard_shapes]
-        am = torch.zeros(2 * SY.MAX_SHARDS, dtype=torch.float32, device=ARGS.device)
         if not cuda():
             return {"note": "cpu: no tuning"}
+        state["out"] = None
+        ab = torch.zeros(len(wlist), SY._COLS, dtype=torch.float32, device=ARGS.device)
+        sizes = [SY.shard_sizes(w.shape[0], p) for w, p in zip(wlist, plist)]
         base = (SY.AMAX_CFG, SY.SYNC_WARPS)
         amax_t = {}
         for cfg in [(r, bk, w) for r in (8, 16, 32, 64) for bk in (128, 256, 512) for w in (4, 8)]:
             SY.AMAX_CFG = cfg
             try:
-                amax_t[cfg] = sum(graph_us(lambda x=x: SY._amaxes(x, [x.shape[0]], False, am[:3], am[3:].view(torch.int32)),
-                                           target_ms=5.0, repeats=3) for x in xs)
+                amax_t[cfg] = wall(lambda: SY._amax_pass(wlist, sizes, ab.zero_()))
             except Exception as e:  # a configuration the compiler refuses: skipped
                 amax_t[cfg] = float("inf")
                 print("amax cfg", cfg, type(e).__name__, flush=True)
@@ -299,17 +256,15 @@ def section_sync() -> None:
         for warps in (4, 8, 16):
             SY.SYNC_WARPS = warps
             try:
-                sync_t[warps] = sum(graph_us(lambda x=x: SY._sync_async(x, "nvfp4-per-token", None, SY.DEFAULT, am[:3],
-                                                                        am[3:].view(torch.int32)), target_ms=5.0, repeats=3)
-                                    for x in xs)
+                sync_t[warps] = wall(lambda: SY._sync_async(wlist, plist, "nvfp4-per-token", SY.DEFAULT))
             except Exception as e:
                 sync_t[warps] = float("inf")
                 print("sync warps", warps, type(e).__name__, flush=True)
         SY.SYNC_WARPS = min(sync_t, key=sync_t.get)
-        return {"amax_default": list(base[0]), "amax_default_us": round(amax_t.get(base[0], float("nan")), 1),
-                "amax_best": list(best_amax), "amax_best_us": round(amax_t[best_amax], 1),
-                "sync_warps_us": {w: round(t, 1) for w, t in sync_t.items()}, "sync_warps_best": SY.SYNC_WARPS,
-                "note": "sums over one layer's shards; the rest of section b runs with the best"}
+        return {"amax_default": list(base[0]), "amax_default_ms": round(amax_t.get(base[0], float("nan")) * 1e3, 2),
+                "amax_best": list(best_amax), "amax_best_ms": round(amax_t[best_amax] * 1e3, 2),
+                "amax_and_kernel_ms_by_warps": {w: round(t * 1e3, 2) for w, t in sync_t.items()},
+                "sync_warps_best": SY.SYNC_WARPS, "note": "whole model; the rest of section b runs with the best"}
 
     def equal(scheme: str, layer: int) -> dict[str, Any]:
         from mismatch_probe.kernels.nvfp4.sync import sync_weight
@@ -350,8 +305,7 @@ def section_sync() -> None:
     guarded("b sync", "bitwise vs reference, layer 1 (static)", 15, lambda: equal("nvfp4-static", 1))
     guarded("b sync", "diagnostic: host enqueue time of all launches", 20 if cuda() else 5, enqueue)
     guarded("b sync", "diagnostic: one large weight (kernel throughput)", 20 if cuda() else 5, big_weight)
-    guarded("b sync", "diagnostic: all launches in one CUDA graph", 30 if cuda() else 5, kernels_graph)
-    guarded("b sync", "diagnostic: kernel parts, one [24576, 4096] shard", 20 if cuda() else 5, kernel_parts)
+    guarded("b sync", "diagnostic: amax pass and fused kernel, whole model", 20 if cuda() else 5, parts_timing)
     state.clear()
 
 

@@ -3,15 +3,19 @@
 What :meth:`linear.NVFP4Linear.prepared` computes for a 1x16-block scheme (``nvfp4-per-token``:
 one amax per logical weight; ``nvfp4-static``: one amax over the fused shards), i.e.
 ``tc_linear.prepare(nvfp4_quantize_ref(shard, amax=...))`` per shard plus the native decode
-layout :func:`native.decode_ok` would make at first use, in two launches per weight instead of
-dozens of torch passes:
+layout :func:`native.decode_ok` would make at first use, in two launches per K (and decode layout)
+for all the weights of a model instead of dozens of torch passes per weight (the launches read
+int64 tables: per weight or shard its offset from the group's lowest-addressed weight and the
+offsets of its outputs in one buffer; per program its weight or shard and rows; a launch per
+weight made the sync host-bound on the H200, ~400 launches for the Qwen3-8B shape):
 
 * ``_amax_kernel``: per row the max |x| over finite values and a non-finite flag (2 NaN, 1 Inf),
   ``atomic_max``-ed into the weight's shard slots (float max: order free, so exact);
-* ``_sync_kernel``: per 64-row tile and ``bkc``-wide K chunk, reads the bf16 tile once and writes
+* ``_sync_kernel``: per 64-row tile of a shard and ``bkc``-wide K chunk, reads the bf16 tile once and writes
   the codes (standard packing), the E4M3 scale bytes, the decode-layout tiles (``dec``/``dsc`` of
   :func:`tc_linear.decode_layout`) and, where K % 128 == 0, the native layout
-  (``native.native_layout``: code bytes, scale bytes = ``dsc``, fp16 ``sf * 2^7``).
+  (``native.native_layout``: code bytes, scale bytes = ``dsc``, fp16 ``sf * 2^7``), each row's 64
+  bytes stored whole as int32 words.
 
 The quantizer arithmetic is the spec's (:func:`ref.nvfp4_quantize_ref`), with the exact helpers of
 :mod:`common` (``tl.div_rn``, integer E4M3 rounding), so every field is bitwise equal to the
@@ -25,6 +29,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -44,10 +49,20 @@ MAX_SHARDS = 3
 
 
 @kjit
-def _amax_kernel(x_ptr, amax_ptr, flag_ptr, n, K, b1, b2, R: tl.constexpr, BK: tl.constexpr):
-    """Rows [pid*R, pid*R+R): finite max |x| and non-finite flag per row, max-ed into slot
-    (row >= b1) + (row >= b2) of ``amax_ptr`` / ``flag_ptr`` (zero-initialized)."""
-    rows = (tl.program_id(0) * R + tl.arange(0, R)).to(tl.int64)
+def _amax_kernel(x_base, tab_ptr, prog_ptr, amax_ptr, flag_ptr, K, R: tl.constexpr, BK: tl.constexpr):
+    """Program p: rows [r0, r0 + R) of weight ``wi`` (``prog_ptr[2p], [2p + 1]``); its row of ``tab_ptr``:
+    x offset (elements from ``x_base``), n, b1, b2, first slot. Finite max |x| and non-finite flag per
+    row, max-ed into slot first + (row >= b1) + (row >= b2) of ``amax_ptr`` / ``flag_ptr`` (zeroed)."""
+    p = tl.program_id(0)
+    wi = tl.load(prog_ptr + 2 * p)
+    r0 = tl.load(prog_ptr + 2 * p + 1)
+    tab = tab_ptr + wi * 5
+    x_ptr = x_base + tl.multiple_of(tl.load(tab), 8)
+    n = tl.load(tab + 1)
+    b1 = tl.load(tab + 2)
+    b2 = tl.load(tab + 3)
+    slot0 = tl.load(tab + 4)
+    rows = r0 + tl.arange(0, R).to(tl.int64)
     rmask = rows < n
     cols = tl.arange(0, BK)
     am = tl.full([R, BK], 0.0, tl.float32)
@@ -63,8 +78,8 @@ def _amax_kernel(x_ptr, amax_ptr, flag_ptr, n, K, b1, b2, R: tl.constexpr, BK: t
     rnf = rmax(nf, 1)
     for s in range(3):  # one scalar atomic per slot and program (a 0 where no row is in the slot: harmless)
         sel = rmask & (slot == s)
-        tl.atomic_max(amax_ptr + s, rmax(tl.where(sel, ram, 0.0), 0))
-        tl.atomic_max(flag_ptr + s, rmax(tl.where(sel, rnf, 0), 0))
+        tl.atomic_max(amax_ptr + slot0 + s, rmax(tl.where(sel, ram, 0.0), 0))
+        tl.atomic_max(flag_ptr + slot0 + s, rmax(tl.where(sel, rnf, 0), 0))
 
 
 @kjit
@@ -129,15 +144,30 @@ def _store_native(c0, c1, f0, f1, rl, tile, wq_ptr, ws16_ptr):
 
 
 @kjit
-def _sync_kernel(x_ptr, amax_ptr, codes_ptr, scales_ptr, dec_ptr, dsc_ptr, wq_ptr, ws16_ptr, n, K,
-                 BKC: tl.constexpr, H: tl.constexpr, NATIVE: tl.constexpr):
-    """Program (t, c): rows [64t, 64t+64) x K chunk c; bf16 bits in, every prepared layout out."""
-    t = tl.program_id(0)
+def _sync_kernel(x_base, tab_ptr, prog_ptr, amax_base, out8, out32, out16, K, BKC: tl.constexpr, H: tl.constexpr,
+                 NATIVE: tl.constexpr):
+    """Program (p, c): tile t of shard si (``prog_ptr[2p], [2p + 1]``: rows [64t, 64t+64)) x K chunk c; bf16
+    bits in, every prepared layout out. The shard's row of ``tab_ptr``: x offset (elements from ``x_base``),
+    n, its amax's index in ``amax_base``, the byte offsets in ``out8`` of codes, scales, dec, dsc, and the
+    offsets of wq in ``out32`` (int32 words) and of ws16 in ``out16`` (halves): one buffer, three views."""
+    p = tl.program_id(0)
     c = tl.program_id(1)
+    si = tl.load(prog_ptr + 2 * p)
+    t = tl.load(prog_ptr + 2 * p + 1)
+    tab = tab_ptr + si * 9
+    x_ptr = x_base + tl.multiple_of(tl.load(tab), 8)
+    n = tl.load(tab + 1)
+    amax_ptr = amax_base + tl.load(tab + 2)
+    codes_ptr = out8 + tl.multiple_of(tl.load(tab + 3), 256)
+    scales_ptr = out8 + tl.multiple_of(tl.load(tab + 4), 256)
+    dec_ptr = out8 + tl.multiple_of(tl.load(tab + 5), 256)
+    dsc_ptr = out8 + tl.multiple_of(tl.load(tab + 6), 256)
+    wq_ptr = out32 + tl.multiple_of(tl.load(tab + 7), 64)
+    ws16_ptr = out16 + tl.multiple_of(tl.load(tab + 8), 128)
     chunks = K // BKC
-    tile = (t * chunks + c).to(tl.int64)
+    tile = t * chunks + c
     rl = tl.arange(0, ROWS)
-    rows = t.to(tl.int64) * ROWS + rl
+    rows = t * ROWS + rl
     rmask = rows < n
     amax = tl.load(amax_ptr + tl.arange(0, 1))
     s_enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), _FLT_MAX)
@@ -173,19 +203,52 @@ def _scheme(scheme: Any) -> Any:
     return scheme if isinstance(scheme, Scheme) else SCHEMES[scheme]
 
 
-def _amaxes(w: torch.Tensor, sizes: list[int], fused: bool, amax: torch.Tensor, flag: torch.Tensor) -> list[torch.Tensor]:
-    """Launch the amax pass into ``amax``/``flag`` ([MAX_SHARDS], zeroed); the [1] amax per shard."""
-    n, k = w.shape
-    b = [sum(sizes[:i]) for i in range(1, len(sizes))] + [n] * MAX_SHARDS
-    r, bk, warps = (4, 64, 4) if INTERPRET else AMAX_CFG
-    bk = min(triton.next_power_of_2(k), bk)
-    launch(_amax_kernel, (triton.cdiv(n, r),), w.view(torch.int16), amax, flag, n, k, b[0], b[1], r, bk, num_warps=warps)
-    if not fused:
-        return [amax[i:i + 1] for i in range(len(sizes))]
-    # NVFP4Linear.weight: w.float().abs().amax(), non-finite values included (NaN wins, then Inf)
-    f = flag[: len(sizes)].amax()
-    shared = torch.where(f == 2, float("nan"), torch.where(f == 1, float("inf"), amax[: len(sizes)].amax())).reshape(1)
-    return [shared] * len(sizes)
+def _table(rows: list[list[int]]) -> np.ndarray:
+    return np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
+
+
+def _to(dev: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """Host int64 tables to ``dev`` (pinned, asynchronous: no host synchronization)."""
+    out = []
+    for a in arrays:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        out.append(t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t)
+    return out
+
+
+def _progs(counts: list[int], step: int) -> np.ndarray:
+    """[(item, first row or tile), ...] of ``counts[i]`` programs per item, ``step`` rows (tiles) apart."""
+    c = np.asarray(counts, np.int64)
+    item = np.repeat(np.arange(c.size), c)
+    first = (np.arange(item.size) - np.repeat(np.cumsum(c) - c, c)) * step
+    return np.stack([item, first], axis=1)
+
+
+def _base(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The tensor of ``ts`` at the lowest address: the others are addressed as offsets from it (>= 0)."""
+    return min(ts, key=lambda t: t.data_ptr())
+
+
+def _amax_pass(ws: list[torch.Tensor], sizes: list[list[int]], ab: torch.Tensor) -> None:
+    """Launch the amax pass of every weight (one launch per K): weight i's shard amaxes into ``ab[i, 0:3]``,
+    its non-finite flags (2 NaN, 1 Inf) into ``ab[i, 3:6]`` as int32 bits (``ab`` zeroed)."""
+    r, bk0, warps = (4, 64, 4) if INTERPRET else AMAX_CFG
+    by_k: dict[int, list[int]] = {}
+    for i, w in enumerate(ws):
+        by_k.setdefault(w.shape[1], []).append(i)
+    flat = ab.view(-1)
+    for k, idx in by_k.items():
+        base = _base([ws[i] for i in idx])
+        rows = []
+        for i in idx:
+            n = ws[i].shape[0]
+            b = [sum(sizes[i][:j]) for j in range(1, len(sizes[i]))] + [n] * MAX_SHARDS
+            rows.append([(ws[i].data_ptr() - base.data_ptr()) // 2, n, b[0], b[1], i * _COLS])
+        prog = _progs([-(-ws[i].shape[0] // r) for i in idx], r)
+        tab, prog = _to(ab.device, _table(rows), prog)
+        bk = min(triton.next_power_of_2(k), bk0)
+        launch(_amax_kernel, (prog.shape[0],), base.view(torch.int16), tab, prog, flat, flat[3:].view(torch.int32), k, r, bk,
+               num_warps=warps)
 
 
 @functools.lru_cache(maxsize=256)
@@ -202,56 +265,70 @@ def _plan(n: int, k: int, tuning: GemmTuning) -> tuple[int, int, int, bool, tupl
     return bkc, chunks, nseg, native, sizes
 
 
-def _carve(buf: torch.Tensor, off: int, nbytes: int) -> tuple[torch.Tensor, int]:
-    """A view of ``nbytes`` of ``buf`` at ``off``; the next offset, 256-byte aligned."""
-    return buf[off:off + nbytes], off + (nbytes + 255) // 256 * 256
+_COLS = 8  # per weight in the amax buffer: 3 shard amaxes, 3 flags (int32 bits), the fused (shared) amax, padding
 
 
-def _launch_shard(x: torch.Tensor, amax: torch.Tensor, tuning: GemmTuning, buf: torch.Tensor, off: int) -> tuple[Any, int]:
-    """One shard [n, K] (contiguous bf16) -> TCWeight (``native`` still undecided if K % 128 == 0), its
-    tensors carved from ``buf`` (one allocation per weight) at ``off``; the next offset."""
+def _sync_async(ws: list[torch.Tensor], parts: list[list[int] | None], scheme: Any, tuning: GemmTuning
+                ) -> tuple[list[list[Any]], torch.Tensor]:
+    """Launch the sync of the weights ``ws`` (bf16 [N, K] on one device; ``parts``: each one's shards): one
+    amax launch and one fused launch per K (and decode layout); no host synchronization. Returns the
+    TCWeights of each weight (``native`` undecided) and the flags [weights, 3] (int32; 2: a NaN, 1: an Inf
+    in the shard, or a NaN in the weight under a shared amax)."""
     from .tc_linear import TCWeight
 
-    n, k = x.shape
-    bkc, chunks, nseg, native, sizes = _plan(n, k, tuning)
-    nt = -(-n // TILE)
-    parts = []
-    for nbytes in sizes:
-        t, off = _carve(buf, off, max(nbytes, 4))  # (wq is viewed as int32 words)
-        parts.append(t)
-    codes, scales = parts[0].view(n, k // 2), parts[1].view(n, k // 16)
-    dec = parts[2].view(1, nt, chunks, TILE, bkc // 2)
-    dsc = parts[3].view(1, nt, chunks, TILE, bkc // 16)
-    wq, ws16 = parts[4], parts[5].view(torch.float16)
-    launch(_sync_kernel, (nt, chunks), x.view(torch.int16), amax, codes, scales, dec, dsc, wq.view(torch.int32), ws16, n, k,
-           bkc, bkc // 2, native, num_warps=SYNC_WARPS)
-    tw = TCWeight(codes, scales, amax, False, dec, dsc, bkc, nseg, False, tuning=tuning)
-    if native:
-        tw.native_w = (wq, dsc.view(-1), parts[5])
-    return tw, off
-
-
-def _sync_async(w: torch.Tensor, scheme: Any, partitions: list[int] | None, tuning: GemmTuning,
-                amax: torch.Tensor, flag: torch.Tensor) -> tuple[list[Any], torch.Tensor]:
     s = _scheme(scheme)
-    w = w.detach()
-    if not w.is_contiguous():
-        w = w.contiguous()
-    sizes = shard_sizes(w.shape[0], partitions)
-    amaxes = _amaxes(w, sizes, s.fused_weight_amax, amax, flag)
-    k = w.shape[1]
-    total = sum((max(nb, 4) + 255) // 256 * 256 for size in sizes for nb in _plan(size, k, tuning)[4])
-    buf = torch.empty(total, dtype=torch.uint8, device=w.device)
-    tws, r0, off = [], 0, 0
-    for size, a in zip(sizes, amaxes):
-        tw, off = _launch_shard(w[r0:r0 + size], a, tuning, buf, off)
-        tws.append(tw)
-        r0 += size
-    # a shard's blocks are NaN-flagged iff it holds a non-finite value (or, shared amax, a NaN anywhere)
-    flags = flag[: len(sizes)]
-    if s.fused_weight_amax:
-        flags = torch.maximum(flags, torch.where(flags.amax() == 2, 2, 0))
-    return tws, flags
+    dev = ws[0].device
+    ws = [w.detach() if w.is_contiguous() else w.detach().contiguous() for w in ws]
+    sizes = [shard_sizes(w.shape[0], p) for w, p in zip(ws, parts)]
+    ab = torch.zeros(len(ws), _COLS, dtype=torch.float32, device=dev)
+    _amax_pass(ws, sizes, ab)
+    flags = ab.view(torch.int32)[:, 3:6]
+    if s.fused_weight_amax:  # NVFP4Linear.weight: w.float().abs().amax(), non-finite included (NaN wins, then Inf)
+        f = flags.amax(1)
+        ab[:, 6] = torch.where(f == 2, float("nan"), torch.where(f == 1, float("inf"), ab[:, 0:3].amax(1)))
+        flags = torch.maximum(flags, torch.where(f[:, None] == 2, 2, 0))
+    # the outputs of every shard carved from one buffer (256-byte aligned parts)
+    shards, off = [], 0  # (weight, shard, row0, n, k, plan, part offsets)
+    for i, w in enumerate(ws):
+        r0 = 0
+        for j, n in enumerate(sizes[i]):
+            plan = _plan(n, w.shape[1], tuning)
+            offs = []
+            for nbytes in plan[4]:
+                offs.append(off)
+                off += (nbytes + 255) // 256 * 256
+            shards.append((i, j, r0, n, w.shape[1], plan, offs))
+            r0 += n
+    buf = torch.empty(max(off, 256), dtype=torch.uint8, device=dev)
+    b32, b16 = buf.view(torch.int32), buf.view(torch.float16)
+    groups: dict[tuple[int, int, bool], list[int]] = {}
+    for si, (_, _, _, _, k, plan, _) in enumerate(shards):
+        groups.setdefault((k, plan[0], plan[3]), []).append(si)
+    for (k, bkc, native), idx in groups.items():
+        base = _base([ws[shards[si][0]] for si in idx])
+        rows = []
+        for si in idx:
+            i, j, r0, n, _, _, o = shards[si]
+            col = 6 if s.fused_weight_amax else j
+            rows.append([(ws[i].data_ptr() - base.data_ptr()) // 2 + r0 * k, n, i * _COLS + col, o[0], o[1], o[2], o[3],
+                         o[4] // 4, o[5] // 2])
+        prog = _progs([-(-shards[si][3] // TILE) for si in idx], 1)
+        tab, prog = _to(dev, _table(rows), prog)
+        launch(_sync_kernel, (prog.shape[0], k // bkc), base.view(torch.int16), tab, prog, ab.view(-1), buf, b32, b16, k,
+               bkc, bkc // 2, native, num_warps=SYNC_WARPS)
+    out: list[list[Any]] = [[] for _ in ws]
+    for i, j, _, n, k, (bkc, chunks, nseg, native, nb), o in shards:
+        nt = -(-n // TILE)
+        codes = buf[o[0]:o[0] + nb[0]].view(n, k // 2)
+        scales = buf[o[1]:o[1] + nb[1]].view(n, k // 16)
+        dec = buf[o[2]:o[2] + nb[2]].view(1, nt, chunks, TILE, bkc // 2)
+        dsc = buf[o[3]:o[3] + nb[3]].view(1, nt, chunks, TILE, bkc // 16)
+        col = 6 if s.fused_weight_amax else j
+        tw = TCWeight(codes, scales, ab[i, col:col + 1], False, dec, dsc, bkc, nseg, False, tuning=tuning)
+        if native:
+            tw.native_w = (buf[o[4]:o[4] + nb[4]], dsc.view(-1), buf[o[5]:o[5] + nb[5]])
+        out[i].append(tw)
+    return out, flags
 
 
 def _decide_native(tws: list[Any], flags: list[int]) -> None:
@@ -275,39 +352,28 @@ def sync_weight(w: torch.Tensor, scheme: Any = "nvfp4-per-token", partitions: li
     of ``partitions``: bitwise those of ``NVFP4Linear(scheme, partitions, tuning).prepared(w)`` (with
     the native layout made). Weights the kernels do not take (not bf16, K % 32 != 0, 16x16 tiles):
     the reference path. One host synchronization (the native flag)."""
-    if not supported(w, scheme, partitions):
-        return _reference(w, scheme, partitions, tuning)
-    buf = torch.zeros(2 * MAX_SHARDS, dtype=torch.float32, device=w.device)
-    tws, flags = _sync_async(w, scheme, partitions, tuning, buf[:MAX_SHARDS], buf[MAX_SHARDS:].view(torch.int32))
-    _decide_native(tws, flags.tolist())
-    return tws
+    return sync_model({"w": w}, scheme, {"w": partitions} if partitions else None, tuning)["w"]
 
 
 def sync_model(named_weights: dict[str, torch.Tensor], scheme: Any = "nvfp4-per-token",
                partitions: dict[str, list[int]] | None = None, tuning: GemmTuning = DEFAULT) -> dict[str, list[Any]]:
     """:func:`sync_weight` for every weight of a model (``partitions``: per name, the fused shards'
-    sizes), all launches queued first and one host synchronization at the end."""
+    sizes): per device, one amax launch and one fused launch per K (and decode layout) for all weights,
+    and one host synchronization at the end (the native flags)."""
     partitions = partitions or {}
-    names = list(named_weights)
-    fast = [nm for nm in names if supported(named_weights[nm], scheme, partitions.get(nm))]
     out: dict[str, list[Any]] = {}
-    pending: list[tuple[list[Any], torch.Tensor]] = []
-    bufs: dict[torch.device, torch.Tensor] = {}
-    for i, nm in enumerate(fast):
-        w = named_weights[nm]
-        if w.device not in bufs:
-            bufs[w.device] = torch.zeros(len(fast), 2 * MAX_SHARDS, dtype=torch.float32, device=w.device)
-        row = bufs[w.device][i]
-        tws, flags = _sync_async(w, scheme, partitions.get(nm), tuning, row[:MAX_SHARDS], row[MAX_SHARDS:].view(torch.int32))
-        out[nm] = tws
+    by_dev: dict[torch.device, list[str]] = {}
+    for nm, w in named_weights.items():
+        if supported(w, scheme, partitions.get(nm)):
+            by_dev.setdefault(w.device, []).append(nm)
+        else:
+            out[nm] = _reference(w, scheme, partitions.get(nm), tuning)
+    pending = []
+    for names in by_dev.values():
+        tws, flags = _sync_async([named_weights[nm] for nm in names], [partitions.get(nm) for nm in names], scheme, tuning)
+        out.update(zip(names, tws))
         pending.append((tws, flags))
-    for nm in names:
-        if nm not in out:
-            out[nm] = _reference(named_weights[nm], scheme, partitions.get(nm), tuning)
-    if pending:
-        allf = torch.cat([f for _, f in pending]).tolist()
-        j = 0
-        for tws, f in pending:
-            _decide_native(tws, allf[j:j + f.numel()])
-            j += f.numel()
-    return {nm: out[nm] for nm in names}
+    for tws, flags in pending:
+        for t, f in zip(tws, flags.tolist()):
+            _decide_native(t, f)
+    return {nm: out[nm] for nm in named_weights}
