@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from mismatch_probe.errors import UsageError
 from mismatch_probe.probes.models import ModelInfo, resolve_model
 from mismatch_probe.run.rundir import RunWriter
 from mismatch_probe.steps.compare_types import LEARNERS, SAMPLERS, CompareConfig, Prepared
-from mismatch_probe.steps.progress import progress_bars
+from mismatch_probe.steps.progress import progress_bars, stage_seconds
 from mismatch_probe.steps.prompts import PromptSpec, load_prompts
 
 __all__ = ["LEARNERS", "SAMPLERS", "CompareConfig", "Prepared", "prepare", "run_compare", "tokenize_prompts"]
@@ -90,6 +91,7 @@ def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, A
     """Everything ``mismatch-probe compare`` does; returns the run path and the summary."""
     from mismatch_probe.steps import compare_stages as stages
 
+    t0 = time.perf_counter()
     prep = prepare(cfg)
     with RunWriter(cfg.out, overwrite=cfg.overwrite) as run, progress_bars(console) as progress:
         run.set_config({
@@ -113,5 +115,7 @@ def run_compare(cfg: CompareConfig, console: Console) -> tuple[Path, dict[str, A
         rollouts = stages.sample(cfg, prep, run, progress)
         stages.learn(cfg, prep, run, rollouts, progress)
         summary = stages.compare_tokens(run, progress)
+        # where the user's wait went (the engines' start-up included in their stages; not the final rename)
+        run.set_section("timings", {"stages_s": stage_seconds(progress), "total_s": round(time.perf_counter() - t0, 3)})
         path = run.finish()
     return path, summary

@@ -29,6 +29,10 @@ def _check_run_files(run: Path) -> None:
         validate_file(run / rel, kind)
         assert pq.read_schema(run / rel).metadata[b"mismatch_probe.schema_version"] == str(SCHEMA_VERSION).encode()
     assert not list(run.parent.glob(".*partial*"))
+    # where the wait went: every stage's wall seconds, in order, within the whole command's
+    t = m["timings"]
+    assert {"comparing token logprobs", "learner forward (teacher-forced)"} <= set(t["stages_s"])
+    assert all(v >= 0 for v in t["stages_s"].values()) and sum(t["stages_s"].values()) <= t["total_s"]
 
 
 def _independent_metrics(run: Path) -> dict[str, dict[str, float]]:
