@@ -27,7 +27,7 @@ reads all flags of :func:`sync_model` with one synchronization at the end.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -268,27 +268,19 @@ def _plan(n: int, k: int, tuning: GemmTuning) -> tuple[int, int, int, bool, tupl
 _COLS = 8  # per weight in the amax buffer: 3 shard amaxes, 3 flags (int32 bits), the fused (shared) amax, padding
 
 
-def _sync_async(ws: list[torch.Tensor], parts: list[list[int] | None], scheme: Any, tuning: GemmTuning
-                ) -> tuple[list[list[Any]], torch.Tensor]:
-    """Launch the sync of the weights ``ws`` (bf16 [N, K] on one device; ``parts``: each one's shards): one
-    amax launch and one fused launch per K (and decode layout); no host synchronization. Returns the
-    TCWeights of each weight (``native`` undecided) and the flags [weights, 3] (int32; 2: a NaN, 1: an Inf
-    in the shard, or a NaN in the weight under a shared amax)."""
-    from .tc_linear import TCWeight
+class _Shard(NamedTuple):
+    w: int  # weight index
+    j: int  # shard index in the weight
+    r0: int  # first row in the weight
+    n: int
+    k: int
+    plan: tuple[int, int, int, bool, tuple[int, ...]]  # _plan(n, k)
+    offs: list[int]  # byte offsets of codes, scales, dec, dsc, wq, ws16 in the output buffer
 
-    s = _scheme(scheme)
-    dev = ws[0].device
-    ws = [w.detach() if w.is_contiguous() else w.detach().contiguous() for w in ws]
-    sizes = [shard_sizes(w.shape[0], p) for w, p in zip(ws, parts)]
-    ab = torch.zeros(len(ws), _COLS, dtype=torch.float32, device=dev)
-    _amax_pass(ws, sizes, ab)
-    flags = ab.view(torch.int32)[:, 3:6]
-    if s.fused_weight_amax:  # NVFP4Linear.weight: w.float().abs().amax(), non-finite included (NaN wins, then Inf)
-        f = flags.amax(1)
-        ab[:, 6] = torch.where(f == 2, float("nan"), torch.where(f == 1, float("inf"), ab[:, 0:3].amax(1)))
-        flags = torch.maximum(flags, torch.where(f[:, None] == 2, 2, 0))
-    # the outputs of every shard carved from one buffer (256-byte aligned parts)
-    shards, off = [], 0  # (weight, shard, row0, n, k, plan, part offsets)
+
+def _layout(ws: list[torch.Tensor], sizes: list[list[int]], tuning: GemmTuning) -> tuple[list[_Shard], int]:
+    """Every shard of ``ws`` and where its outputs go in one buffer (256-byte aligned parts); its size."""
+    shards, off = [], 0
     for i, w in enumerate(ws):
         r0 = 0
         for j, n in enumerate(sizes[i]):
@@ -297,37 +289,67 @@ def _sync_async(ws: list[torch.Tensor], parts: list[list[int] | None], scheme: A
             for nbytes in plan[4]:
                 offs.append(off)
                 off += (nbytes + 255) // 256 * 256
-            shards.append((i, j, r0, n, w.shape[1], plan, offs))
+            shards.append(_Shard(i, j, r0, n, w.shape[1], plan, offs))
             r0 += n
-    buf = torch.empty(max(off, 256), dtype=torch.uint8, device=dev)
-    b32, b16 = buf.view(torch.int32), buf.view(torch.float16)
-    groups: dict[tuple[int, int, bool], list[int]] = {}
-    for si, (_, _, _, _, k, plan, _) in enumerate(shards):
-        groups.setdefault((k, plan[0], plan[3]), []).append(si)
-    for (k, bkc, native), idx in groups.items():
-        base = _base([ws[shards[si][0]] for si in idx])
-        rows = []
-        for si in idx:
-            i, j, r0, n, _, _, o = shards[si]
-            col = 6 if s.fused_weight_amax else j
-            rows.append([(ws[i].data_ptr() - base.data_ptr()) // 2 + r0 * k, n, i * _COLS + col, o[0], o[1], o[2], o[3],
-                         o[4] // 4, o[5] // 2])
-        prog = _progs([-(-shards[si][3] // TILE) for si in idx], 1)
-        tab, prog = _to(dev, _table(rows), prog)
-        launch(_sync_kernel, (prog.shape[0], k // bkc), base.view(torch.int16), tab, prog, ab.view(-1), buf, b32, b16, k,
-               bkc, bkc // 2, native, num_warps=SYNC_WARPS)
+    return shards, max(off, 256)
+
+
+def _launch_sync(ws: list[torch.Tensor], shards: list[_Shard], amax_col: Any, ab: torch.Tensor, buf: torch.Tensor) -> None:
+    """The fused kernel over every shard, one launch per (K, decode chunk, native layout); shard
+    ``sh`` reads its amax at ``ab[sh.w, amax_col(sh)]``."""
+    groups: dict[tuple[int, int, bool], list[_Shard]] = {}
+    for sh in shards:
+        groups.setdefault((sh.k, sh.plan[0], sh.plan[3]), []).append(sh)
+    for (k, bkc, native), group in groups.items():
+        base = _base([ws[sh.w] for sh in group])
+        rows = [[(ws[sh.w].data_ptr() - base.data_ptr()) // 2 + sh.r0 * k, sh.n, sh.w * _COLS + amax_col(sh), *sh.offs[:4],
+                 sh.offs[4] // 4, sh.offs[5] // 2] for sh in group]
+        tab, prog = _to(buf.device, _table(rows), _progs([-(-sh.n // TILE) for sh in group], 1))
+        launch(_sync_kernel, (prog.shape[0], k // bkc), base.view(torch.int16), tab, prog, ab.view(-1), buf,
+               buf.view(torch.int32), buf.view(torch.float16), k, bkc, bkc // 2, native, num_warps=SYNC_WARPS)
+
+
+def _tcweight(sh: _Shard, buf: torch.Tensor, amax: torch.Tensor, tuning: GemmTuning) -> Any:
+    """Shard ``sh``'s TCWeight: views of ``buf`` (``native`` undecided)."""
+    from .tc_linear import TCWeight
+
+    bkc, chunks, nseg, native, nb = sh.plan
+    n, k, o = sh.n, sh.k, sh.offs
+    nt = -(-n // TILE)
+    dsc = buf[o[3]:o[3] + nb[3]].view(1, nt, chunks, TILE, bkc // 16)
+    tw = TCWeight(buf[o[0]:o[0] + nb[0]].view(n, k // 2), buf[o[1]:o[1] + nb[1]].view(n, k // 16), amax, False,
+                  buf[o[2]:o[2] + nb[2]].view(1, nt, chunks, TILE, bkc // 2), dsc, bkc, nseg, False, tuning=tuning)
+    if native:
+        tw.native_w = (buf[o[4]:o[4] + nb[4]], dsc.view(-1), buf[o[5]:o[5] + nb[5]])
+    return tw
+
+
+def _sync_async(ws: list[torch.Tensor], parts: list[list[int] | None], scheme: Any, tuning: GemmTuning
+                ) -> tuple[list[list[Any]], torch.Tensor]:
+    """Launch the sync of the weights ``ws`` (bf16 [N, K] on one device; ``parts``: each one's shards): one
+    amax launch and one fused launch per K (and decode layout); no host synchronization. Returns the
+    TCWeights of each weight (``native`` undecided) and the flags [weights, 3] (int32; 2: a NaN, 1: an Inf
+    in the shard, or a NaN in the weight under a shared amax)."""
+    fused = _scheme(scheme).fused_weight_amax
+    ws = [w.detach() if w.is_contiguous() else w.detach().contiguous() for w in ws]
+    sizes = [shard_sizes(w.shape[0], p) for w, p in zip(ws, parts)]
+    ab = torch.zeros(len(ws), _COLS, dtype=torch.float32, device=ws[0].device)
+    _amax_pass(ws, sizes, ab)
+    flags = ab.view(torch.int32)[:, 3:6]
+    if fused:  # NVFP4Linear.weight: w.float().abs().amax(), non-finite included (NaN wins, then Inf)
+        f = flags.amax(1)
+        ab[:, 6] = torch.where(f == 2, float("nan"), torch.where(f == 1, float("inf"), ab[:, 0:3].amax(1)))
+        flags = torch.maximum(flags, torch.where(f[:, None] == 2, 2, 0))
+    shards, nbytes = _layout(ws, sizes, tuning)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=ws[0].device)
+
+    def amax_col(sh: _Shard) -> int:  # the shared amax (column 6) or the shard's own
+        return 6 if fused else sh.j
+
+    _launch_sync(ws, shards, amax_col, ab, buf)
     out: list[list[Any]] = [[] for _ in ws]
-    for i, j, _, n, k, (bkc, chunks, nseg, native, nb), o in shards:
-        nt = -(-n // TILE)
-        codes = buf[o[0]:o[0] + nb[0]].view(n, k // 2)
-        scales = buf[o[1]:o[1] + nb[1]].view(n, k // 16)
-        dec = buf[o[2]:o[2] + nb[2]].view(1, nt, chunks, TILE, bkc // 2)
-        dsc = buf[o[3]:o[3] + nb[3]].view(1, nt, chunks, TILE, bkc // 16)
-        col = 6 if s.fused_weight_amax else j
-        tw = TCWeight(codes, scales, ab[i, col:col + 1], False, dec, dsc, bkc, nseg, False, tuning=tuning)
-        if native:
-            tw.native_w = (buf[o[4]:o[4] + nb[4]], dsc.view(-1), buf[o[5]:o[5] + nb[5]])
-        out[i].append(tw)
+    for sh in shards:
+        out[sh.w].append(_tcweight(sh, buf, ab[sh.w, amax_col(sh):amax_col(sh) + 1], tuning))
     return out, flags
 
 
