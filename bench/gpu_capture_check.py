@@ -6,10 +6,14 @@
    interleaved round by round, on the Qwen3-0.6B shape (4 x 1,024 tokens) and the Qwen3-8B shape
    (2 x 1,024 tokens), random weights built in memory; logprobs checked bitwise against capture
    off; the streamed table checked equal, row for row, to the recorder's in-memory per-row table.
-   ``MODE@thread``: the same with the writer thread instead of the writer process.
+   ``MODE@thread``: the same with the writer thread instead of the writer process; ``MODE@rNk``: chunks
+   of N Ki rows, ``MODE@qNm``: queued tensors launched every N MiB (``--modes``). ``close s``: how long
+   ``score()`` waits after its last forward (the recorder's ``close()``).
 2. ``mismatch-probe compare`` with the default capture vs ``--capture off`` (same prompts, seeds:
    same sequences, checked), Qwen3-0.6B-shaped checkpoint, 64 sequences x 256 generated tokens;
-   wall time of each command, and the op comparison of the two engines' tables
+   wall time of each command (after one untimed short ``compare``: the machine's first engine start
+   fills the compile and page caches), compare's output kept per run (its stage times), and the op
+   comparison of the two engines' tables
    (``analysis.op_errors.op_errors_run``, what compare's op-errors stage runs) timed on its own.
 
     python bench/gpu_capture_check.py --out $OUT                    # the H200 run (CUDA, vLLM)
