@@ -72,8 +72,10 @@ SCRIPT = textwrap.dedent(
             w = special(80, 256, 5); w[50, 3] = bad
             check(sync_weight(w, scheme, [40, 40]), w, scheme, [40, 40])
     # a model at once (and a weight the kernel does not take: fp32 -> the reference path)
-    ws = {"qkv": special(100, 384, 11), "o": special(64, 128, 12), "f32": special(64, 64, 13).float()}
-    parts = {"qkv": [60, 20, 20]}
+    # (weights of one K share a launch: "o", "up" and "gate_up" read through offsets from the lowest-addressed)
+    ws = {"qkv": special(100, 384, 11), "o": special(64, 128, 12), "f32": special(64, 64, 13).float(),
+          "up": special(130, 128, 14), "gate_up": special(96, 128, 15)}
+    parts = {"qkv": [60, 20, 20], "gate_up": [48, 48]}
     got = sync_model(ws, "nvfp4-per-token", parts)
     assert list(got) == list(ws)
     for nm, w in ws.items():
