@@ -331,7 +331,10 @@ def _sync_async(ws: list[torch.Tensor], parts: list[list[int] | None], scheme: A
     TCWeights of each weight (``native`` undecided) and the flags [weights, 3] (int32; 2: a NaN, 1: an Inf
     in the shard, or a NaN in the weight under a shared amax)."""
     fused = _scheme(scheme).fused_weight_amax
-    ws = [w.detach() if w.is_contiguous() else w.detach().contiguous() for w in ws]
+    # the kernels read a weight at its offset from the group's first, hinted 16-byte aligned: a view that
+    # is not (a slice at an odd element) is copied first
+    ws = [w.detach() if w.is_contiguous() and w.data_ptr() % 16 == 0 else w.detach().clone(memory_format=torch.contiguous_format)
+          for w in ws]
     sizes = [shard_sizes(w.shape[0], p) for w, p in zip(ws, parts)]
     ab = torch.zeros(len(ws), _COLS, dtype=torch.float32, device=ws[0].device)
     _amax_pass(ws, sizes, ab)

@@ -71,6 +71,11 @@ SCRIPT = textwrap.dedent(
         for bad in (float("nan"), float("inf"), float("-inf")):  # flagged blocks, native off
             w = special(80, 256, 5); w[50, 3] = bad
             check(sync_weight(w, scheme, [40, 40]), w, scheme, [40, 40])
+    # a contiguous view 2 bytes past an aligned address (the kernels' offsets are hinted 16-byte aligned)
+    flat = special(66, 128, 16).reshape(-1)
+    w = flat[1 : 1 + 64 * 128].view(64, 128)
+    assert w.is_contiguous() and w.data_ptr() % 16 != 0
+    check(sync_weight(w, "nvfp4-per-token"), w, "nvfp4-per-token", None)
     # a model at once (and a weight the kernel does not take: fp32 -> the reference path)
     # (weights of one K share a launch: "o", "up" and "gate_up" read through offsets from the lowest-addressed)
     ws = {"qkv": special(100, 384, 11), "o": special(64, 128, 12), "f32": special(64, 64, 13).float(),
