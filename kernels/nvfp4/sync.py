@@ -49,16 +49,22 @@ MAX_SHARDS = 3
 
 
 @kjit
+def _program(x_base, tab_ptr, prog_ptr, W: tl.constexpr):
+    """This program's item (``prog_ptr[2p]``: a weight or shard) and first row or tile (``[2p + 1]``):
+    (its row of the ``W``-wide int64 ``tab_ptr``, that first, its bf16 bits ``x_base`` + offset (field 0,
+    16-byte aligned: the host copies a weight that is not), its rows n (field 1))."""
+    p = tl.program_id(0)
+    tab = tab_ptr + tl.load(prog_ptr + 2 * p) * W
+    first = tl.load(prog_ptr + 2 * p + 1)
+    return tab, first, x_base + tl.multiple_of(tl.load(tab), 8), tl.load(tab + 1)
+
+
+@kjit
 def _amax_kernel(x_base, tab_ptr, prog_ptr, amax_ptr, flag_ptr, K, R: tl.constexpr, BK: tl.constexpr):
-    """Program p: rows [r0, r0 + R) of weight ``wi`` (``prog_ptr[2p], [2p + 1]``); its row of ``tab_ptr``:
+    """Program p: rows [r0, r0 + R) of one weight (:func:`_program`); its row of ``tab_ptr``:
     x offset (elements from ``x_base``), n, b1, b2, first slot. Finite max |x| and non-finite flag per
     row, max-ed into slot first + (row >= b1) + (row >= b2) of ``amax_ptr`` / ``flag_ptr`` (zeroed)."""
-    p = tl.program_id(0)
-    wi = tl.load(prog_ptr + 2 * p)
-    r0 = tl.load(prog_ptr + 2 * p + 1)
-    tab = tab_ptr + wi * 5
-    x_ptr = x_base + tl.multiple_of(tl.load(tab), 8)
-    n = tl.load(tab + 1)
+    tab, r0, x_ptr, n = _program(x_base, tab_ptr, prog_ptr, 5)
     b1 = tl.load(tab + 2)
     b2 = tl.load(tab + 3)
     slot0 = tl.load(tab + 4)
@@ -146,17 +152,12 @@ def _store_native(c0, c1, f0, f1, rl, tile, wq_ptr, ws16_ptr):
 @kjit
 def _sync_kernel(x_base, tab_ptr, prog_ptr, amax_base, out8, out32, out16, K, BKC: tl.constexpr, H: tl.constexpr,
                  NATIVE: tl.constexpr):
-    """Program (p, c): tile t of shard si (``prog_ptr[2p], [2p + 1]``: rows [64t, 64t+64)) x K chunk c; bf16
+    """Program (p, c): tile t of one shard (:func:`_program`: rows [64t, 64t+64)) x K chunk c; bf16
     bits in, every prepared layout out. The shard's row of ``tab_ptr``: x offset (elements from ``x_base``),
     n, its amax's index in ``amax_base``, the byte offsets in ``out8`` of codes, scales, dec, dsc, and the
     offsets of wq in ``out32`` (int32 words) and of ws16 in ``out16`` (halves): one buffer, three views."""
-    p = tl.program_id(0)
     c = tl.program_id(1)
-    si = tl.load(prog_ptr + 2 * p)
-    t = tl.load(prog_ptr + 2 * p + 1)
-    tab = tab_ptr + si * 9
-    x_ptr = x_base + tl.multiple_of(tl.load(tab), 8)
-    n = tl.load(tab + 1)
+    tab, t, x_ptr, n = _program(x_base, tab_ptr, prog_ptr, 9)
     amax_ptr = amax_base + tl.load(tab + 2)
     codes_ptr = out8 + tl.multiple_of(tl.load(tab + 3), 256)
     scales_ptr = out8 + tl.multiple_of(tl.load(tab + 4), 256)
@@ -229,6 +230,11 @@ def _base(ts: list[torch.Tensor]) -> torch.Tensor:
     return min(ts, key=lambda t: t.data_ptr())
 
 
+def _offset(w: torch.Tensor, base: torch.Tensor) -> int:
+    """``w``'s first element as an offset in bf16 elements from ``base``'s (the kernels' ``x`` table field)."""
+    return (w.data_ptr() - base.data_ptr()) // 2
+
+
 def _amax_pass(ws: list[torch.Tensor], sizes: list[list[int]], ab: torch.Tensor) -> None:
     """Launch the amax pass of every weight (one launch per K): weight i's shard amaxes into ``ab[i, 0:3]``,
     its non-finite flags (2 NaN, 1 Inf) into ``ab[i, 3:6]`` as int32 bits (``ab`` zeroed)."""
@@ -243,7 +249,7 @@ def _amax_pass(ws: list[torch.Tensor], sizes: list[list[int]], ab: torch.Tensor)
         for i in idx:
             n = ws[i].shape[0]
             b = [sum(sizes[i][:j]) for j in range(1, len(sizes[i]))] + [n] * MAX_SHARDS
-            rows.append([(ws[i].data_ptr() - base.data_ptr()) // 2, n, b[0], b[1], i * _COLS])
+            rows.append([_offset(ws[i], base), n, b[0], b[1], i * _COLS])
         prog = _progs([-(-ws[i].shape[0] // r) for i in idx], r)
         tab, prog = _to(ab.device, _table(rows), prog)
         bk = min(triton.next_power_of_2(k), bk0)
@@ -302,7 +308,7 @@ def _launch_sync(ws: list[torch.Tensor], shards: list[_Shard], amax_col: Any, ab
         groups.setdefault((sh.k, sh.plan[0], sh.plan[3]), []).append(sh)
     for (k, bkc, native), group in groups.items():
         base = _base([ws[sh.w] for sh in group])
-        rows = [[(ws[sh.w].data_ptr() - base.data_ptr()) // 2 + sh.r0 * k, sh.n, sh.w * _COLS + amax_col(sh), *sh.offs[:4],
+        rows = [[_offset(ws[sh.w], base) + sh.r0 * k, sh.n, sh.w * _COLS + amax_col(sh), *sh.offs[:4],
                  sh.offs[4] // 4, sh.offs[5] // 2] for sh in group]
         tab, prog = _to(buf.device, _table(rows), _progs([-(-sh.n // TILE) for sh in group], 1))
         launch(_sync_kernel, (prog.shape[0], k // bkc), base.view(torch.int16), tab, prog, ab.view(-1), buf,

@@ -24,17 +24,6 @@ from rich.progress import (
 
 @contextmanager
 def progress_bars(console: Console) -> Iterator[Progress]:
-    p = None
-    try:
-        with _bars(console) as p:
-            yield p
-    finally:
-        if p is not None:
-            _SECONDS.pop(id(p), None)
-
-
-@contextmanager
-def _bars(console: Console) -> Iterator[Progress]:
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -49,19 +38,21 @@ def _bars(console: Console) -> Iterator[Progress]:
 
 @contextmanager
 def step(progress: Progress, description: str, total: float | None = 1) -> Iterator[Any]:
-    """One stage's task: yields ``advance(n=1)``; completes the task on exit and adds its wall time to
-    :func:`stage_seconds` (what the user waited for, stage by stage)."""
+    """One stage's task: yields ``advance(n=1)``; completes the task on exit, its wall seconds (to the
+    exit, not to the last advance: what comes after it, e.g. the rows reaching disk, counts) in the
+    task's field ``seconds``."""
     task = progress.add_task(description, total=total)
     t0 = time.perf_counter()
     yield lambda n=1: progress.advance(task, n)
-    progress.update(task, completed=total if total is not None else 1, total=total or 1)
-    done = _SECONDS.setdefault(id(progress), {})
-    done[description] = round(done.get(description, 0.0) + time.perf_counter() - t0, 3)
-
-
-_SECONDS: dict[int, dict[str, float]] = {}  # id(progress) -> stage -> seconds (dropped with the progress display)
+    progress.update(task, completed=total if total is not None else 1, total=total or 1,
+                    seconds=time.perf_counter() - t0)
 
 
 def stage_seconds(progress: Progress) -> dict[str, float]:
-    """Wall seconds of each completed stage of ``progress``, in the order they ran."""
-    return dict(_SECONDS.get(id(progress), {}))
+    """Wall seconds of each completed :func:`step` of ``progress``, in the order they ran (a stage run
+    twice is summed)."""
+    out: dict[str, float] = {}
+    for t in progress.tasks:
+        if "seconds" in t.fields:
+            out[t.description] = round(out.get(t.description, 0.0) + t.fields["seconds"], 3)
+    return out
