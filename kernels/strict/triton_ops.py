@@ -31,6 +31,8 @@ come here.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -196,31 +198,51 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out
 
 
+class PagedMeta(NamedTuple):
+    """What :func:`paged_attention` derives from vLLM's batch description, the same for every layer of a
+    step (:func:`paged_meta`; the vLLM plugin computes it once per step, not once per layer):
+    per token its position, per request its first token, new tokens, context and block table rows."""
+
+    pos: torch.Tensor
+    qstart: torch.Tensor
+    qlen: torch.Tensor
+    kvlen: torch.Tensor
+    table: torch.Tensor
+
+
+def paged_meta(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, t: int) -> PagedMeta:
+    """:class:`PagedMeta` of ``t`` tokens: a handful of small device ops, no host synchronization."""
+    n_seq = seq_lens.shape[0]
+    qsl = query_start_loc[: n_seq + 1]
+    ends = qsl[1:].to(torch.int32)
+    qstart = qsl[:-1].to(torch.int32)
+    qlen = ends - qstart
+    kvlen = seq_lens.to(torch.int32)
+    tok = torch.arange(t, device=seq_lens.device, dtype=torch.int32)
+    req = torch.searchsorted(ends, tok, right=True).clamp_(max=max(n_seq - 1, 0))
+    pos = (kvlen[req] - (ends[req] - tok)).to(torch.int32)
+    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    return PagedMeta(pos, qstart, qlen, kvlen, table)
+
+
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, max_query_len: int,
-                    scale: float, window: int | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, meta: PagedMeta | None = None) -> torch.Tensor:
     """vLLM's varlen batch from its paged KV cache, the learner's numerics (same kernel as :func:`attention`).
 
     ``q, out [T, Hq, D]`` (requests' tokens back to back, ``query_start_loc [R + 1]``), ``key_cache,
     value_cache [blocks, page, Hkv, D]`` (any strides, last dim contiguous), ``seq_lens [R]`` (context +
     new tokens), ``block_table [R, max_blocks]``. The new tokens of request r sit at positions
-    ``seq_lens[r] - q_len .. seq_lens[r] - 1``. No host synchronization (CUDA-graph capturable)."""
+    ``seq_lens[r] - q_len .. seq_lens[r] - 1``. ``meta``: :func:`paged_meta` of these, computed once
+    for all layers of a step (None: computed here). No host synchronization (CUDA-graph capturable)."""
     n_seq = seq_lens.shape[0]
     hq = q.shape[1]
     hkv, page = key_cache.shape[2], key_cache.shape[1]
-    qsl = query_start_loc[: n_seq + 1]
-    qstart = qsl[:-1].to(torch.int32)
-    qlen = (qsl[1:] - qsl[:-1]).to(torch.int32)
-    kvlen = seq_lens.to(torch.int32)
-    t = q.shape[0]
-    tok = torch.arange(t, device=q.device, dtype=torch.int32)
-    req = torch.searchsorted(qsl[1:].to(torch.int32), tok, right=True).clamp_(max=max(n_seq - 1, 0))
-    pos = (kvlen[req] - (qsl[1:].to(torch.int32)[req] - tok)).to(torch.int32)
-    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
-    _launch(q, key_cache, value_cache, out, pos, qstart, qlen, kvlen, table, n_seq, int(max_query_len), scale, window,
-            (0, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)),
+    m = meta if meta is not None else paged_meta(query_start_loc, seq_lens, block_table, q.shape[0])
+    _launch(q, key_cache, value_cache, out, m.pos, m.qstart, m.qlen, m.kvlen, m.table, n_seq, int(max_query_len), scale,
+            window, (0, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)),
             (0, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)),
-            (0, q.stride(0), q.stride(1)), (0, out.stride(0), out.stride(1)), 0, table.stride(0), hq, hkv, page)
+            (0, q.stride(0), q.stride(1)), (0, out.stride(0), out.stride(1)), 0, m.table.stride(0), hq, hkv, page)
     return out
 
 
