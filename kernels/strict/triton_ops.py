@@ -98,24 +98,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, qstart_ptr, qlen_ptr, kvlen_ptr, table_ptr, H, REP, scale, window,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, stb,
                  D: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, GQ: tl.constexpr):
     # One kernel for both engines: the learner's contiguous K/V are pages of PAGE keys through an
     # identity table, vLLM's paged KV cache goes through its block table. Only integer addressing
     # differs between the two; every floating-point operation is the same instruction sequence.
+    # GQ query heads of one KV head share a program (row r: head r % GQ of the group, token r // GQ
+    # of the block): the sampler's decode packs its GQA group into the 64-row tile instead of one
+    # live row in 64; each row's bits are the same (the MMA and the row reductions never mix rows,
+    # and key blocks a row cannot see leave it unchanged).
     qb = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kh = h // REP
+    b = bh // (H // GQ)
+    hg = (bh % (H // GQ)) * GQ
+    r = tl.arange(0, BLOCK_M)
+    h = hg + r % GQ
+    kh = hg // REP
     q0 = tl.load(qstart_ptr + b)
     tq = tl.load(qlen_ptr + b)
     tk = tl.load(kvlen_ptr + b)
-    rm = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = qb * (BLOCK_M // GQ) + r // GQ
     rd = tl.arange(0, D)
     qmask = rm < tq
     rows = (q0 + rm).to(tl.int64)
     pos = tl.load(pos_ptr + b * spb + rows, mask=qmask, other=-1)
-    q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqt + rd[None, :], mask=qmask[:, None], other=0.0)
+    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + rows[:, None] * sqt + rd[None, :], mask=qmask[:, None], other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -149,7 +155,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, qstart_ptr, qlen_ptr, kvle
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
-    tl.store(o_ptr + b * sob + h * soh + rows[:, None] * sot + rd[None, :], out.to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + b * sob + h[:, None] * soh + rows[:, None] * sot + rd[None, :], out.to(o_ptr.dtype.element_ty),
              mask=qmask[:, None])
 
 
@@ -160,14 +166,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             qlen: torch.Tensor, kvlen: torch.Tensor, table: torch.Tensor, n_seq: int, max_q: int, scale: float,
             window: int | None, kstrides: tuple[int, int, int, int], vstrides: tuple[int, int, int, int],
             qstrides: tuple[int, int, int], ostrides: tuple[int, int, int], spb: int, stb: int, hq: int, hkv: int,
-            page: int) -> None:
+            page: int, gq: int = 1) -> None:
     d = q.shape[-1]
     if n_seq == 0 or max_q == 0:
         return
-    grid = (triton.cdiv(max_q, ATT_BM), n_seq * hq)
+    grid = (triton.cdiv(max_q, ATT_BM // gq), n_seq * (hq // gq))
     _attn_kernel[grid](q, k, v, out, pos, qstart, qlen, kvlen, table, hq, hq // hkv, float(scale), int(window or 0),
                        *qstrides, *kstrides, *vstrides, *ostrides, spb, stb,
-                       D=d, PAGE=page, HAS_WINDOW=window is not None, BLOCK_M=ATT_BM, BLOCK_N=ATT_BN,
+                       D=d, PAGE=page, HAS_WINDOW=window is not None, BLOCK_M=ATT_BM, BLOCK_N=ATT_BN, GQ=gq,
                        num_warps=ATT_WARPS, num_stages=ATT_STAGES)
 
 
@@ -242,8 +248,16 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     _launch(q, key_cache, value_cache, out, m.pos, m.qstart, m.qlen, m.kvlen, m.table, n_seq, int(max_query_len), scale,
             window, (0, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)),
             (0, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)),
-            (0, q.stride(0), q.stride(1)), (0, out.stride(0), out.stride(1)), 0, m.table.stride(0), hq, hkv, page)
+            (0, q.stride(0), q.stride(1)), (0, out.stride(0), out.stride(1)), 0, m.table.stride(0), hq, hkv, page,
+            gqa_pack(hq, hkv))
     return out
+
+
+def gqa_pack(hq: int, hkv: int) -> int:
+    """Query heads per program of the paged kernel: the whole GQA group where it is a power of two of at
+    most 16 (a decode step then fills 4-16 of the tile's 64 rows instead of 1), else 1."""
+    rep = hq // hkv if hkv else 1
+    return rep if 1 <= rep <= 16 and rep & (rep - 1) == 0 else 1
 
 
 @triton.jit

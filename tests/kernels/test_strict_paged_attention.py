@@ -19,16 +19,19 @@ SCRIPT = textwrap.dedent(
     from mismatch_probe.kernels.strict import triton_ops as T
 
     torch.manual_seed(0)
-    b, t, hq, hkv, d, page = 2, 70, 4, 2, 16, 16
-    for window in (None, 20):
+    b, t, d, page = 2, 70, 16, 16
+    # GQA groups of 2 and 4 query heads packed into one program of the paged kernel; 3: not packed
+    for (hq, hkv), window in [((4, 2), None), ((4, 2), 20), ((8, 2), None), ((6, 2), 20)]:
+        assert T.gqa_pack(hq, hkv) == {2: 2, 4: 4, 3: 1}[hq // hkv]
         q = torch.randn(b, t, hq, d); k = torch.randn(b, t, hkv, d); v = torch.randn(b, t, hkv, d)
         full = T.attention(q, k, v, torch.arange(t).expand(b, t), d**-0.5, window)
         mask = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
         if window:
             mask &= torch.arange(t)[None, :] > torch.arange(t)[:, None] - window
         for bi in range(b):
-            s = torch.einsum("thd,khd->htk", q[bi], k[bi].repeat_interleave(2, 1)) * d**-0.5
-            ref = torch.einsum("htk,khd->thd", s.masked_fill(~mask, float("-inf")).softmax(-1), v[bi].repeat_interleave(2, 1))
+            s = torch.einsum("thd,khd->htk", q[bi], k[bi].repeat_interleave(hq // hkv, 1)) * d**-0.5
+            vr = v[bi].repeat_interleave(hq // hkv, 1)
+            ref = torch.einsum("htk,khd->thd", s.masked_fill(~mask, float("-inf")).softmax(-1), vr)
             assert (full[bi] - ref).abs().max() < 1e-5
         nblk = -(-t // page)
         table = torch.randperm(b * nblk + 3)[: b * nblk].reshape(b, nblk).to(torch.int32)
