@@ -261,12 +261,14 @@ def gqa_pack(hq: int, hkv: int) -> int:
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, H, eps, offset, HAS_W: tl.constexpr, HAS_RES: tl.constexpr,
-                    ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, H, eps, offset, NI, sxo, sxi, HAS_W: tl.constexpr,
+                    HAS_RES: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    # x row ``row`` at (row // NI) * sxo + (row % NI) * sxi: vLLM's per-head q/k norms read the heads
+    # straight out of the fused qkv output (no copy); y, residual and its output are contiguous
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0)
+    x = tl.load(x_ptr + (row // NI) * sxo + (row % NI) * sxi + cols, mask=m, other=0.0)
     if HAS_RES:
         x = (x.to(tl.float32) + tl.load(r_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(rout_ptr + row * H + cols, x, mask=m)
@@ -286,14 +288,16 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, H, eps, offset, HAS_W:
 def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, offset: float,
           round_first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     h = x.shape[-1]
-    xc = x.contiguous().reshape(-1, h)
-    y = torch.empty_like(xc)
-    rc = residual.contiguous().reshape(-1, h) if residual is not None else xc
-    rout = torch.empty_like(xc) if residual is not None else y
-    if xc.shape[0]:
-        _rmsnorm_kernel[(xc.shape[0],)](xc, rc, weight if weight is not None else xc, y, rout, h, float(eps), float(offset),
-                                        HAS_W=weight is not None, HAS_RES=residual is not None, ROUND_FIRST=round_first,
-                                        BLOCK=triton.next_power_of_2(h), num_warps=4 if h <= 4096 else 8)
+    xv = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, x.shape[-2] if x.dim() > 2 else 1, h)  # a view where it can
+    rows = xv.shape[0] * xv.shape[1]
+    y = torch.empty(rows, h, device=x.device, dtype=x.dtype)
+    rc = residual.contiguous().reshape(-1, h) if residual is not None else y
+    rout = torch.empty_like(y) if residual is not None else y
+    if rows:
+        _rmsnorm_kernel[(rows,)](xv, rc, weight if weight is not None else y, y, rout, h, float(eps), float(offset),
+                                 xv.shape[1], xv.stride(0), xv.stride(1), HAS_W=weight is not None,
+                                 HAS_RES=residual is not None, ROUND_FIRST=round_first,
+                                 BLOCK=triton.next_power_of_2(h), num_warps=4 if h <= 4096 else 8)
     return y.reshape(x.shape), (rout.reshape(x.shape) if residual is not None else None)
 
 
