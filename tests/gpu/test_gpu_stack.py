@@ -37,14 +37,15 @@ needs_cuda_vllm = pytest.mark.skipif(not _cuda_vllm(), reason="needs a CUDA GPU 
 
 
 @needs_cuda_vllm
-@pytest.mark.parametrize("window", [None, 100])
-def test_paged_strict_attention_bitwise_equals_learner(window: int | None) -> None:
+@pytest.mark.parametrize(("window", "hq", "hkv"), [(None, 16, 8), (100, 16, 8), (None, 32, 8)])
+def test_paged_strict_attention_bitwise_equals_learner(window: int | None, hq: int, hkv: int) -> None:
+    # GQA groups of 2 (0.6B) and 4 (8B): the paged kernel packs a group into one program
     import torch
 
     from mismatch_probe.kernels.strict import triton_ops as T
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    b, t, hq, hkv, d, page = 3, 300, 16, 8, 128, 16
+    b, t, d, page = 3, 300, 128, 16
     q = torch.randn(b, t, hq, d, device="cuda", generator=g).bfloat16()
     k = torch.randn(b, t, hkv, d, device="cuda", generator=g).bfloat16()
     v = torch.randn(b, t, hkv, d, device="cuda", generator=g).bfloat16()
