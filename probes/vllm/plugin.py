@@ -378,11 +378,20 @@ def step_meta(layer: Any, md: Any, n: int) -> Any:
     from mismatch_probe.kernels.strict import triton_ops as st
 
     qsl, sl, bt = md.query_start_loc, md.seq_lens, md.block_table
-    key = (n, qsl._version, sl._version, bt._version, qsl.data_ptr(), sl.data_ptr(), bt.data_ptr())
+    key = (n, *(_version(t) for t in (qsl, sl, bt)), qsl.data_ptr(), sl.data_ptr(), bt.data_ptr())
     e = _STEP_META
     if e.get("owner") is layer or e.get("md") is not md or e.get("key") != key:
         e.update(owner=layer, md=md, key=key, meta=st.paged_meta(qsl, sl, bt, n))
     return _STEP_META["meta"]
+
+
+def _version(t: torch.Tensor) -> int:
+    """The tensor's version counter; -1 for an inference-mode tensor, which has none (the rule that the
+    computing layer's next call recomputes still holds for those)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def _compute_logprobs(orig: Callable[..., Any]) -> Callable[..., Any]:

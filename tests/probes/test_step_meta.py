@@ -44,3 +44,15 @@ def test_step_meta_is_shared_by_the_layers_of_a_forward_and_recomputed_after() -
     assert plugin.step_meta(b, other, 3) is not plugin.step_meta(a, other, 4)  # token count differs
     plugin.uninstall()
     assert plugin._STEP_META == {}
+
+
+def test_step_meta_takes_inference_mode_tensors() -> None:
+    # tensors made under torch.inference_mode (as vLLM's runner may) have no version counter
+    plugin._STEP_META.clear()
+    with torch.inference_mode():
+        md = _md()
+    a, b = object(), object()
+    first = plugin.step_meta(a, md, 4)
+    assert plugin.step_meta(b, md, 4) is first and first.pos.tolist() == [2, 3, 4, 6]
+    assert plugin.step_meta(a, md, 4) is not first
+    plugin._STEP_META.clear()
