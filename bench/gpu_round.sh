@@ -6,6 +6,8 @@
 #   bash bench/gpu_round.sh bisect  # the 0.6B engine run, nvfp4-per-token in graphs, bisect with ablation (#26)
 #   bash bench/gpu_round.sh speed   # sampler / learner speed, 0.6B (#26) and the 8B shape (#28)
 #   bash bench/gpu_round.sh capture # the whole cost of op capture (#27), then the NVFP4 kernels (#28)
+#   bash bench/gpu_round.sh profile # where an 8B decode step goes, bf16 vs nvfp4-per-token, 16 and 64 seqs (#28)
+#   bash bench/gpu_round.sh q8b     # the 8B shape's nvfp4-per-token logprobs vs the learner's, sampler in graphs (#28)
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/gs-out; each stage prints its tables last.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -13,7 +15,7 @@ out="${OUT:-/tmp/gs-out}"
 mkdir -p "$out"
 gs=/tmp/gs
 left() { echo $(( ${1} - SECONDS )); }
-case "${1:?stage: tests, kernels, bisect, speed or capture}" in
+case "${1:?stage: tests, kernels, bisect, speed, capture, profile or q8b}" in
   tests)
     timeout "$(left 585)" bash "$here/gpu_tests.sh" -m gpu tests/gpu -rA > "$out/tests.log" 2>&1
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -15
@@ -36,6 +38,18 @@ case "${1:?stage: tests, kernels, bisect, speed or capture}" in
     python "$here/gpu_stack.py" --out "$gs" --only "${STEPS:-speed,speed8b}" --tag speed --budget 575 > "$out/stack_speed.log" 2>&1
     cp "$gs/speed.json" "$out/" 2>/dev/null
     sed -n '/^| step/,$p' "$out/stack_speed.log"
+    ;;
+  profile)  # SEQS: batch sizes (default 16 64); RECIPES: default engine,nvfp4-per-token
+    for n in ${SEQS:-16 64}; do
+      timeout "$(left 585)" python "$here/gpu_decode_profile.py" --out "$out/profile$n" --seqs "$n" \
+        --recipes "${RECIPES:-engine,nvfp4-per-token}" --timeout 200 > "$out/profile$n.log" 2>&1
+      sed -n '/^| recipe/,$p' "$out/profile$n.log"
+    done
+    ;;
+  q8b)
+    python "$here/gpu_stack.py" --out "$gs" --only q8b --tag q8b --budget 560 > "$out/q8b.log" 2>&1
+    cp "$gs/q8b.json" "$out/" 2>/dev/null
+    sed -n '/^| step/,$p' "$out/q8b.log"
     ;;
   capture)
     # CAPTURE_ARGS: extra arguments (e.g. --modes off,digest,stats,digest@r128k); NVFP4_ONLY: sections (default bac)
