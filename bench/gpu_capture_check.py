@@ -7,7 +7,8 @@
    (2 x 1,024 tokens), random weights built in memory; logprobs checked bitwise against capture
    off; the streamed table checked equal, row for row, to the recorder's in-memory per-row table.
    ``MODE@thread``: the same with the writer thread instead of the writer process; ``MODE@rNk``: chunks
-   of N Ki rows, ``MODE@qNm``: queued tensors launched every N MiB (``--modes``). ``close s``: how long
+   of N Ki rows, ``MODE@qNm``: queued tensors launched every N MiB, ``MODE@hN``: at most N side-stream batches in
+   flight (``--modes``; ``--cprofile``: one whole ``score()`` per listed mode profiled). ``close s``: how long
    ``score()`` waits after its last forward (the recorder's ``close()``).
 2. ``mismatch-probe compare`` with the default capture vs ``--capture off`` (same prompts, seeds:
    same sequences, checked), Qwen3-0.6B-shaped checkpoint, 64 sequences x 256 generated tokens;
@@ -66,7 +67,7 @@ LOGS: Path | None = None  # where compare's output goes (--out)
 
 
 def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, rounds: int, modes: list[str],
-               check_tables: bool, tmp: Path) -> list[dict[str, Any]]:
+               check_tables: bool, tmp: Path, cprofile: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Point 1: score() with ops streamed to disk, per mode, rounds interleaved (round 0 warms up)."""
     from mismatch_probe.run.schema import read_table
 
@@ -83,7 +84,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     rows: dict[str, int] = {}
     from mismatch_probe.probes import recorder as recmod
 
-    defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS)
+    defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX)
     closes: dict[str, list[float]] = {m: [] for m in modes}
     orig_close = recmod.OpRecorder.close
 
@@ -104,6 +105,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             recmod.BUFFER_ROWS = int(variant[1:-1]) << 10 if rk else defaults[0]
             recmod.STATS_BUFFER_ROWS = int(variant[1:-1]) << 10 if rk else defaults[2]
             recmod._QUEUE_BYTES = int(variant[1:-1]) << 20 if variant[:1] == "q" and variant.endswith("m") else defaults[1]
+            # MODE@hN: at most N side-stream batches in flight before the recording thread waits
+            recmod._HELD_MAX = int(variant[1:]) if variant[:1] == "h" and variant[1:].isdigit() else defaults[3]
             _CLOSE.clear()
             r.capture = plans[base_mode]
             dest = tmp / f"{shape}-{mode}.parquet"
@@ -122,7 +125,25 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
                 sizes[mode] = dest.stat().st_size
                 rows[mode] = int((r.info.settings.get("capture") or {}).get("rows", 0))
     recmod.OpRecorder.close = orig_close
-    recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS = defaults
+    recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX = defaults
+    for mode in cprofile:  # after the timed rounds (the profiler slows what it runs): one whole score() each
+        import cProfile
+        import pstats
+
+        r.capture = plans[mode]
+        dest = tmp / f"{shape}-{mode}-prof.parquet"
+        r.ops_dest = dest if r.capture is not None else None
+        _sync(device)
+        pr = cProfile.Profile()
+        pr.enable()
+        r.score(seqs, ids)
+        _sync(device)
+        pr.disable()
+        dest.unlink(missing_ok=True)
+        if LOGS is not None:
+            with open(LOGS / f"cprofile_{shape}_{mode}.txt", "w") as f:
+                for key in ("tottime", "cumulative"):
+                    pstats.Stats(pr, stream=f).sort_stats(key).print_stats(45)
     out = []
     base = times.get("off")
     for mode in modes:
@@ -279,6 +300,9 @@ def main() -> None:
     ap.add_argument("--modes", default="", help="score modes (default off,digest,stats[,default,...]); "
                     "variants MODE@rNk (chunks of N Ki rows, any plan), MODE@qNm (launch every N MiB), MODE@thread")
     ap.add_argument("--skip-score", action="store_true")
+    ap.add_argument("--shapes", default="", help="score shapes (default: all of SCORE_SHAPES)")
+    ap.add_argument("--cprofile", default="", help="modes (e.g. off,stats) of which one whole score() each is "
+                    "cProfiled after the timed rounds: $OUT/cprofile_SHAPE_MODE.txt")
     ap.add_argument("--skip-compare", action="store_true")
     a = ap.parse_args()
     a.out = a.out.resolve()
@@ -308,8 +332,12 @@ def main() -> None:
     try:
         if not a.skip_score:
             res["score"] = []
-            for shape, (n_seqs, seq_len, mb) in (TINY_SCORE if a.tiny else SCORE_SHAPES).items():
-                res["score"] += score_part(shape, n_seqs, seq_len, mb, a.device, rounds, modes, not a.quick, tmp)
+            shapes = TINY_SCORE if a.tiny else SCORE_SHAPES
+            for shape, (n_seqs, seq_len, mb) in shapes.items():
+                if a.shapes and shape not in a.shapes.split(","):
+                    continue
+                res["score"] += score_part(shape, n_seqs, seq_len, mb, a.device, rounds, modes, not a.quick, tmp,
+                                           tuple(m for m in a.cprofile.split(",") if m))
                 dump.write_text(json.dumps(res, indent=1))
                 for f in tmp.glob("*.parquet"):
                     f.unlink()
