@@ -1,7 +1,7 @@
 // The extension's entry points: decode_gemm (the dispatcher from (variant, M, chunk counts, ks2,
-// crowded) to one of the kernel instances; native.decode_variant records the same choice) and
-// quantize_rows. Included by nvfp4_native.cu at global scope after launch.cuh (needs torch); the
-// bindings there expose these two functions.
+// crowded) to one of the kernel instances; native.decode_variant records the same choice),
+// quantize_rows and sync_weights (the weight sync's two kernels). Included by nvfp4_native.cu at global
+// scope after launch.cuh (needs torch); the bindings there expose these functions.
 #pragma once
 
 void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch::Tensor w_amax, bool w_amax_row,
@@ -135,4 +135,26 @@ void quantize_rows(torch::Tensor x, torch::Tensor amax, torch::Tensor codes, tor
   else if (nblk <= 256) launch_quant<2>(x, amax, codes, scales, op, emit_op, mode, op_cm);
   else if (nblk <= 512) launch_quant<4>(x, amax, codes, scales, op, emit_op, mode, op_cm);
   else launch_quant<8>(x, amax, codes, scales, op, emit_op, mode, op_cm);
+}
+
+// the weight sync (kernels/nvfp4/sync.py, sync.cuh): ``x_base`` the lowest-addressed bf16 weight (the
+// table's x offsets count from it), ``tab`` the int64 shard table [shards, SYNC_COLS] on the device,
+// ``ab`` fp32 [weights, 8] (zeroed: the amax kernel max-es into it), ``out`` the uint8 output buffer
+void sync_weights(torch::Tensor x_base, torch::Tensor tab, torch::Tensor ab, torch::Tensor out, int64_t amax_progs,
+                  int64_t quant_progs) {
+  TORCH_CHECK(x_base.is_cuda() && x_base.element_size() == 2 && x_base.data_ptr() != nullptr &&
+                  reinterpret_cast<uintptr_t>(x_base.data_ptr()) % 16 == 0,
+              "sync_weights: x_base a 16-byte aligned 2-byte tensor on the GPU");
+  TORCH_CHECK(tab.scalar_type() == at::kLong && tab.is_contiguous() && tab.dim() == 2 && tab.size(1) == SYNC_COLS &&
+                  tab.size(0) >= 1 && tab.device() == x_base.device(),
+              "sync_weights: int64 table [shards, 16] on the weights' device");
+  TORCH_CHECK(ab.scalar_type() == at::kFloat && ab.is_contiguous() && ab.device() == x_base.device(),
+              "sync_weights: fp32 amax buffer");
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.device() == x_base.device() &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 256 == 0,
+              "sync_weights: uint8 output buffer, 256-byte aligned");
+  TORCH_CHECK(amax_progs >= 0 && amax_progs < (1LL << 31) && quant_progs >= 0 && quant_progs < (1LL << 31),
+              "sync_weights: program counts");
+  const c10::cuda::CUDAGuard guard(x_base.device());
+  launch_sync(x_base, tab, ab, out, amax_progs, quant_progs);
 }

@@ -1,4 +1,4 @@
-// Host launchers of the kernel instances (launch_decode, launch_bulk, launch_wg, launch_quant): shared
+// Host launchers of the kernel instances (launch_decode, launch_bulk, launch_wg, launch_quant, launch_sync): shared
 // memory sizes, grids, streams. Needs torch (not in the kernels-only build); included inside a second
 // anonymous namespace, after every kernel header.
 // Included by nvfp4_native.cu (the one translation unit, built by kernels/nvfp4/native.py) inside its
@@ -95,4 +95,24 @@ void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& co
   else
     quant_rows_kernel<BPT, false><<<grid, 128, 0, stream>>>(xp, ap, cp, sp, opp, K, amax_mode, rows, 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// the weight sync (sync.cuh): the amax kernel (amax_progs programs) then the fused kernel (quant_progs),
+// both over the one shard table; either count 0 skips that kernel
+void launch_sync(const torch::Tensor& x_base, const torch::Tensor& tab, torch::Tensor& ab, torch::Tensor& out,
+                 int64_t amax_progs, int64_t quant_progs) {
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x_base.data_ptr());
+  const long long* tp = reinterpret_cast<const long long*>(tab.data_ptr());
+  const int items = static_cast<int>(tab.size(0));
+  if (amax_progs > 0) {
+    sync_amax_kernel<<<static_cast<unsigned>(amax_progs), SYNC_THREADS, 0, stream>>>(
+        xp, tp, items, reinterpret_cast<int*>(ab.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (quant_progs > 0) {
+    sync_quant_kernel<<<static_cast<unsigned>(quant_progs), SYNC_THREADS, 0, stream>>>(
+        xp, tp, items, ab.data_ptr<float>(), out.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }

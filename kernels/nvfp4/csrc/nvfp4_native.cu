@@ -33,8 +33,9 @@
 //   decode_bulk.cuh     decode pipeline 2: producer warp + cp.async.bulk on mbarriers (variants 6-14)
 //   decode_wg.cuh       decode pipeline 3: wgmma on sm_90a (variant 15)
 //   quantize.cuh        the quantizer kernel
+//   sync.cuh            the weight sync (sync.py): amax pass and the fused bf16 -> every prepared layout kernel
 //   launch.cuh          host launchers of the kernel instances (torch)
-//   dispatch.cuh        decode_gemm / quantize_rows: argument checks and the dispatch over the variants (torch)
+//   dispatch.cuh        decode_gemm / quantize_rows / sync_weights: argument checks and the dispatch over the variants (torch)
 //   nvfp4_native.cu     this file: includes, namespaces, the Python bindings, the kernels-only instance list
 #ifndef NVFP4_KERNELS_ONLY  // (defined for a compile check of the kernels without torch)
 #include <torch/extension.h>
@@ -52,6 +53,7 @@ namespace {
 #include "decode_bulk.cuh"
 #include "decode_wg.cuh"  // the wgmma decode GEMM (variant 15)
 #include "quantize.cuh"
+#include "sync.cuh"  // the weight sync's amax and fused kernels
 
 }  // namespace
 
@@ -67,6 +69,7 @@ namespace {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_gemm", &decode_gemm, "NVFP4 decode GEMM (native layout weights, fp16 activation operand)");
   m.def("quantize_rows", &quantize_rows, "NVFP4 per-token / given-amax quantizer, bf16 rows (op_cm 1: chunk-major operand, 2: core-matrix operand)");
+  m.def("sync_weights", &sync_weights, "weight sync: amax pass and fused bf16 -> NVFP4 layouts kernel over a shard table");
 }
 #else
 // kernels-only build (compile check): take the instances' addresses so they are compiled
@@ -82,5 +85,6 @@ void* nvfp4_instances[] = {(void*)decode_gemm_kernel<1, 6, 2, 2, false>, (void*)
                            (void*)decode_wg_kernel<32, 4, 2, 0, 2, true>,
                            (void*)decode_wg_kernel<32, 4, 4>, (void*)decode_wg_kernel<32, 6, 2>,
                            (void*)decode_wg_kernel<64, 4, 2>, (void*)decode_wg_kernel<64, 2, 2>, (void*)quant_rows_kernel<4, false>,
-                           (void*)quant_rows_kernel<4, true>, (void*)quant_rows_kernel<4, true, 2>};
+                           (void*)quant_rows_kernel<4, true>, (void*)quant_rows_kernel<4, true, 2>,
+                           (void*)sync_amax_kernel, (void*)sync_quant_kernel};
 #endif
