@@ -36,6 +36,7 @@ import triton.language as tl
 
 from .common import INTERPRET, e2m1_encode, e4m3_round, kjit, launch, rmax, rsum
 from .schemes import SCHEMES, Scheme, quantize_weight_ref, shard_sizes
+from .tc_linear import TCWeight, chunk_for, nseg_for
 from .tuning import DEFAULT, GemmTuning
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -46,6 +47,12 @@ AMAX_CFG = (32, 128, 4)  # amax pass: rows per program, K block, warps (best of 
 SYNC_WARPS = 8  # the fused kernel, per 64-row tile
 ROWS = tl.constexpr(TILE)
 MAX_SHARDS = 3
+# which kernels run the sync on a CUDA device: "auto" the native (CUDA C++) ones where native.load() builds
+# them (sm_89+, nvcc), else the Triton ones; "native" (an error where they are absent) or "triton" forces
+# one (bench/gpu_nvfp4_check.py times and checks both); shards whose decode chunk is not 128 wide
+# (K % 128 != 0) always take the Triton fused kernel
+BACKEND = "auto"
+BACKENDS = ("auto", "native", "triton")
 
 
 @kjit
@@ -193,8 +200,6 @@ def _sync_kernel(x_base, tab_ptr, prog_ptr, amax_base, out8, out32, out16, K, BK
 def supported(w: torch.Tensor, scheme: Any, partitions: list[int] | None = None) -> bool:
     """The fused path computes this weight: a plain bf16 [N, K] tensor (no subclass such as DTensor),
     K % 32 == 0, a 1x16-block scheme, at most MAX_SHARDS shards."""
-    from .tc_linear import chunk_for
-
     return (type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == torch.bfloat16 and w.dim() == 2
             and chunk_for(w.shape[1]) > 0 and w.shape[0] > 0
             and not _scheme(scheme).weight_tile16 and len(shard_sizes(w.shape[0], partitions)) <= MAX_SHARDS)
@@ -260,8 +265,6 @@ def _amax_pass(ws: list[torch.Tensor], sizes: list[list[int]], ab: torch.Tensor)
 @functools.lru_cache(maxsize=256)
 def _plan(n: int, k: int, tuning: GemmTuning) -> tuple[int, int, int, bool, tuple[int, ...]]:
     """(bkc, chunks, nseg, native, byte sizes of codes, scales, dec, dsc, wq, ws16) of one shard."""
-    from .tc_linear import chunk_for, nseg_for
-
     bkc = chunk_for(k)
     nt, chunks = -(-n // TILE), k // bkc
     nseg = nseg_for(n, k, False, tuning.segments)
@@ -315,59 +318,176 @@ def _launch_sync(ws: list[torch.Tensor], shards: list[_Shard], amax_col: Any, ab
                buf.view(torch.int32), buf.view(torch.float16), k, bkc, bkc // 2, native, num_warps=SYNC_WARPS)
 
 
-def _tcweight(sh: _Shard, buf: torch.Tensor, amax: torch.Tensor, tuning: GemmTuning) -> Any:
-    """Shard ``sh``'s TCWeight: views of ``buf`` (``native`` undecided)."""
-    from .tc_linear import TCWeight
+_LAZY = frozenset(("codes", "scales", "amax", "dec", "dsc"))
 
-    bkc, chunks, nseg, native, nb = sh.plan
+
+class SyncedWeight(TCWeight):
+    """A :class:`tc_linear.TCWeight` made by the sync, the same in every field and behaviour: its tensors
+    are views of the sync's output buffer and amax buffer, made at first access (the sync of a model
+    returns hundreds of weights: building ~8 tensor views each was most of its host time). ``native_w``
+    (the native layout's views) exists once ``native`` is decided and True. A weight rebuilt from it
+    (``dataclasses.replace``, :meth:`TCWeight.tuned`) is an ordinary one holding the same tensors."""
+
+    def __getattr__(self, name: str) -> Any:  # only for attributes not set yet: the lazy views
+        lz = self.__dict__.get("_lz")
+        if lz is None or name not in _LAZY:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.__dict__.update(_views(lz))
+        return self.__dict__[name]
+
+    @property
+    def native_w(self) -> tuple[torch.Tensor, ...] | None:  # type: ignore[override]
+        d = self.__dict__
+        if "_nw" not in d:
+            lz = d.get("_lz")
+            if lz is None or not self.native or not lz[0].plan[3]:
+                return None
+            d["_nw"] = _native_views(lz)
+        return d["_nw"]
+
+    @native_w.setter
+    def native_w(self, v: tuple[torch.Tensor, ...] | None) -> None:
+        self.__dict__["_nw"] = v
+
+
+def _views(lz: tuple[Any, ...]) -> dict[str, torch.Tensor]:
+    """The TCWeight tensors of shard ``sh`` (``lz``: shard, output buffer, amax buffer, amax index)."""
+    sh, buf, ab, idx = lz
+    bkc, chunks, _, _, nb = sh.plan
     n, k, o = sh.n, sh.k, sh.offs
     nt = -(-n // TILE)
-    dsc = buf[o[3]:o[3] + nb[3]].view(1, nt, chunks, TILE, bkc // 16)
-    tw = TCWeight(buf[o[0]:o[0] + nb[0]].view(n, k // 2), buf[o[1]:o[1] + nb[1]].view(n, k // 16), amax, False,
-                  buf[o[2]:o[2] + nb[2]].view(1, nt, chunks, TILE, bkc // 2), dsc, bkc, nseg, False, tuning=tuning)
-    if native:
-        tw.native_w = (buf[o[4]:o[4] + nb[4]], dsc.view(-1), buf[o[5]:o[5] + nb[5]])
+    tiles = (1, nt, chunks, TILE)
+    tstride = (nt * chunks * TILE, chunks * TILE, TILE, 1)
+    return {"codes": buf.as_strided((n, k // 2), (k // 2, 1), o[0]),
+            "scales": buf.as_strided((n, k // 16), (k // 16, 1), o[1]),
+            "amax": ab.as_strided((1,), (1,), idx),
+            "dec": buf.as_strided((*tiles, bkc // 2), tuple(t * (bkc // 2) for t in tstride) + (1,), o[2]),
+            "dsc": buf.as_strided((*tiles, bkc // 16), tuple(t * (bkc // 16) for t in tstride) + (1,), o[3])}
+
+
+def _native_views(lz: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """``native.native_layout``'s (codes, scales, scales16) of the shard: views of the buffer."""
+    sh, buf = lz[0], lz[1]
+    nb, o = sh.plan[4], sh.offs
+    return (buf.as_strided((nb[4],), (1,), o[4]), buf.as_strided((nb[3],), (1,), o[3]),
+            buf.as_strided((nb[5],), (1,), o[5]))
+
+
+def _tcweight(sh: _Shard, buf: torch.Tensor, ab: torch.Tensor, idx: int, tuning: GemmTuning) -> SyncedWeight:
+    """Shard ``sh``'s TCWeight (``native`` undecided; its amax ``ab.view(-1)[idx]``): no tensor made yet."""
+    tw = SyncedWeight.__new__(SyncedWeight)
+    tw.__dict__.update(per_row=False, bkc=sh.plan[0], nseg=sh.plan[2], grouped=False, tuning=tuning,
+                       _lz=(sh, buf, ab, idx))
     return tw
+
+
+def _native_table(ws: list[torch.Tensor], shards: list[_Shard], base: torch.Tensor, fused: bool, mod: Any
+                  ) -> tuple[np.ndarray, int, int]:
+    """The native kernels' shard table (``csrc/sync.cuh``: one int64 row of ``mod.sync_cols`` per shard
+    of a 128-wide decode chunk) and the amax and fused kernels' program counts."""
+    cols, per_amax, per_q = int(mod.sync_cols), int(mod.sync_amax_elems), int(mod.sync_chunks)
+    tab = np.zeros((len(shards), cols), np.int64)
+    a0 = q0 = 0
+    b0 = base.data_ptr()
+    for r, sh in enumerate(shards):
+        n, k, o = sh.n, sh.k, sh.offs
+        chunks = sh.plan[1]
+        cg = -(-chunks // per_q)
+        na, nq = -(-(n * k) // per_amax), -(-n // TILE) * cg
+        slot = sh.w * _COLS + sh.j
+        tab[r, :14] = ((ws[sh.w].data_ptr() - b0) // 2 + sh.r0 * k, n, k, slot, sh.w * _COLS + 6 if fused else slot,
+                       o[0], o[1], o[2], o[3], o[4] if sh.plan[3] else -1, o[5], a0, q0, cg)
+        a0 += na
+        q0 += nq
+    return tab, a0, q0
+
+
+def _native_module(dev: torch.device) -> Any:
+    """The native extension where the sync runs on it (:data:`BACKEND`, a CUDA device, built), else None."""
+    if BACKEND not in BACKENDS:
+        raise ValueError(f"sync.BACKEND must be one of {BACKENDS}, got {BACKEND!r}")
+    if BACKEND == "triton" or INTERPRET or dev.type != "cuda":
+        if BACKEND == "native":
+            raise RuntimeError("sync.BACKEND 'native' needs a CUDA device (not the Triton interpreter)")
+        return None
+    from . import native
+
+    with torch.cuda.device(dev):
+        mod = native.load()
+    if mod is None and BACKEND == "native":
+        raise RuntimeError(f"sync.BACKEND 'native': the native extension is absent ({native.status()['reason']})")
+    return mod
+
+
+def _fuse_amax(ab: torch.Tensor) -> torch.Tensor:
+    """The shared amax of a ``fused_weight_amax`` scheme into ``ab[:, 6]`` (NVFP4Linear.weight:
+    w.float().abs().amax(), non-finite included: NaN wins, then Inf); the flags with a NaN weight's
+    shards all flagged 2."""
+    flags = ab.view(torch.int32)[:, 3:6]
+    f = flags.amax(1)
+    ab[:, 6] = torch.where(f == 2, float("nan"), torch.where(f == 1, float("inf"), ab[:, 0:3].amax(1)))
+    return torch.maximum(flags, torch.where(f[:, None] == 2, 2, 0))
 
 
 def _sync_async(ws: list[torch.Tensor], parts: list[list[int] | None], scheme: Any, tuning: GemmTuning
                 ) -> tuple[list[list[Any]], torch.Tensor]:
-    """Launch the sync of the weights ``ws`` (bf16 [N, K] on one device; ``parts``: each one's shards): one
-    amax launch and one fused launch per K (and decode layout); no host synchronization. Returns the
-    TCWeights of each weight (``native`` undecided) and the flags [weights, 3] (int32; 2: a NaN, 1: an Inf
-    in the shard, or a NaN in the weight under a shared amax)."""
+    """Launch the sync of the weights ``ws`` (bf16 [N, K] on one device; ``parts``: each one's shards):
+    native kernels: one amax launch and one fused launch for all; Triton: one amax launch and one
+    fused launch per K (and decode layout); no host synchronization. Returns the TCWeights of each
+    weight (``native`` undecided) and the flags [weights, 3] (int32; 2: a NaN, 1: an Inf in the shard,
+    or a NaN in the weight under a shared amax)."""
     fused = _scheme(scheme).fused_weight_amax
     # the kernels read a weight at its offset from the group's first, hinted 16-byte aligned: a view that
     # is not (a slice at an odd element) is copied first
     ws = [w.detach() if w.is_contiguous() and w.data_ptr() % 16 == 0 else w.detach().clone(memory_format=torch.contiguous_format)
           for w in ws]
     sizes = [shard_sizes(w.shape[0], p) for w, p in zip(ws, parts)]
-    ab = torch.zeros(len(ws), _COLS, dtype=torch.float32, device=ws[0].device)
-    _amax_pass(ws, sizes, ab)
-    flags = ab.view(torch.int32)[:, 3:6]
-    if fused:  # NVFP4Linear.weight: w.float().abs().amax(), non-finite included (NaN wins, then Inf)
-        f = flags.amax(1)
-        ab[:, 6] = torch.where(f == 2, float("nan"), torch.where(f == 1, float("inf"), ab[:, 0:3].amax(1)))
-        flags = torch.maximum(flags, torch.where(f[:, None] == 2, 2, 0))
+    dev = ws[0].device
+    mod = _native_module(dev)
     shards, nbytes = _layout(ws, sizes, tuning)
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=ws[0].device)
+    ab = torch.zeros(len(ws), _COLS, dtype=torch.float32, device=dev)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    flags = ab.view(torch.int32)[:, 3:6]
 
     def amax_col(sh: _Shard) -> int:  # the shared amax (column 6) or the shard's own
         return 6 if fused else sh.j
 
-    _launch_sync(ws, shards, amax_col, ab, buf)
+    if mod is not None:  # one table for the amax kernel (every shard) and the fused kernel (128-wide chunks)
+        base = _base(ws)
+        rest = [sh for sh in shards if sh.plan[0] != 128]
+        tab, na, nq = _native_table(ws, shards, base, fused, mod)
+        (t_dev,) = _to(dev, tab)
+        q_dev = t_dev
+        if rest:  # K % 128 != 0: the Triton fused kernel for those, a table of the others for the native one
+            nat = [sh for sh in shards if sh.plan[0] == 128]
+            qtab, _, nq = _native_table(ws, nat, base, fused, mod) if nat else (tab, 0, 0)
+            (q_dev,) = _to(dev, qtab)
+        if fused or rest:
+            mod.sync_weights(base, t_dev, ab, buf, na, 0)
+            if fused:
+                flags = _fuse_amax(ab)
+            if nq:
+                mod.sync_weights(base, q_dev, ab, buf, 0, nq)
+        else:
+            mod.sync_weights(base, t_dev, ab, buf, na, nq)
+        if rest:
+            _launch_sync(ws, rest, amax_col, ab, buf)
+    else:
+        _amax_pass(ws, sizes, ab)
+        if fused:
+            flags = _fuse_amax(ab)
+        _launch_sync(ws, shards, amax_col, ab, buf)
     out: list[list[Any]] = [[] for _ in ws]
     for sh in shards:
-        out[sh.w].append(_tcweight(sh, buf, ab[sh.w, amax_col(sh):amax_col(sh) + 1], tuning))
+        out[sh.w].append(_tcweight(sh, buf, ab, sh.w * _COLS + amax_col(sh), tuning))
     return out, flags
 
 
 def _decide_native(tws: list[Any], flags: list[int]) -> None:
+    """``native`` of each shard with the native layout written: no flagged block (``native_w`` follows)."""
     for tw, f in zip(tws, flags):
-        if tw.native_w is not None:
+        if tw._lz[0].plan[3]:
             tw.native = f == 0
-            if not tw.native:
-                tw.native_w = None
 
 
 def _reference(w: torch.Tensor, scheme: Any, partitions: list[int] | None, tuning: GemmTuning) -> list[Any]:
