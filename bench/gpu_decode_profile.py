@@ -7,7 +7,8 @@ in its own process (vLLM in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so ``
 the engine's kernels, those replayed from CUDA graphs included): a Qwen3-8B-shaped model with vLLM's
 dummy weights, ``--seqs`` sequences x 64 generated tokens after an untimed warm-up, CUDA graphs on as
 the speed bench runs them (``--eager``: off). Prints, per recipe, the wall time per generated step and
-the device time per step by kernel (top 25, grouped by name), then a side-by-side table last.
+the device time per step by kernel (top 25, grouped by name), the host's self time per step by event
+(top 15: ATen ops, CUDA runtime calls), the prefill alone (a 1-token generate), then a side-by-side table last.
 A diagnostic (the profiler's overhead is in the wall time); the figures of record are gpu_stack's.
 """
 
@@ -47,6 +48,11 @@ llm.generate(prompts, sp, use_tqdm=False)
 torch.cuda.synchronize(); t = time.time()
 llm.generate(prompts, sp, use_tqdm=False)
 torch.cuda.synchronize(); plain = (time.time() - t) / steps
+one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, logprobs=0)
+llm.generate(prompts, one, use_tqdm=False)
+torch.cuda.synchronize(); t = time.time()
+llm.generate(prompts, one, use_tqdm=False)  # the prefill and one sampled token: the step time without it
+torch.cuda.synchronize(); prefill = time.time() - t
 from torch.profiler import ProfilerActivity, profile
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     torch.cuda.synchronize(); t = time.time()
@@ -60,8 +66,15 @@ for ev in prof.key_averages():
     if dt and ev.key and not ev.key.startswith(("cudaGraphLaunch", "ProfilerStep")) and ev.device_type.name == "CUDA":
         by[ev.key] = (dt / steps, ev.count / steps)
 tot = sum(v[0] for v in by.values())
+host = {}  # host-side events (ATen ops, CUDA runtime calls): self CPU time per step
+for ev in prof.key_averages():
+    if ev.device_type.name == "CPU" and ev.key and ev.self_cpu_time_total:
+        host[ev.key] = (ev.self_cpu_time_total / steps, ev.count / steps)
 print("PROFILE", json.dumps({"wall_ms_per_step": plain * 1e3, "profiled_wall_ms_per_step": wall * 1e3,
+                             "prefill_and_one_token_ms": prefill * 1e3,
+                             "decode_wall_ms_per_step": (plain * steps - prefill) / (steps - 1) * 1e3,
                              "device_ms_per_step": tot / 1e3,
+                             "host_self_us": sorted(([k, v[0], v[1]] for k, v in host.items()), key=lambda r: -r[1])[:30],
                              "kernels": sorted(([k, v[0], v[1]] for k, v in by.items()), key=lambda r: -r[1])[:40]}))
 '''
 
@@ -106,14 +119,19 @@ def main() -> None:
             print(r["error"])
             continue
         print(f"wall {r['wall_ms_per_step']:.2f} ms/step (profiled {r['profiled_wall_ms_per_step']:.2f}), "
-              f"device {r['device_ms_per_step']:.2f} ms/step")
+              f"device {r['device_ms_per_step']:.2f} ms/step; prefill + 1 token {r['prefill_and_one_token_ms']:.1f} ms, "
+              f"decode alone {r['decode_wall_ms_per_step']:.2f} ms/step")
+        print("| host self us/step | calls/step | host event |\n|---:|---:|---|")
+        for name, us, cnt in r["host_self_us"][:15]:
+            print(f"| {us:.1f} | {cnt:.1f} | {name[:110]} |")
         print("| us/step | launches/step | kernel |\n|---:|---:|---|")
         for name, us, cnt in r["kernels"][:25]:
             print(f"| {us:.1f} | {cnt:.1f} | {name[:110]} |")
-    print("\n| recipe | wall ms/step | device ms/step |\n|---|---:|---:|")
+    print("\n| recipe | wall ms/step | decode alone ms/step | prefill + 1 token ms | device ms/step |\n|---|---:|---:|---:|---:|")
     for recipe, r in res.items():
         if "error" not in r:
-            print(f"| {recipe} | {r['wall_ms_per_step']:.2f} | {r['device_ms_per_step']:.2f} |")
+            print(f"| {recipe} | {r['wall_ms_per_step']:.2f} | {r['decode_wall_ms_per_step']:.2f} | "
+                  f"{r['prefill_and_one_token_ms']:.1f} | {r['device_ms_per_step']:.2f} |")
 
 
 if __name__ == "__main__":
