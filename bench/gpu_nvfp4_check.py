@@ -225,10 +225,31 @@ def section_sync() -> None:
         nbytes = sum(w.numel() * 2 for w in wlist)
         ab = torch.zeros(len(wlist), SY._COLS, dtype=torch.float32, device=ARGS.device)
         sizes = [SY.shard_sizes(w.shape[0], p) for w, p in zip(wlist, plist)]
-        t_amax = wall(lambda: SY._amax_pass(wlist, sizes, ab.zero_()))
-        t_all = wall(lambda: SY._sync_async(wlist, plist, "nvfp4-per-token", SY.DEFAULT))
-        return {"amax_ms": round(t_amax * 1e3, 2), "amax_read_GBps": round(nbytes / t_amax / 1e9),
-                "amax_and_kernel_ms": round(t_all * 1e3, 2), "kernel_ms": round((t_all - t_amax) * 1e3, 2)}
+        old, SY.BACKEND = SY.BACKEND, "triton"
+        try:
+            t_amax = wall(lambda: SY._amax_pass(wlist, sizes, ab.zero_()))
+            t_all = wall(lambda: SY._sync_async(wlist, plist, "nvfp4-per-token", SY.DEFAULT))
+        finally:
+            SY.BACKEND = old
+        rec: dict[str, Any] = {
+            "triton": {"amax_ms": round(t_amax * 1e3, 2), "amax_read_GBps": round(nbytes / t_amax / 1e9),
+                       "amax_and_kernel_ms": round(t_all * 1e3, 2), "kernel_ms": round((t_all - t_amax) * 1e3, 2)}}
+        mod = SY._native_module(torch.device(ARGS.device)) if cuda() else None
+        if mod is not None:  # the native kernels alone (one launch each, the table already on the device)
+            ws_ = [w.detach() for w in wlist]
+            shards, nb = SY._layout(ws_, sizes, SY.DEFAULT)
+            base = SY._base(ws_)
+            tab, na, nq = SY._native_table(ws_, shards, base, False, mod)
+            (t_dev,) = SY._to(torch.device(ARGS.device), tab)
+            buf = torch.empty(nb, dtype=torch.uint8, device=ARGS.device)
+            t_na = wall(lambda: mod.sync_weights(base, t_dev, ab.zero_(), buf, na, 0))
+            t_nq = wall(lambda: mod.sync_weights(base, t_dev, ab, buf, 0, nq))
+            out_b = sum(sum(sh.plan[4]) for sh in shards)
+            rec["native"] = {"amax_ms": round(t_na * 1e3, 2), "amax_read_GBps": round(nbytes / t_na / 1e9),
+                             "kernel_ms": round(t_nq * 1e3, 2), "kernel_GBps": round((nbytes + out_b) / t_nq / 1e9),
+                             "programs": [na, nq]}
+            del buf
+        return rec
 
     def tune() -> dict[str, Any]:
         # the launch configurations (no bit changes): amax pass (rows per program, K block, warps) and the
@@ -239,6 +260,13 @@ def section_sync() -> None:
         if not cuda():
             return {"note": "cpu: no tuning"}
         state["out"] = None
+        backend, SY.BACKEND = SY.BACKEND, "triton"  # these configurations are the Triton kernels'
+        try:
+            return tune_triton(SY)
+        finally:
+            SY.BACKEND = backend
+
+    def tune_triton(SY: Any) -> dict[str, Any]:
         ab = torch.zeros(len(wlist), SY._COLS, dtype=torch.float32, device=ARGS.device)
         sizes = [SY.shard_sizes(w.shape[0], p) for w, p in zip(wlist, plist)]
         base = (SY.AMAX_CFG, SY.SYNC_WARPS)
@@ -266,18 +294,28 @@ def section_sync() -> None:
                 "amax_and_kernel_ms_by_warps": {w: round(t * 1e3, 2) for w, t in sync_t.items()},
                 "sync_warps_best": SY.SYNC_WARPS, "note": "whole model; the rest of section b runs with the best"}
 
-    def equal(scheme: str, layer: int) -> dict[str, Any]:
-        from mismatch_probe.kernels.nvfp4.sync import sync_weight
+    def equal(scheme: str, layer: int, backend: str | None = None) -> dict[str, Any]:
+        # backend None: the path sync_model takes by default (SY.BACKEND "auto": the native kernels where
+        # they build, as on the H200); "triton": the Triton kernels forced
+        from mismatch_probe.kernels.nvfp4 import sync as SY
 
         bad, n, t_ref, t_syn = [], 0, 0.0, 0.0
-        reuse = scheme == "nvfp4-per-token" and bool(state.get("out"))
+        reuse = backend is None and scheme == "nvfp4-per-token" and bool(state.get("out"))
+        got_all = state["out"] if reuse else None
+        if not reuse:
+            names = [k for k in shapes if k.startswith(f"{layer}.")]
+            old, SY.BACKEND = SY.BACKEND, backend or SY.BACKEND
+            try:
+                sync()
+                t = time.perf_counter()
+                got_all = SY.sync_model({nm: ws[nm] for nm in names}, scheme, {nm: parts[nm] for nm in names if nm in parts})
+                sync()
+                t_syn = time.perf_counter() - t
+            finally:
+                SY.BACKEND = old
         for nm in [k for k in shapes if k.startswith(f"{layer}.")]:
             w, p = ws[nm], parts.get(nm)
-            sync()
-            t = time.perf_counter()
-            got = state["out"][nm] if reuse else sync_weight(w, scheme, p)
-            sync()
-            t_syn += time.perf_counter() - t
+            got = got_all[nm]
             t = time.perf_counter()
             ref = [prepare(q) for q in NVFP4Linear(scheme, p).weight(w)]
             for r in ref:
@@ -294,7 +332,47 @@ def section_sync() -> None:
                         r.native and not all(torch.equal(a, b) for a, b in zip(g_.native_w, r.native_w))):
                     bad.append(f"{nm}[{si}].native")
         return {"fields": n, "unequal": bad[:8], "pass": not bad, "ref_layer_s": round(t_ref, 2),
-                "sync_layer_s": None if reuse else round(t_syn, 4)}
+                "sync_layer_s": None if reuse else round(t_syn, 4), "backend": backend or default_backend()}
+
+    def default_backend() -> str:
+        from mismatch_probe.kernels.nvfp4 import sync as SY
+
+        return "native" if SY._native_module(torch.device(ARGS.device)) is not None else "triton"
+
+    def backends() -> dict[str, Any]:
+        # the native and the Triton kernels each on the whole model: sync_model (call to return, median of 3)
+        # and the host enqueue alone (_sync_async without the final flag read), against the D2D copy
+        from mismatch_probe.kernels.nvfp4 import sync as SY
+
+        dst = {nm: torch.empty_like(w) for nm, w in ws.items()}
+        t_copy = wall(lambda: [dst[nm].copy_(w) for nm, w in ws.items()])
+        dst.clear()
+        rec: dict[str, Any] = {"copy_ms": round(t_copy * 1e3, 2), "default": default_backend()}
+        old = SY.BACKEND
+        try:
+            for be in ("native", "triton"):
+                SY.BACKEND = be
+                state["out"] = None
+                try:
+                    t = wall(lambda: state.__setitem__("out", SY.sync_model(ws, "nvfp4-per-token", parts)))
+                except RuntimeError as e:  # the native kernels absent here
+                    rec[be] = {"error": str(e)[:200]}
+                    continue
+                state["out"] = None
+                hosts = []
+                for _ in range(3):
+                    sync()
+                    t0 = time.perf_counter()
+                    SY._sync_async(wlist, plist, "nvfp4-per-token", SY.DEFAULT)
+                    hosts.append(time.perf_counter() - t0)
+                    sync()
+                rec[be] = {"sync_ms": round(t * 1e3, 2), "ratio": round(t / t_copy, 2),
+                           "host_enqueue_ms": round(statistics.median(hosts) * 1e3, 2)}
+        finally:
+            SY.BACKEND = old
+        nat = rec.get("native", {})
+        rec["pass"] = (nat.get("ratio", 99) <= 2.0) if cuda() else None
+        return rec
 
     if ARGS.tune:
         guarded("b sync", "launch configurations (amax pass, fused kernel)", 90 if cuda() else 5, tune)
@@ -303,6 +381,11 @@ def section_sync() -> None:
     guarded("b sync", "bitwise vs reference, layer 0 (per-token)", 15, lambda: equal("nvfp4-per-token", 0))
     guarded("b sync", f"bitwise vs reference, layer {last} (per-token)", 15, lambda: equal("nvfp4-per-token", last))
     guarded("b sync", "bitwise vs reference, layer 1 (static)", 15, lambda: equal("nvfp4-static", 1))
+    guarded("b sync", "bitwise vs reference, layer 0 (per-token), Triton kernels forced", 15,
+            lambda: equal("nvfp4-per-token", 0, "triton"))
+    guarded("b sync", "bitwise vs reference, layer 1 (static), Triton kernels forced", 15,
+            lambda: equal("nvfp4-static", 1, "triton"))
+    guarded("b sync", "native vs Triton kernels, whole model (sync_model, host enqueue)", 60 if cuda() else 5, backends)
     guarded("b sync", "diagnostic: host enqueue time of all launches", 20 if cuda() else 5, enqueue)
     guarded("b sync", "diagnostic: one large weight (kernel throughput)", 20 if cuda() else 5, big_weight)
     guarded("b sync", "diagnostic: amax pass and fused kernel, whole model", 20 if cuda() else 5, parts_timing)

@@ -290,10 +290,13 @@ class _Shard(NamedTuple):
 def _layout(ws: list[torch.Tensor], sizes: list[list[int]], tuning: GemmTuning) -> tuple[list[_Shard], int]:
     """Every shard of ``ws`` and where its outputs go in one buffer (256-byte aligned parts); its size."""
     shards, off = [], 0
+    plans: dict[tuple[int, int], tuple[int, int, int, bool, tuple[int, ...]]] = {}  # (hashing tuning: ~us)
     for i, w in enumerate(ws):
         r0 = 0
         for j, n in enumerate(sizes[i]):
-            plan = _plan(n, w.shape[1], tuning)
+            plan = plans.get((n, w.shape[1]))
+            if plan is None:
+                plan = plans[(n, w.shape[1])] = _plan(n, w.shape[1], tuning)
             offs = []
             for nbytes in plan[4]:
                 offs.append(off)

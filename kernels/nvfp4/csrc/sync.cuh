@@ -203,8 +203,8 @@ __global__ void __launch_bounds__(SYNC_THREADS) sync_quant_kernel(const uint16_t
       const uint4* xc = reinterpret_cast<const uint4*>(xr + c * 128);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        v[i] = __ldcs(xc + 4 * wp + i);
-        v[4 + i] = __ldcs(xc + 8 + 4 * wp + i);
+        v[i] = __ldg(xc + 4 * wp + i);
+        v[4 + i] = __ldg(xc + 8 + 4 * wp + i);
       }
     } else {
 #pragma unroll
