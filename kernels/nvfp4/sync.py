@@ -3,25 +3,39 @@
 What :meth:`linear.NVFP4Linear.prepared` computes for a 1x16-block scheme (``nvfp4-per-token``:
 one amax per logical weight; ``nvfp4-static``: one amax over the fused shards), i.e.
 ``tc_linear.prepare(nvfp4_quantize_ref(shard, amax=...))`` per shard plus the native decode
-layout :func:`native.decode_ok` would make at first use, in two launches per K (and decode layout)
-for all the weights of a model instead of dozens of torch passes per weight (the launches read
-int64 tables: per weight or shard its offset from the group's lowest-addressed weight and the
-offsets of its outputs in one buffer; per program its weight or shard and rows; a launch per
-weight made the sync host-bound on the H200, ~400 launches for the Qwen3-8B shape):
+layout :func:`native.decode_ok` would make at first use, in two passes over the weights of a
+whole model instead of dozens of torch passes per weight: an amax pass (per shard the finite max
+|x| and a non-finite flag, 2 NaN, 1 Inf, max-ed into the shard's slots: float max is order free,
+so exact) and a fused pass that reads each bf16 value once and writes the codes (standard packing),
+the E4M3 scale bytes, the decode-layout tiles (``dec``/``dsc`` of :func:`tc_linear.decode_layout`)
+and, where K % 128 == 0 and the K segments allow it, the native layout (``native.native_layout``:
+code bytes, scale bytes = ``dsc``, fp16 ``sf * 2^7``). Two implementations (:data:`BACKEND`):
 
-* ``_amax_kernel``: per row the max |x| over finite values and a non-finite flag (2 NaN, 1 Inf),
-  ``atomic_max``-ed into the weight's shard slots (float max: order free, so exact);
-* ``_sync_kernel``: per 64-row tile of a shard and ``bkc``-wide K chunk, reads the bf16 tile once and writes
-  the codes (standard packing), the E4M3 scale bytes, the decode-layout tiles (``dec``/``dsc`` of
-  :func:`tc_linear.decode_layout`) and, where K % 128 == 0, the native layout
-  (``native.native_layout``: code bytes, scale bytes = ``dsc``, fp16 ``sf * 2^7``), each row's 64
-  bytes stored whole as int32 words.
+* native (CUDA C++, ``csrc/sync.cuh``; the default on a GPU where :func:`native.load` builds the
+  extension: sm_89+ with nvcc): one launch of each kernel for all the weights, over one int64 table
+  with a row per shard (offsets of its bf16 and of its outputs in one buffer, its amax slot, its
+  programs' first number: a program finds its shard by binary search, so the host table is per shard,
+  not per program). ``sync_amax_kernel``: 128 KB of a shard per program, 16-byte loads.
+  ``sync_quant_kernel``: a 64-row tile x 8 chunks of 128 K per program; thread (row, wp) holds blocks
+  {2wp, 2wp+1, 4+2wp, 5+2wp} of a chunk (the pairs that ``dec`` and the native words combine), writes
+  codes and ``dec`` alone (16-byte stores) and scales, ``dsc``, the native words and fp16 scales after
+  one shuffle per word with its neighbour lane (4- to 16-byte stores). Shards of a 32- or 64-wide
+  decode chunk (K % 128 != 0) take the Triton fused kernel after the native amax pass;
+* Triton (CPU interpreter, GPUs without the extension, ``BACKEND = "triton"``): ``_amax_kernel``
+  per row and ``_sync_kernel`` per 64-row tile and ``bkc``-wide K chunk, one launch each per K (and
+  decode layout), reading int64 tables (per weight or shard its offset from the group's
+  lowest-addressed weight and the offsets of its outputs; per program its weight or shard and rows).
 
-The quantizer arithmetic is the spec's (:func:`ref.nvfp4_quantize_ref`), with the exact helpers of
-:mod:`common` (``tl.div_rn``, integer E4M3 rounding), so every field is bitwise equal to the
-reference path (``tests/kernels/test_nvfp4_sync.py``). Padding rows of the last tile come out
-zero, as the reference's. ``native`` (no NaN-flagged block) is known from the flags; the host
-reads all flags of :func:`sync_model` with one synchronization at the end.
+The quantizer arithmetic is the spec's (:func:`ref.nvfp4_quantize_ref`): in Triton with the exact
+helpers of :mod:`common` (``tl.div_rn``, integer E4M3 rounding), in CUDA with ``quantize.cuh``'s
+(correctly rounded ``__fdiv_rn``, hardware E4M3 RNE conversion, the magic-constant E2M1 rounding),
+so every field is bitwise equal to the reference path (``tests/kernels/test_nvfp4_sync.py`` runs the
+Triton kernels in the interpreter, ``tests/kernels/test_nvfp4_sync_native.py`` emulates the native
+kernel's stores; ``bench/gpu_nvfp4_check.py --only b`` checks both paths on the GPU). Padding rows
+of the last tile come out zero, as the reference's. ``native`` (no NaN-flagged block) is known from
+the flags; the host reads all flags of :func:`sync_model` with one synchronization at the end.
+The returned TCWeights (:class:`SyncedWeight`) are views of one output buffer made at first access:
+the host work of a call is the shard table and a few launches (the Qwen3-8B shape: 252 shards).
 """
 
 from __future__ import annotations
