@@ -400,8 +400,9 @@ def _tcweight(sh: _Shard, buf: torch.Tensor, ab: torch.Tensor, idx: int, tuning:
 
 def _native_table(ws: list[torch.Tensor], shards: list[_Shard], base: torch.Tensor, fused: bool, mod: Any
                   ) -> tuple[np.ndarray, int, int]:
-    """The native kernels' shard table (``csrc/sync.cuh``: one int64 row of ``mod.sync_cols`` per shard
-    of a 128-wide decode chunk) and the amax and fused kernels' program counts."""
+    """The native kernels' shard table (``csrc/sync.cuh``: one int64 row of ``mod.sync_cols`` per shard of
+    ``shards``, the fused kernel's only of 128-wide decode chunks) and the amax and fused kernels' program
+    counts (each column of first programs numbers its kernel's programs shard after shard)."""
     cols, per_amax, per_q = int(mod.sync_cols), int(mod.sync_amax_elems), int(mod.sync_chunks)
     tab = np.zeros((len(shards), cols), np.int64)
     a0 = q0 = 0
