@@ -220,3 +220,56 @@ def test_synced_weight_is_a_tcweight_with_lazy_views() -> None:
     assert flagged.native is False and flagged.native_w is None and not native.decode_ok(flagged)
     with pytest.raises(AttributeError):
         _ = tw.no_such_field
+
+
+def _block_math(x: torch.Tensor, amax: float) -> tuple[np.ndarray, np.ndarray]:
+    """sync_block (and the amax handling of sync_quant_kernel) in numpy fp32, every step correctly rounded
+    as the CUDA intrinsics are: (codes [n, K] uint8, scale bytes [n, K/16])."""
+    n, k = x.shape
+    bits = x.view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+    xf = (bits << 16).view(np.float32)
+    a = bits & 0x7FFF
+    fin = np.where(a < 0x7F80, a, 0).reshape(n, k // 16, 16)
+    vmax = (fin.max(2).astype(np.uint32) << 16).view(np.float32)
+    am = np.float32(amax)
+    with np.errstate(all="ignore"):
+        s_enc = np.float32(2688.0) / am
+        s_enc = np.float32(3.4028234663852886e38) if not s_enc <= 3.4028234663852886e38 else s_enc  # fminf
+        if am == 0 or s_enc == 0:
+            s_enc = np.float32(1.0)
+        s_dec = np.float32(1.0) / s_enc
+        mult = s_enc * np.float32(0.1666666716337204)
+        v = np.minimum(vmax * mult, np.float32(448.0))
+        v = np.where(np.isnan(v), np.float32(448.0), v)  # fminf(NaN, 448) = 448
+        sb = torch.from_numpy(v).to(torch.float8_e4m3fn).view(torch.uint8).numpy().astype(np.uint32)
+        sf = torch.from_numpy(sb.astype(np.uint8)).view(torch.float8_e4m3fn).float().numpy()
+        enc = np.float32(1.0) / (sf * s_dec)
+        enc = np.where(enc <= 3.4028234663852886e38, enc, np.float32(3.4028234663852886e38)).astype(np.float32)
+        y = xf.reshape(n, k // 16, 16) * enc[:, :, None]
+        ay = np.abs(y)
+        m = np.minimum(np.minimum(ay * np.float32(2) + np.float32(8388608), ay + np.float32(8388610)),
+                       np.minimum(ay * np.float32(0.5) + np.float32(8388612), np.float32(8388615)))
+    neg = ((y + np.float32(0)).view(np.uint32) >> 31).astype(np.uint32)
+    codes = (m.view(np.uint32) - 0x4B000000 + 8 * neg).astype(np.uint8)
+    bad = (a >= 0x7F80).reshape(n, k // 16, 16).any(2) | np.isnan(am)
+    codes = np.where(bad[:, :, None], 0, codes).reshape(n, k).astype(np.uint8)
+    return codes, np.where(bad, 0x7F, sb).astype(np.uint8)
+
+
+@pytest.mark.parametrize("amax_kind", ["own", "nan", "inf", "zero"])
+def test_native_sync_block_math_is_the_reference_quantizer(amax_kind: str) -> None:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(24, 256, generator=g) * 0.02
+    x[0, :16] = 0
+    x[2, 17], x[3, 40], x[4, :] = 3e4, -2e-30, 1e-35
+    x[5, 32:48] = torch.tensor([1e-6] * 15 + [-5e3])
+    x[6, 3], x[7, 100], x[8, 200] = float("nan"), float("inf"), float("-inf")
+    x[9, 64:80] = -0.0
+    x = x.bfloat16()
+    own = float(torch.where(torch.isfinite(x.float()), x.float().abs(), 0).amax())
+    amax = {"own": own, "nan": float("nan"), "inf": float("inf"), "zero": 0.0}[amax_kind]
+    ref = nvfp4_quantize_ref(x, amax=torch.tensor([amax], dtype=torch.float32))
+    codes, scales = _block_math(x, amax)
+    packed = codes.reshape(24, -1, 2)
+    assert np.array_equal(packed[..., 0] | (packed[..., 1] << 4), ref.codes.numpy())
+    assert np.array_equal(scales, ref.scales.numpy())
