@@ -1,7 +1,8 @@
 """The native weight sync (``csrc/sync.cuh``, used by kernels/nvfp4/sync.py on a CUDA device), on the CPU:
 its output assembly emulated bit for bit in numpy (the nibble pairing of ``sync_pair`` and
 ``sync_native_words``, the byte permutes, the lane-pair shuffles and every store address of
-``sync_quant_kernel``) gives the reference ``decode_layout`` and ``native.native_layout`` bytes; the shard
+``sync_quant_kernel``) gives the reference ``decode_layout`` and ``native.native_layout`` bytes; its
+per-block arithmetic (``sync_block``, fp32 in numpy) the reference quantizer's codes and scales; the shard
 table's program numbering covers every element and tile exactly once (the kernels' binary search
 emulated); the lazily viewed :class:`sync.SyncedWeight` behaves as a TCWeight. The kernels themselves run
 on the GPU only (bench/gpu_nvfp4_check.py --only b compares them with the reference path)."""
