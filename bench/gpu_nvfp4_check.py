@@ -295,8 +295,7 @@ def section_sync() -> None:
                 "sync_warps_best": SY.SYNC_WARPS, "note": "whole model; the rest of section b runs with the best"}
 
     def equal(scheme: str, layer: int, backend: str | None = None) -> dict[str, Any]:
-        # backend None: the path sync_model takes by default (SY.BACKEND "auto": the native kernels where
-        # they build, as on the H200); "triton": the Triton kernels forced
+        # backend None: the path sync_model takes by default (SY.BACKEND); "triton" / "native": those kernels forced
         from mismatch_probe.kernels.nvfp4 import sync as SY
 
         bad, n, t_ref, t_syn = [], 0, 0.0, 0.0
@@ -385,6 +384,9 @@ def section_sync() -> None:
             lambda: equal("nvfp4-per-token", 0, "triton"))
     guarded("b sync", "bitwise vs reference, layer 1 (static), Triton kernels forced", 15,
             lambda: equal("nvfp4-static", 1, "triton"))
+    for sch, lay in (("nvfp4-per-token", 0), ("nvfp4-per-token", last), ("nvfp4-static", 1)):
+        guarded("b sync", f"bitwise vs reference, layer {lay} ({sch.split('-', 1)[1]}), native kernels forced", 15,
+                lambda sch=sch, lay=lay: equal(sch, lay, "native"))
     guarded("b sync", "native vs Triton kernels, whole model (sync_model, host enqueue)", 60 if cuda() else 5, backends)
     guarded("b sync", "diagnostic: host enqueue time of all launches", 20 if cuda() else 5, enqueue)
     guarded("b sync", "diagnostic: one large weight (kernel throughput)", 20 if cuda() else 5, big_weight)

@@ -11,8 +11,9 @@ the E4M3 scale bytes, the decode-layout tiles (``dec``/``dsc`` of :func:`tc_line
 and, where K % 128 == 0 and the K segments allow it, the native layout (``native.native_layout``:
 code bytes, scale bytes = ``dsc``, fp16 ``sf * 2^7``). Two implementations (:data:`BACKEND`):
 
-* native (CUDA C++, ``csrc/sync.cuh``; the default on a GPU where :func:`native.load` builds the
-  extension: sm_89+ with nvcc): one launch of each kernel for all the weights, over one int64 table
+* native (CUDA C++, ``csrc/sync.cuh``; opt-in, ``BACKEND = "native"`` or ``"auto"``, until a GPU run has
+  checked it bitwise: it needs the extension of :func:`native.load`, sm_89+ with nvcc): one launch of
+  each kernel for all the weights, over one int64 table
   with a row per shard (offsets of its bf16 and of its outputs in one buffer, its amax slot, its
   programs' first number: a program finds its shard by binary search, so the host table is per shard,
   not per program). ``sync_amax_kernel``: 128 KB of a shard per program, 16-byte loads.
@@ -21,7 +22,7 @@ code bytes, scale bytes = ``dsc``, fp16 ``sf * 2^7``). Two implementations (:dat
   codes and ``dec`` alone (16-byte stores) and scales, ``dsc``, the native words and fp16 scales after
   one shuffle per word with its neighbour lane (4- to 16-byte stores). Shards of a 32- or 64-wide
   decode chunk (K % 128 != 0) take the Triton fused kernel after the native amax pass;
-* Triton (CPU interpreter, GPUs without the extension, ``BACKEND = "triton"``): ``_amax_kernel``
+* Triton (the default, ``BACKEND = "triton"``; the CPU interpreter): ``_amax_kernel``
   per row and ``_sync_kernel`` per 64-row tile and ``bkc``-wide K chunk, one launch each per K (and
   decode layout), reading int64 tables (per weight or shard its offset from the group's
   lowest-addressed weight and the offsets of its outputs; per program its weight or shard and rows).
@@ -61,11 +62,13 @@ AMAX_CFG = (32, 128, 4)  # amax pass: rows per program, K block, warps (best of 
 SYNC_WARPS = 8  # the fused kernel, per 64-row tile
 ROWS = tl.constexpr(TILE)
 MAX_SHARDS = 3
-# which kernels run the sync on a CUDA device: "auto" the native (CUDA C++) ones where native.load() builds
-# them (sm_89+, nvcc), else the Triton ones; "native" (an error where they are absent) or "triton" forces
-# one (bench/gpu_nvfp4_check.py times and checks both); shards whose decode chunk is not 128 wide
-# (K % 128 != 0) always take the Triton fused kernel
-BACKEND = "auto"
+# which kernels run the sync on a CUDA device: "triton" (the default: the kernels the H200 checks ran on),
+# "native" the CUDA C++ ones of csrc/sync.cuh (an error where the extension is absent), "auto" the native
+# ones where native.load() builds them (sm_89+, nvcc), else Triton. The native kernels are opt-in until a
+# GPU run has checked them bitwise (bench/gpu_nvfp4_check.py --only b checks and times both; until then
+# only the CPU emulation of tests/kernels/test_nvfp4_sync_native.py covers them); shards whose decode chunk
+# is not 128 wide (K % 128 != 0) always take the Triton fused kernel
+BACKEND = "triton"
 BACKENDS = ("auto", "native", "triton")
 
 
