@@ -8,6 +8,8 @@
 #   bash bench/gpu_round.sh capture # the whole cost of op capture (#27), then the NVFP4 kernels (#28)
 #   bash bench/gpu_round.sh profile # where an 8B decode step goes, bf16 vs nvfp4-per-token, 16 and 64 seqs (#28)
 #   bash bench/gpu_round.sh q8b     # the 8B shape's nvfp4-per-token logprobs vs the learner's, sampler in graphs (#28)
+#   bash bench/gpu_round.sh sync    # the weight sync, Triton and native kernels: bitwise and vs a D2D copy (#28 pt 4)
+#   bash bench/gpu_round.sh shapes  # the native decode GEMM at the 8B layer shapes, per variant and M (#28 pt 1)
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/gs-out; each stage prints its tables last.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -15,7 +17,7 @@ out="${OUT:-/tmp/gs-out}"
 mkdir -p "$out"
 gs=/tmp/gs
 left() { echo $(( ${1} - SECONDS )); }
-case "${1:?stage: tests, kernels, bisect, speed, capture, profile or q8b}" in
+case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync or shapes}" in
   tests)
     timeout "$(left 585)" bash "$here/gpu_tests.sh" -m gpu tests/gpu -rA > "$out/tests.log" 2>&1
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -15
@@ -50,6 +52,14 @@ case "${1:?stage: tests, kernels, bisect, speed, capture, profile or q8b}" in
     python "$here/gpu_stack.py" --out "$gs" --only q8b --tag q8b --budget 560 > "$out/q8b.log" 2>&1
     cp "$gs/q8b.json" "$out/" 2>/dev/null
     sed -n '/^| step/,$p' "$out/q8b.log"
+    ;;
+  sync)  # the first call on a fresh machine builds the native extension (csrc/ changed): ~2 min of it
+    python "$here/gpu_nvfp4_check.py" --out "$out/nvfp4" --only b --budget "$(left 585)" > "$out/sync.log" 2>&1
+    sed -n '/^| /,$p' "$out/sync.log" | tail -30
+    ;;
+  shapes)
+    timeout "$(left 585)" python "$here/gpu_decode_shapes.py" --out "$out/shapes" > "$out/shapes.log" 2>&1
+    sed -n '/^| M /,$p' "$out/shapes.log"
     ;;
   capture)
     # CAPTURE_ARGS: extra arguments (e.g. --modes off,digest,stats,digest@r128k); NVFP4_ONLY: sections (default bac)
