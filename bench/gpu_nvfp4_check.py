@@ -441,6 +441,10 @@ def section_linear() -> None:
         if "fn" in fp8:
             us8 = graph_us(fp8["fn"])
             res.update(fp8_gemm_us=round(us8, 1))
+        if m > 64:  # prefill: the weights decoded in registers (PrefillTuning.decode_weights), no fp16 operand kept
+            twd = tw.tuned(tw.tuning.with_(prefill={"decode_weights": True}))
+            same = torch.equal(tc_matmul(qa, twd, a_op=op).view(torch.int16), tc_matmul(qa, tw, a_op=op).view(torch.int16))
+            res.update(gemm_wdec_us=round(graph_us(lambda: tc_matmul(qa, twd, a_op=op)), 1), wdec_equal=same)
         if (m, n, k) == (16, *big):
             res["target"] = "speedup >= 2.5"
             res["pass"] = us_bf16 / us_lin >= 2.5

@@ -107,13 +107,35 @@ def _store_rows(total, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb
 
 
 @kjit
+def _w_dec(cp, sp, k, nmask, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """The [BK, BN] weight operand ``E2M1 * sf * 2^-7`` of K columns [k, k + BK) decoded in registers
+    from the standard codes [N, K/2] and E4M3 scale bytes [N, K/16] (``cp`` / ``sp``: the tile's
+    [BN, BK/2] / [BN, BK/16] pointer blocks at K column 0): exactly the values ``TCWeight.op()`` holds
+    (``tc_linear.weight_operand``: ``(E2M1 * sf) * 2^-7`` in fp32, exact, then the operand dtype), so the
+    same products and sums as the kernel reading the operand from memory (rows past N: zero)."""
+    c = tl.load(cp + k // 2, mask=nmask[:, None], other=0).to(tl.int32)
+    v = tl.reshape(tl.join(c & 15, c >> 4), (BN, BK))  # byte j holds codes 2j (low nibble) and 2j + 1
+    sb = tl.load(sp + k // 16, mask=nmask[:, None], other=0).to(tl.int32)
+    sf = tl.reshape(tl.broadcast_to(e4m3_decode(sb)[:, :, None], (BN, BK // 16, 16)), (BN, BK))
+    w = e2m1_decode(v) * sf * 0.0078125
+    if F32:
+        return tl.trans(w)
+    else:
+        return tl.trans(w.to(tl.float16))
+
+
+@kjit
 def _seg_sum(ap, wp, k0, kseg, mmask, nmask, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             F32: tl.constexpr):
-    """One K segment's fp32 sums of a [BM, BN] tile, from 0, its BK steps in K order."""
+             F32: tl.constexpr, cp=None, sp=None, WDEC: tl.constexpr = False):
+    """One K segment's fp32 sums of a [BM, BN] tile, from 0, its BK steps in K order (``WDEC``: the
+    weights decoded from codes and scales by :func:`_w_dec`, else read as the fp16 operand at ``wp``)."""
     acc = tl.full([BM, BN], 0.0, tl.float32)
     for k in range(k0, k0 + kseg, BK):
         a = tl.load(ap + k, mask=mmask[:, None], other=0.0)
-        w = tl.load(wp + k, mask=nmask[None, :], other=0.0)
+        if WDEC:
+            w = _w_dec(cp, sp, k, nmask, BN, BK, F32)
+        else:
+            w = tl.load(wp + k, mask=nmask[None, :], other=0.0)
         if F32:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
@@ -281,7 +303,7 @@ def prefill_kernel(
     M, N, K, w_estride,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NSEG: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPED: tl.constexpr, W_AMAX_ROW: tl.constexpr, F32: tl.constexpr, FLAT: tl.constexpr = True,
-    p_ptr=None, PHASE: tl.constexpr = 0,
+    p_ptr=None, PHASE: tl.constexpr = 0, wc_ptr=None, ws_ptr=None, WDEC: tl.constexpr = False,
 ):
     """Prefill path. ``FLAT`` (default): one K loop over all segments, so the software pipeline
     keeps its loads in flight across segment boundaries; at the end of each segment its
@@ -291,7 +313,10 @@ def prefill_kernel(
     segment, the pipeline drained and refilled at each segment). ``PHASE`` 1 / 2 (NSEG == 2, dense): one
     segment per launch with one accumulator (the one-segment tile): 1 stores segment 0's fp32 sums to
     ``p_ptr`` [M, N], 2 adds segment 1's to them (p0 + p1, as the total above) and runs the epilogue:
-    the same bits as FLAT, without a second accumulator live through the loop."""
+    the same bits as FLAT, without a second accumulator live through the loop. ``WDEC`` (dense weights
+    only): the weights decoded in registers from ``wc_ptr`` (codes [N, K/2]) and ``ws_ptr`` (scale bytes
+    [N, K/16]) instead of read from the fp16 operand at ``w_ptr`` (not needed then): the same operand
+    values, so the same bits, without the 2 bytes per weight the operand keeps in memory."""
     pid = tl.program_id(0)
     nn = (N + BN - 1) // BN
     if GROUPED:
@@ -315,9 +340,14 @@ def prefill_kernel(
         kk = tl.arange(0, BK)
         ap = a_ptr + rm[:, None] * K + kk[None, :]
         wp = w_ptr + eb * w_estride + rn[None, :] * K + kk[:, None]
+        cp = wc_ptr
+        sp = ws_ptr
+        if WDEC:
+            cp = wc_ptr + rn[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
+            sp = ws_ptr + rn[:, None] * (K // 16) + tl.arange(0, BK // 16)[None, :]
         kseg = K // NSEG
         if PHASE > 0:
-            acc = _seg_sum(ap, wp, (PHASE - 1) * kseg, kseg, mmask, nmask, BM, BN, BK, F32)
+            acc = _seg_sum(ap, wp, (PHASE - 1) * kseg, kseg, mmask, nmask, BM, BN, BK, F32, cp, sp, WDEC)
             pp = p_ptr + rm[:, None] * N + rn[None, :]
             if PHASE == 1:
                 tl.store(pp, acc, mask=mmask[:, None] & nmask[None, :])
@@ -330,7 +360,10 @@ def prefill_kernel(
             acc = tl.full([BM, BN], 0.0, tl.float32)
             for i in range(0, K // BK):
                 a = tl.load(ap + i * BK, mask=mmask[:, None], other=0.0)
-                w = tl.load(wp + i * BK, mask=nmask[None, :], other=0.0)
+                if WDEC:
+                    w = _w_dec(cp, sp, i * BK, nmask, BN, BK, F32)
+                else:
+                    w = tl.load(wp + i * BK, mask=nmask[None, :], other=0.0)
                 if F32:
                     acc = tl.dot(a, w, acc, input_precision="ieee")
                 else:
@@ -341,7 +374,7 @@ def prefill_kernel(
         else:
             total = tl.full([BM, BN], 0.0, tl.float32)
             for s in tl.static_range(NSEG):
-                acc = _seg_sum(ap, wp, s * kseg, kseg, mmask, nmask, BM, BN, BK, F32)
+                acc = _seg_sum(ap, wp, s * kseg, kseg, mmask, nmask, BM, BN, BK, F32, cp, sp, WDEC)
                 if s == 0:
                     total = acc
                 else:

@@ -184,7 +184,7 @@ def prefill_config(nseg: int, kseg: int, tuning: PrefillTuning = DEFAULT.prefill
     bits either way, ``FLAT=False`` is the old loop per segment, kept for the side-by-side probe).
     ``tuning``: :class:`tuning.PrefillTuning` (its tile overrides are ignored in the interpreter)."""
     bk = 64 if kseg % 64 == 0 else (32 if kseg % 32 == 0 else 16)
-    flat = {"FLAT": tuning.flat}
+    flat = {"FLAT": tuning.flat, "WDEC": tuning.decode_weights}
     if INTERPRET:
         return {"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1, **flat}
     if nseg == 1:
@@ -249,12 +249,18 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         return out
     cfg = prefill_config(w.nseg, k // w.nseg, tun.prefill)
     n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
+    wdec = cfg["WDEC"] and not grouped
     launch(prefill_kernel, (n_m * triton.cdiv(n, cfg["BN"]),),
-           a_op, w.op(), a_amax, w.amax, out.view(torch.int16), te, tr0, tr1,
+           a_op, w.codes if wdec else w.op(), a_amax, w.amax, out.view(torch.int16), te, tr0, tr1,
            m, n, k, wes,
            cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET, cfg["FLAT"],
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           **_wdec_args(w, wdec), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def _wdec_args(w: TCWeight, wdec: bool) -> dict[str, Any]:
+    """The prefill kernel's arguments for weights decoded in registers (``PrefillTuning.decode_weights``)."""
+    return {"wc_ptr": w.codes, "ws_ptr": w.scales, "WDEC": True} if wdec else {}
 
 
 def two_launch(w: TCWeight) -> bool:
@@ -270,14 +276,16 @@ def _prefill_two_launch(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m
     cfg = prefill_config(1, k // 2, w.tuning.prefill)  # the one-accumulator tile
     rows = max(cfg["BM"], w.tuning.prefill.partial_bytes // (4 * n) // cfg["BM"] * cfg["BM"])
     part = torch.empty(min(m, rows), n, dtype=torch.float32, device=a_op.device)
+    wdec = bool(cfg["WDEC"])
+    wop = w.codes if wdec else w.op()
     for r0 in range(0, m, rows):
         mm = min(rows, m - r0)
         am, ao, o = a_amax[r0:r0 + mm], a_op[r0:r0 + mm], out[r0:r0 + mm]
         grid = (triton.cdiv(mm, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
         for phase in (1, 2):
-            launch(prefill_kernel, grid, ao, w.op(), am, w.amax, o.view(torch.int16), am, am, am, mm, n, k, 0,
+            launch(prefill_kernel, grid, ao, wop, am, w.amax, o.view(torch.int16), am, am, am, mm, n, k, 0,
                    cfg["BM"], cfg["BN"], cfg["BK"], 2, cfg["GROUP_M"], False, w.per_row, INTERPRET, True, part, phase,
-                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                   **_wdec_args(w, wdec), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:

@@ -86,7 +86,10 @@ class PrefillTuning:
     probe); ``two_launch``: the prefill of two-segment dense weights as two launches of the
     one-segment tile (H200 2026-12-01 21:11, M = 4096: Qwen3-8B (4096, 4096) 1.45x -> 1.26x cuBLAS,
     (4096, 12288) 1.44x -> 1.06x, same bits); ``partial_bytes``: the bound of its fp32 buffer of
-    segment 0's sums (M x N x 4 bytes, in row blocks above it)."""
+    segment 0's sums (M x N x 4 bytes, in row blocks above it); ``decode_weights``: dense weights
+    decoded in registers from their codes and scale bytes (``gemm_tc._w_dec``) instead of read from the
+    fp16 operand ``TCWeight.op()`` (2 bytes per weight kept in memory from the first prefill on): the
+    same operand values, so the same bits (interpreter tests); off until a GPU run has timed it."""
 
     bm: int | None = None
     bn: int | None = None
@@ -97,6 +100,7 @@ class PrefillTuning:
     flat: bool = True
     two_launch: bool = True
     partial_bytes: int = 256 << 20
+    decode_weights: bool = False
 
     def overrides(self) -> dict[str, Any]:
         """The set tile fields as the config keys of :func:`tc_linear.prefill_config`."""
@@ -105,9 +109,9 @@ class PrefillTuning:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> PrefillTuning:
         """From config keys as :func:`tc_linear.prefill_config` spells them (``{"BN": 128}``; ``"FLAT"``,
-        ``"TWO_LAUNCH"``, ``"PARTIAL_BYTES"`` for the other fields)."""
+        ``"TWO_LAUNCH"``, ``"PARTIAL_BYTES"``, ``"DECODE_WEIGHTS"`` for the other fields)."""
         return cls(**_fields(cfg, {**_PREFILL_KEYS, "flat": "FLAT", "two_launch": "TWO_LAUNCH",
-                                   "partial_bytes": "PARTIAL_BYTES"}))
+                                   "partial_bytes": "PARTIAL_BYTES", "decode_weights": "DECODE_WEIGHTS"}))
 
 
 @dataclass(frozen=True)

@@ -209,3 +209,27 @@ def test_nvfp4_linear_carries_its_tuning(monkeypatch) -> None:
     assert tw1.nseg == 1 and tw1.tuning is lin.tuning and lin.prepared(w)[0] is tw1
     y1 = lin(x, w)
     assert y1.shape == y.shape and (y1.float() - y.float()).abs().max() <= 2 ** -6 * y.float().abs().max()
+
+
+@pytest.mark.parametrize("n,k,m,prefill", [(48, 256, 20, {}), (40, 256, 37, {"two_launch": False}),
+                                           (16, 1024, 17, {"flat": False}), (72, 96, 9, {})])
+def test_prefill_weights_decoded_in_registers_give_the_same_bits(n, k, m, prefill):
+    """PrefillTuning.decode_weights: the prefill kernel decodes the weights from codes and scale bytes
+    (gemm_tc._w_dec) instead of reading the fp16 operand TCWeight.op(): the same operand values, so
+    the same bits, on every loop form (two launches at NSEG 2, one flat loop, a loop per segment; a
+    partial last row tile, K of one segment); and it never builds the operand. Scale bytes 0x7F (a
+    NaN-flagged block) decode to NaN in both (NaN rows where they are used)."""
+    w = R.nvfp4_quantize_ref(torch.randn(n, k, generator=_g(16)))
+    w.codes[1, :4] = torch.tensor([0x88, 0x08, 0x80, 0xF7], dtype=torch.uint8)  # -0 codes, both nibbles
+    a = R.nvfp4_quantize_ref(torch.randn(m, k, generator=_g(17)).to(torch.bfloat16), per_token=True)
+    ref = T.tc_matmul(a, T.prepare(w).tuned(DEFAULT.with_(prefill=prefill)), path="prefill")
+    tw = T.prepare(w).tuned(DEFAULT.with_(prefill={**prefill, "decode_weights": True}))
+    got = T.tc_matmul(a, tw, path="prefill")
+    assert tw._op is None  # no fp16 operand kept
+    assert T.kernel_record(m, tw, "prefill")["config"]["WDEC"] is True
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    w.scales[3, 0] = 0x7F
+    nan_ref = T.tc_matmul(a, T.prepare(w), path="prefill")
+    nan_got = T.tc_matmul(a, T.prepare(w).tuned(DEFAULT.with_(prefill={"decode_weights": True})), path="prefill")
+    assert nan_got[:, 3].isnan().all() and nan_ref[:, 3].isnan().all()
+    assert torch.equal(torch.nan_to_num(nan_got.float()), torch.nan_to_num(nan_ref.float()))
