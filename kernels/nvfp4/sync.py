@@ -7,9 +7,12 @@ layout :func:`native.decode_ok` would make at first use, in two passes over the 
 whole model instead of dozens of torch passes per weight: an amax pass (per shard the finite max
 |x| and a non-finite flag, 2 NaN, 1 Inf, max-ed into the shard's slots: float max is order free,
 so exact) and a fused pass that reads each bf16 value once and writes the codes (standard packing),
-the E4M3 scale bytes, the decode-layout tiles (``dec``/``dsc`` of :func:`tc_linear.decode_layout`)
-and, where K % 128 == 0 and the K segments allow it, the native layout (``native.native_layout``:
-code bytes, scale bytes = ``dsc``, fp16 ``sf * 2^7``). Two implementations (:data:`BACKEND`):
+the E4M3 scale bytes, the decode-layout scale tiles (``dsc`` of :func:`tc_linear.decode_layout`) and
+either the native layout (``native.native_layout``: code bytes, scale bytes = ``dsc``, fp16 ``sf * 2^7``;
+where K % 128 == 0 and the K segments allow it) or, for the other shards, the decode-layout code tiles
+(``dec``). A shard with the native layout gets ``dec`` only if a Triton decode kernel reads it (the native
+decode GEMM cannot run on it: a NaN-flagged block, no extension), made from the codes at first use
+(:class:`SyncedWeight`): the sync writes 1.19 bytes per weight instead of 1.75. Two implementations (:data:`BACKEND`):
 
 * native (CUDA C++, ``csrc/sync.cuh``; opt-in, ``BACKEND = "native"`` or ``"auto"``, until a GPU run has
   checked it bitwise: it needs the extension of :func:`native.load`, sm_89+ with nvcc): one launch of
@@ -206,8 +209,9 @@ def _sync_kernel(x_base, tab_ptr, prog_ptr, amax_base, out8, out32, out16, K, BK
     nanrow = rmask & (amax != amax)  # real rows only: padding stays 0
     c0, s0, f0 = _quant_half(x0, s_dec, mult, nanrow, ROWS, H)
     c1, s1, f1 = _quant_half(x1, s_dec, mult, nanrow, ROWS, H)
-    dec = tl.reshape(c0, (ROWS, H)) | (tl.reshape(c1, (ROWS, H)) << 4)
-    tl.store(dec_ptr + tile * (ROWS * H) + rl[:, None] * H + jh[None, :], dec.to(tl.uint8))
+    if not NATIVE:  # with the native layout, no decode-layout tiles (see _plan)
+        dec = tl.reshape(c0, (ROWS, H)) | (tl.reshape(c1, (ROWS, H)) << 4)
+        tl.store(dec_ptr + tile * (ROWS * H) + rl[:, None] * H + jh[None, :], dec.to(tl.uint8))
     _store_half(c0, s0, rows, rmask, rl, c, 0, K, codes_ptr, scales_ptr, dsc_ptr, tile, H, BKC)
     _store_half(c1, s1, rows, rmask, rl, c, 1, K, codes_ptr, scales_ptr, dsc_ptr, tile, H, BKC)
     if NATIVE:  # BKC == 128, H == 64
@@ -281,13 +285,17 @@ def _amax_pass(ws: list[torch.Tensor], sizes: list[list[int]], ab: torch.Tensor)
 
 @functools.lru_cache(maxsize=256)
 def _plan(n: int, k: int, tuning: GemmTuning) -> tuple[int, int, int, bool, tuple[int, ...]]:
-    """(bkc, chunks, nseg, native, byte sizes of codes, scales, dec, dsc, wq, ws16) of one shard."""
+    """(bkc, chunks, nseg, native, byte sizes of codes, scales, dec, dsc, wq, ws16) of one shard; a shard
+    that gets the native layout gets no ``dec`` (the native decode GEMM reads the native layout; the Triton
+    decode kernels that read ``dec`` run on such a weight only where the native one cannot, and then
+    :class:`SyncedWeight` makes ``dec`` from the codes at first use)."""
     bkc = chunk_for(k)
     nt, chunks = -(-n // TILE), k // bkc
     nseg = nseg_for(n, k, False, tuning.segments)
     native = bkc == 128 and (k // 128) % nseg == 0  # decode_ok's shape conditions
     pad = nt * TILE * k
-    sizes = (n * k // 2, n * k // 16, pad // 2, pad // 16, pad // 2 if native else 0, pad // 8 if native else 0)
+    sizes = (n * k // 2, n * k // 16, 0 if native else pad // 2, pad // 16, pad // 2 if native else 0,
+             pad // 8 if native else 0)
     return bkc, chunks, nseg, native, sizes
 
 
@@ -349,11 +357,27 @@ class SyncedWeight(TCWeight):
     (``dataclasses.replace``, :meth:`TCWeight.tuned`) is an ordinary one holding the same tensors."""
 
     def __getattr__(self, name: str) -> Any:  # only for attributes not set yet: the lazy views
-        lz = self.__dict__.get("_lz")
+        d = self.__dict__
+        lz = d.get("_lz")
         if lz is None or name not in _LAZY:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        self.__dict__.update(_views(lz))
-        return self.__dict__[name]
+        if "codes" not in d:
+            d.update(_views(lz))
+        if name == "dec" and "dec" not in d:  # not written (a native-layout shard): made once, from the codes
+            from .tc_linear import decode_layout
+
+            d["dec"] = decode_layout(self.codes, self.scales, self.bkc)[0]
+        return d[name]
+
+    def tuned(self, tuning: GemmTuning) -> TCWeight:
+        """:meth:`TCWeight.tuned` without making the views or ``dec`` (the same lazy weight, another tuning);
+        a tuning that changes the K segments gives an ordinary TCWeight."""
+        if tuning.segments != self.tuning.segments:
+            return super().tuned(tuning)
+        tw = SyncedWeight.__new__(SyncedWeight)
+        tw.__dict__.update(self.__dict__)
+        tw.__dict__["tuning"] = tuning
+        return tw
 
     @property
     def native_w(self) -> tuple[torch.Tensor, ...] | None:  # type: ignore[override]
@@ -378,11 +402,13 @@ def _views(lz: tuple[Any, ...]) -> dict[str, torch.Tensor]:
     nt = -(-n // TILE)
     tiles = (1, nt, chunks, TILE)
     tstride = (nt * chunks * TILE, chunks * TILE, TILE, 1)
-    return {"codes": buf.as_strided((n, k // 2), (k // 2, 1), o[0]),
-            "scales": buf.as_strided((n, k // 16), (k // 16, 1), o[1]),
-            "amax": ab.as_strided((1,), (1,), idx),
-            "dec": buf.as_strided((*tiles, bkc // 2), tuple(t * (bkc // 2) for t in tstride) + (1,), o[2]),
-            "dsc": buf.as_strided((*tiles, bkc // 16), tuple(t * (bkc // 16) for t in tstride) + (1,), o[3])}
+    views = {"codes": buf.as_strided((n, k // 2), (k // 2, 1), o[0]),
+             "scales": buf.as_strided((n, k // 16), (k // 16, 1), o[1]),
+             "amax": ab.as_strided((1,), (1,), idx),
+             "dsc": buf.as_strided((*tiles, bkc // 16), tuple(t * (bkc // 16) for t in tstride) + (1,), o[3])}
+    if nb[2]:  # written by the kernels (no native layout); else made from the codes at first use
+        views["dec"] = buf.as_strided((*tiles, bkc // 2), tuple(t * (bkc // 2) for t in tstride) + (1,), o[2])
+    return views
 
 
 def _native_views(lz: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
@@ -417,7 +443,7 @@ def _native_table(ws: list[torch.Tensor], shards: list[_Shard], base: torch.Tens
         na, nq = -(-(n * k) // per_amax), -(-n // TILE) * cg
         slot = sh.w * _COLS + sh.j
         tab[r, :14] = ((ws[sh.w].data_ptr() - b0) // 2 + sh.r0 * k, n, k, slot, sh.w * _COLS + 6 if fused else slot,
-                       o[0], o[1], o[2], o[3], o[4] if sh.plan[3] else -1, o[5], a0, q0, cg)
+                       o[0], o[1], -1 if sh.plan[3] else o[2], o[3], o[4] if sh.plan[3] else -1, o[5], a0, q0, cg)
         a0 += na
         q0 += nq
     return tab, a0, q0

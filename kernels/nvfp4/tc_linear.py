@@ -156,11 +156,11 @@ def prepare(w: Any, tuning: GemmTuning = DEFAULT) -> TCWeight:
 def choose(m: int, w: TCWeight, path: str = "auto") -> str:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if path == "decode" and w.dec is None:
+    if path == "decode" and not w.bkc:
         raise ValueError(f"no decode path for K = {w.k} (needs K % 32 == 0)")
     if path != "auto":
         return path
-    return "decode" if m <= DECODE_MAX_M and w.dec is not None else "prefill"
+    return "decode" if m <= DECODE_MAX_M and w.bkc else "prefill"
 
 
 def decode_config(m: int, grouped: bool = False, tuning: DecodeTuning = DEFAULT.decode) -> dict[str, Any]:
@@ -302,7 +302,7 @@ def operand_layout(m: int, w: TCWeight, path: str = "decode") -> int:
     """The token-operand layout the GEMM of M rows on ``path`` (``auto``: the dispatcher's choice)
     takes, so that the quantizer writes it directly: 0 row-major, or, on the native decode kernels,
     ``native.token_layout`` (1 chunk-major, 2 core-matrix)."""
-    if (m == 0 or m > DECODE_MAX_M or w.dec is None or choose(m, w, path) != "decode"
+    if (m == 0 or m > DECODE_MAX_M or not w.bkc or choose(m, w, path) != "decode"
             or not use_native(w, w.codes.new_empty(0, dtype=torch.float16), w.nseg)):
         return 0
     from . import native

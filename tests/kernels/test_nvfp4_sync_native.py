@@ -187,7 +187,8 @@ def test_native_sync_table_covers_every_element_and_tile_once() -> None:
             w = ws[sh.w]
             assert tab[i, 0] == (w.data_ptr() - base.data_ptr()) // 2 + sh.r0 * sh.k
             assert tab[i, 3] == sh.w * 8 + sh.j and tab[i, 4] == (sh.w * 8 + 6 if fused else tab[i, 3])
-            assert list(tab[i, 5:9]) == sh.offs[:4] and tab[i, 10] == sh.offs[5]
+            assert list(tab[i, 5:7]) == sh.offs[:2] and tab[i, 8] == sh.offs[3] and tab[i, 10] == sh.offs[5]
+            assert tab[i, 7] == (-1 if sh.plan[3] else sh.offs[2])  # no decode-layout tiles with the native layout
             assert tab[i, 9] == (sh.offs[4] if sh.plan[3] else -1)
 
 
@@ -201,16 +202,21 @@ def test_synced_weight_is_a_tcweight_with_lazy_views() -> None:
     ab[0, 0] = ref.amax[0]
     (sh,) = shards
     nb = sh.plan[4]
-    for o, t in zip(sh.offs, (ref.codes, ref.scales, ref.dec, ref.dsc, *ref.native_w[::2])):
-        buf[o:o + t.numel() * t.element_size()] = t.reshape(-1).view(torch.uint8)
+    assert sh.plan[3] and nb[2] == 0  # a native-layout shard: the sync writes no decode-layout tiles
+    for o, t in zip(sh.offs, (ref.codes, ref.scales, None, ref.dsc, *ref.native_w[::2])):
+        if t is not None:
+            buf[o:o + t.numel() * t.element_size()] = t.reshape(-1).view(torch.uint8)
     assert nb[4] == ref.native_w[0].numel()
     tw = sync._tcweight(sh, buf, ab, 0, DEFAULT)
     assert isinstance(tw, TCWeight) and "codes" not in tw.__dict__ and tw.native_w is None
     sync._decide_native([tw], [0])
     assert tw.native is True and native.decode_ok(tw)
-    for f in ("codes", "scales", "amax", "dec", "dsc"):
+    for f in ("codes", "scales", "amax", "dsc"):
         a, b = getattr(tw, f), getattr(ref, f)
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), f
+    t1 = tw.tuned(dataclasses.replace(DEFAULT))
+    assert "dec" not in tw.__dict__ and "dec" not in t1.__dict__  # made only where the Triton decode reads it
+    assert torch.equal(tw.dec, ref.dec) and tw.dec.shape == ref.dec.shape and "dec" in tw.__dict__
     assert all(torch.equal(a, b) for a, b in zip(tw.native_w, ref.native_w))
     assert (tw.n, tw.k, tw.bkc, tw.nseg, tw.per_row, tw.grouped) == (ref.n, ref.k, ref.bkc, ref.nseg, False, False)
     assert tw.codes.data_ptr() == buf.data_ptr()  # views, not copies

@@ -8,7 +8,8 @@
 //   0 x offset (bf16 elements from x_base: the shard's first element; 16-byte aligned), 1 rows n, 2 K,
 //   3 amax slot (float index in ab: the amax kernel's max; its flag, int32 bits, at slot + 3),
 //   4 amax index the quantizer reads (ab float index), 5-10 byte offsets in ``out`` of codes, scales,
-//   dec, dsc, wq, ws16 (wq < 0: no native layout), 11 first program of the amax kernel, 12 first
+//   dec, dsc, wq, ws16 (wq < 0: no native layout; dec < 0: none, the shards with the native layout),
+//   11 first program of the amax kernel, 12 first
 //   program of the fused kernel, 13 chunk groups per 64-row tile (fused kernel).
 // A program finds its shard by a binary search of its first-program column (no per-program table).
 #pragma once
@@ -190,7 +191,8 @@ __global__ void __launch_bounds__(SYNC_THREADS) sync_quant_kernel(const uint16_t
   const uint16_t* xr = x_base + __ldg(row) + r * K;
   uint8_t* codes = out + __ldg(row + 5) + r * (K >> 1);
   uint8_t* scales = out + __ldg(row + 6) + r * (K >> 4);
-  uint8_t* dec = out + __ldg(row + 7) + rl * 64;
+  const long long dec_off = __ldg(row + 7);  // < 0: no decode-layout tiles (a shard with the native layout)
+  uint8_t* dec = out + dec_off + rl * 64;
   uint8_t* dsc = out + __ldg(row + 8) + rl * 8;
   const long long wq_off = __ldg(row + 9);
   uint8_t* wq = out + wq_off + rl * 64;
@@ -227,7 +229,7 @@ __global__ void __launch_bounds__(SYNC_THREADS) sync_quant_kernel(const uint16_t
       cp[wp] = make_uint4(pk[0][0], pk[0][1], pk[1][0], pk[1][1]);
       cp[2 + wp] = make_uint4(pk[2][0], pk[2][1], pk[3][0], pk[3][1]);
     }
-    {  // dec: byte j = code j | code 64 + j << 4: bytes [32wp, 32wp + 32) pair blocks (0, 2) and (1, 3)
+    if (dec_off >= 0) {  // dec: byte j = code j | code 64 + j << 4: bytes [32wp, 32wp + 32) pair blocks (0, 2), (1, 3)
       uint32_t d[8];
       sync_pair(pk[0][0], pk[2][0], d[0], d[1]);
       sync_pair(pk[0][1], pk[2][1], d[2], d[3]);
