@@ -353,8 +353,9 @@ class SyncedWeight(TCWeight):
     """A :class:`tc_linear.TCWeight` made by the sync, the same in every field and behaviour: its tensors
     are views of the sync's output buffer and amax buffer, made at first access (the sync of a model
     returns hundreds of weights: building ~8 tensor views each was most of its host time). ``native_w``
-    (the native layout's views) exists once ``native`` is decided and True. A weight rebuilt from it
-    (``dataclasses.replace``, :meth:`TCWeight.tuned`) is an ordinary one holding the same tensors."""
+    (the native layout's views) exists once ``native`` is decided and True; ``dec`` of a shard with the
+    native layout is made from the codes at first access. :meth:`tuned` keeps it lazy; a weight rebuilt
+    with ``dataclasses.replace`` is an ordinary one holding the same tensors."""
 
     def __getattr__(self, name: str) -> Any:  # only for attributes not set yet: the lazy views
         d = self.__dict__
