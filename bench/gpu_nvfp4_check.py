@@ -234,7 +234,13 @@ def section_sync() -> None:
         rec: dict[str, Any] = {
             "triton": {"amax_ms": round(t_amax * 1e3, 2), "amax_read_GBps": round(nbytes / t_amax / 1e9),
                        "amax_and_kernel_ms": round(t_all * 1e3, 2), "kernel_ms": round((t_all - t_amax) * 1e3, 2)}}
-        mod = SY._native_module(torch.device(ARGS.device)) if cuda() else None
+        mod = None
+        if cuda():  # the extension where it builds, whatever SY.BACKEND says (it is "triton" by default)
+            old, SY.BACKEND = SY.BACKEND, "auto"
+            try:
+                mod = SY._native_module(torch.device(ARGS.device))
+            finally:
+                SY.BACKEND = old
         if mod is not None:  # the native kernels alone (one launch each, the table already on the device)
             ws_ = [w.detach() for w in wlist]
             shards, nb = SY._layout(ws_, sizes, SY.DEFAULT)
