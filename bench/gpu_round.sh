@@ -23,7 +23,7 @@ case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync or 
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -15
     ;;
   kernels)
-    bash "$here/gpu_tests.sh" -m gpu tests/kernels/test_strict_gpu.py tests/kernels/test_kernels_gpu.py > "$out/kernels.log" 2>&1
+    bash "$here/gpu_tests.sh" -m gpu tests/kernels/test_strict_gpu.py tests/kernels/test_kernels_gpu.py tests/kernels/test_nvfp4_sync_gpu.py > "$out/kernels.log" 2>&1
     python "$here/gpu_stack.py" --out "$gs" --only tiny --tiny-models tiny-llama,tiny-qwen3-moe,tiny-gemma3 \
       --tag kernels --budget "$(left 575)" > "$out/stack_kernels.log" 2>&1
     cp "$gs/kernels.json" "$out/" 2>/dev/null

@@ -8,5 +8,5 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 dst="${MP_GPU_TESTS:-/tmp/mp-gpu-tests}"
 rm -rf "$dst" && mkdir -p "$dst" && cp -r "$root/tests" "$root/pyproject.toml" "$dst/"
 cd "$dst"
-if [[ $# -eq 0 ]]; then set -- -m gpu tests/gpu tests/kernels/test_strict_gpu.py tests/kernels/test_kernels_gpu.py; fi
+if [[ $# -eq 0 ]]; then set -- -m gpu tests/gpu tests/kernels/test_strict_gpu.py tests/kernels/test_kernels_gpu.py tests/kernels/test_nvfp4_sync_gpu.py; fi
 python3 -m pytest -q -p no:cacheprovider "$@"
