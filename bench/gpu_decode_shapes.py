@@ -64,8 +64,8 @@ def one(m: int, n: int, k: int, variants: list[int], dev: str, gen: torch.Genera
             t = tw.tuned(tw.tuning.with_(native={"variant": v, "ks2": ks2}))
             key = f"v{v}" + ("" if ks2 is None else f" ks2={int(ks2)}")
             try:
-                y = tc_matmul(qa, t, a_op=lin.quantize_input(x, None, t)[1])
-                _, op_v = lin.quantize_input(x, None, t)
+                op_v = lin.quantize_input(x, None, t)[1]  # the token operand in this variant's layout
+                y = tc_matmul(qa, t, a_op=op_v)
                 by_v[key] = {"us": round(G.graph_us(lambda t=t, o=op_v: tc_matmul(qa, t, a_op=o)), 2),
                              "equal": bool(torch.equal(y, ref))}
             except Exception as e:  # a variant this shape or M does not take

@@ -467,6 +467,26 @@ def _native_module(dev: torch.device) -> Any:
     return mod
 
 
+def _native_sync(ws: list[torch.Tensor], shards: list[_Shard], fused: bool, mod: Any, ab: torch.Tensor,
+                 buf: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """The native kernels: the amax pass over every shard, then (a shared amax made in between) the fused
+    kernel over the shards of 128-wide decode chunks; returns the flags."""
+    dev = ws[0].device
+    base = _base(ws)
+    tab, na, nq = _native_table(ws, shards, base, fused, mod)
+    (t_dev,) = _to(dev, tab)
+    mod.sync_weights(base, t_dev, ab, buf, na, 0)
+    if fused:
+        flags = _fuse_amax(ab)
+    nat = [sh for sh in shards if sh.plan[0] == 128]
+    if len(nat) < len(shards):  # the others take the Triton fused kernel: a table of these alone
+        tab, _, nq = _native_table(ws, nat, base, fused, mod)
+        (t_dev,) = _to(dev, tab)
+    if nq:
+        mod.sync_weights(base, t_dev, ab, buf, 0, nq)
+    return flags
+
+
 def _fuse_amax(ab: torch.Tensor) -> torch.Tensor:
     """The shared amax of a ``fused_weight_amax`` scheme into ``ab[:, 6]`` (NVFP4Linear.weight:
     w.float().abs().amax(), non-finite included: NaN wins, then Inf); the flags with a NaN weight's
@@ -500,25 +520,10 @@ def _sync_async(ws: list[torch.Tensor], parts: list[list[int] | None], scheme: A
     def amax_col(sh: _Shard) -> int:  # the shared amax (column 6) or the shard's own
         return 6 if fused else sh.j
 
-    if mod is not None:  # one table for the amax kernel (every shard) and the fused kernel (128-wide chunks)
-        base = _base(ws)
+    if mod is not None:
+        flags = _native_sync(ws, shards, fused, mod, ab, buf, flags)
         rest = [sh for sh in shards if sh.plan[0] != 128]
-        tab, na, nq = _native_table(ws, shards, base, fused, mod)
-        (t_dev,) = _to(dev, tab)
-        q_dev = t_dev
-        if rest:  # K % 128 != 0: the Triton fused kernel for those, a table of the others for the native one
-            nat = [sh for sh in shards if sh.plan[0] == 128]
-            qtab, _, nq = _native_table(ws, nat, base, fused, mod) if nat else (tab, 0, 0)
-            (q_dev,) = _to(dev, qtab)
-        if fused or rest:
-            mod.sync_weights(base, t_dev, ab, buf, na, 0)
-            if fused:
-                flags = _fuse_amax(ab)
-            if nq:
-                mod.sync_weights(base, q_dev, ab, buf, 0, nq)
-        else:
-            mod.sync_weights(base, t_dev, ab, buf, na, nq)
-        if rest:
+        if rest:  # K % 128 != 0: the Triton fused kernel, after the native amax pass
             _launch_sync(ws, rest, amax_col, ab, buf)
     else:
         _amax_pass(ws, sizes, ab)
