@@ -18,7 +18,8 @@ Cost model (what keeps capture cheap at scale):
 - Rows stream to ``ops.parquet`` in row groups (:class:`~mismatch_probe.run.schema.StreamWriter`).
   Host memory is bounded by ``queue_chunks + 2`` chunks (each ``buffer_rows`` rows of 48 bytes
   plus at most ``buffer_bytes`` of values), whatever the number of tokens: the recording thread
-  waits when the writer falls behind.
+  waits when the writer falls behind. The writer process's shared-memory slots (``queue_chunks + 1``
+  of them, reused) come on top; see ``recorder_writer.py``.
 
 Recording only reads tensors: it never changes what the engine computes (tested: logprobs with
 and without capture are bitwise equal). An engine that overwrites a tensor in place after the hook

@@ -5,26 +5,35 @@ Why a process: a writer thread builds Arrow columns and compresses Parquet pages
 engine's forward runs, and every torch call of the forward releases and re-takes the GIL; a thread
 holding it delays the forward (measured: a short GPU forward ran at a fraction of its speed while
 the thread wrote). Here the engine's process only waits for the chunk's device-to-host copy (on a
-feeder thread, GIL released), writes the chunk's bytes to one file in shared memory (``/dev/shm``,
-one ``write`` call, GIL released) and sends a small message (the chunk's op segments); this
-process reads the file, builds the table and writes the row group. The table is the same as the
-in-memory path's (tested).
+feeder thread, GIL released), copies the chunk's bytes into a slot of shared memory (GIL released)
+and sends a small message (the chunk's op segments); this process builds the table from views of
+the slot and writes the row group. The table is the same as the in-memory path's (tested).
 
-Protocol (pickles over two pipes): ``("open", sink, tmp, meta)``; ``("chunk", data_path, parts,
-segs)`` -> ``("ack", rows, value_bytes, data_path)``; ``("close",)`` -> ``("closed", peak RSS MB
-of this process while it wrote the file)`` (file
-renamed into place); ``("abort",)`` -> ``("aborted",)`` (temp file removed); any failure ->
-``("error", text)`` and the process exits. After ``closed``/``aborted`` the process waits for the
-next ``open`` (one process serves the recorders of an engine process one after another); it exits
-when its pipe closes (the engine's process ended), removing a file left open.
+Slots: files in shared memory (``/dev/shm``) that both processes map once and reuse, chunk after
+chunk and recorder after recorder (a slot is a ``_Child``'s, like the process). A new file per chunk
+cost more than the Parquet write itself: the kernel allocates and clears every page of a new tmpfs
+file, ~1-2 GB/s on the dev box, against ~15 GB/s for a copy into pages mapped already
+(``bench/bench_writer_pipe.py``). This process unlinks a slot's file as soon as it has mapped it, so
+no file outlives the two processes; the engine's process removes the files it made and this one never
+mapped.
 
-Host memory stays bounded: the feeder keeps at most ``queue_chunks`` chunks in flight.
+Protocol (pickles over two pipes): ``("open", sink, tmp, meta)``; ``("chunk", slot_path, parts,
+segs)`` -> ``("ack", rows, value_bytes, slot_path)`` (the slot is free again); ``("drop", paths)``
+(unmap these slots; no reply); ``("close",)`` -> ``("closed", peak RSS MB of this process while it
+wrote the file)`` (file renamed into place); ``("abort",)`` -> ``("aborted",)`` (temp file
+removed); any failure -> ``("error", text)`` and the process exits. After ``closed``/``aborted`` the
+process waits for the next ``open`` (one process serves the recorders of an engine process one after
+another); it exits when its pipe closes (the engine's process ended), removing a file left open.
+
+Host memory stays bounded: the feeder keeps at most ``queue_chunks`` chunks in flight, and a child
+keeps at most ``queue_chunks + 1`` free slots of at most ``_SLOT_KEEP`` bytes each between chunks.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import mmap
 import os
 import queue
 import subprocess
@@ -39,6 +48,8 @@ from typing import Any
 import numpy as np
 
 PARTS = ("dig", "st", "cnt", "vals", "tv", "ti")  # st + cnt: the stats split on the device (recorder.flush)
+_SLOT_MIN = 1 << 20  # bytes: slot sizes are rounded up to a multiple of this
+_SLOT_KEEP = 64 << 20  # bytes: a larger slot (a chunk of many kept values) is unmapped after its chunk
 
 
 @functools.cache
@@ -50,6 +61,33 @@ def _shm_dir() -> str:
     except OSError:
         pass
     return tempfile.gettempdir()
+
+
+class _Slot:
+    """A file in shared memory, mapped by the engine's process (here) and by the writer process."""
+
+    def __init__(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            Path(path).unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.path, self.size = path, size
+        self.buf: np.ndarray | None = np.frombuffer(self.mm, np.uint8)
+        self.mapped = False  # by the writer process (which then removed the file)
+
+    def close(self) -> None:
+        self.buf = None
+        if not self.mapped:
+            Path(self.path).unlink(missing_ok=True)
+        try:
+            self.mm.close()
+        except BufferError:  # a view still exists somewhere: the mapping goes with it
+            pass
 
 
 class _Child:
@@ -69,6 +107,56 @@ class _Child:
         # the feeder thread lives as long as the process: a recorder's set-up starts no thread
         self.jobs: queue.Queue = queue.Queue()
         self.thread: threading.Thread | None = None
+        self.dir = _shm_dir()
+        self.free: list[_Slot] = []  # slots the writer process has mapped and is done with
+        self.busy: dict[str, _Slot] = {}  # path -> slot of a chunk not yet acknowledged
+        self.dropped: list[str] = []  # slots unmapped here, to unmap there with the next message
+        self._n = 0
+
+    # ---- slots (feeder thread; the recording thread only once the feeder is idle) ---------------
+    def slot(self, nbytes: int, most: int) -> _Slot:
+        """A free slot of at least ``nbytes`` (the smallest that fits), or a new one; free slots too
+        small for it are dropped while the child would hold more than ``most`` slots."""
+        fits = [s for s in self.free if s.size >= nbytes]
+        if fits:
+            s = min(fits, key=lambda x: x.size)
+            self.free.remove(s)
+        else:
+            while self.free and len(self.free) + len(self.busy) >= most:
+                self._drop(min(self.free, key=lambda x: x.size))
+            self._n += 1
+            size = max(_SLOT_MIN, -(-nbytes // _SLOT_MIN) * _SLOT_MIN)
+            s = _Slot(os.path.join(self.dir, f"mp-ops-{os.getpid()}-{id(self)}-{self._n}.bin"), size)
+        self.busy[s.path] = s
+        return s
+
+    def release(self, path: str) -> None:
+        """The writer process is done with the slot at ``path`` (its ack)."""
+        s = self.busy.pop(path, None)
+        if s is None:
+            return
+        s.mapped = True
+        if s.size > _SLOT_KEEP:
+            self._drop(s)
+        else:
+            self.free.append(s)
+
+    def _drop(self, s: _Slot) -> None:
+        if s in self.free:
+            self.free.remove(s)
+        if s.mapped:
+            self.dropped.append(s.path)
+        s.close()
+
+    def drop_busy(self) -> None:
+        """Chunks that will never be acknowledged (an abort, a failed process): their slots go."""
+        for s in list(self.busy.values()):
+            s.close()
+        self.busy.clear()
+
+    def take_dropped(self) -> list[str]:
+        out, self.dropped = self.dropped, []
+        return out
 
     def feed(self, writer: WriterProcess, job: tuple | None) -> None:
         """Queue ``job`` of ``writer`` for the feeder thread (None: set ``writer.fed`` when every
@@ -104,6 +192,9 @@ class _Child:
             self.jobs.put(None)
         for c in (self.tx, self.rx):
             c.close()
+        for s in [*self.free, *self.busy.values()]:
+            s.close()
+        self.free, self.busy = [], {}
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -150,7 +241,6 @@ class WriterProcess:
         self.child = _take_child()
         self.proc, self.tx, self.rx = self.child.proc, self.child.tx, self.child.rx
         self.tx.send(("open", str(sink), tmp, meta))
-        self.dir = _shm_dir()
         self.queue_chunks = queue_chunks
         self.slots = threading.Semaphore(queue_chunks)  # jobs queued and not yet handed over
         self.fed = threading.Event()
@@ -159,42 +249,52 @@ class WriterProcess:
         self.value_bytes = 0
         self.peak_rss_mb: float | None = None
         self._inflight = 0
-        self._n = 0
-        self._files: set[str] = set()
 
     # ---- feeder thread -----------------------------------------------------------------------
     def _send(self, ev: Any, segs: list, parts: dict[str, Any]) -> None:
         if ev is not None:
             ev.synchronize()  # the chunk's device-to-host copy (GIL released while waiting)
-        self._n += 1
-        path = os.path.join(self.dir, f"mp-ops-{os.getpid()}-{id(self)}-{self._n}.bin")
+        pieces: dict[str, list[np.ndarray]] = {}
+        for name in PARTS:
+            a = parts.get(name)
+            if a is not None:  # a list: byte pieces of one part (CPU values)
+                pieces[name] = [np.ascontiguousarray(x.numpy() if hasattr(x, "numpy") else x)
+                                for x in (a if isinstance(a, list) else [a])]
+        total = sum(x.nbytes for ps in pieces.values() for x in ps)
+        while self._inflight >= self.queue_chunks:  # its slot is free again once acknowledged
+            self._recv_ack()
+        slot = self.child.slot(total, self.queue_chunks + 1)
         layout = {}
         off = 0
-        self._files.add(path)
-        with open(path, "wb") as f:
-            for name in PARTS:
-                a = parts.get(name)
-                if a is None:
-                    continue
-                pieces = a if isinstance(a, list) else [a]  # a list: byte pieces of one part (CPU values)
-                pieces = [np.ascontiguousarray(x.numpy() if hasattr(x, "numpy") else x) for x in pieces]
-                n = sum(x.nbytes for x in pieces)
-                layout[name] = ("|u1", (n,), off) if isinstance(a, list) else (pieces[0].dtype.str, pieces[0].shape, off)
-                for x in pieces:
-                    f.write(memoryview(x.reshape(-1).view(np.uint8)))
-                off += n
-        while self._inflight >= self.queue_chunks:
-            self._recv_ack()
-        self.tx.send(("chunk", path, layout, segs))
+        for name, ps in pieces.items():
+            n = sum(x.nbytes for x in ps)
+            a = parts[name]
+            layout[name] = ("|u1", (n,), off) if isinstance(a, list) else (ps[0].dtype.str, ps[0].shape, off)
+            for x in ps:  # one copy into pages mapped already (numpy releases the GIL)
+                slot.buf[off : off + x.nbytes] = x.reshape(-1).view(np.uint8)
+                off += x.nbytes
+        dropped = self.child.take_dropped()
+        if dropped:
+            self._tx(("drop", dropped))
+        self._tx(("chunk", slot.path, layout, segs))
         self._inflight += 1
+
+    def _tx(self, msg: tuple) -> None:
+        try:
+            self.tx.send(msg)
+        except OSError:  # its end of the pipe is closed: the process is gone
+            raise RuntimeError(f"op writer process exited (code {self.proc.wait()})") from None
 
     def _recv_ack(self) -> None:
         msg = self._recv()
         if msg[0] != "ack":
             raise RuntimeError(f"op writer process: unexpected {msg[0]!r}")
+        self._ack(msg)
+
+    def _ack(self, msg: tuple) -> None:
         self.rows += msg[1]
         self.value_bytes += msg[2]
-        self._files.discard(msg[3])
+        self.child.release(msg[3])
         self._inflight -= 1
 
     def _recv(self) -> tuple:
@@ -225,7 +325,7 @@ class WriterProcess:
             raise self.error
         while self._inflight:
             self._recv_ack()
-        self.tx.send(("close",))
+        self._tx(("close",))
         msg = self._recv()
         if msg[0] != "closed":
             raise RuntimeError("op writer process did not close the file")
@@ -238,16 +338,18 @@ class WriterProcess:
         ok = False
         try:
             self.tx.send(("abort",))
-            while self._recv()[0] != "aborted":
-                pass
+            while (msg := self._recv())[0] != "aborted":
+                if msg[0] == "ack":  # a chunk handed over before the abort: its slot is free
+                    self._ack(msg)
             ok = True
         except Exception:
             pass
         self._finish(reuse=ok)
 
     def _finish(self, reuse: bool = False) -> None:
-        for p in self._files:
-            Path(p).unlink(missing_ok=True)
+        # every chunk handed over was acknowledged (or the process failed): a slot still busy was
+        # never handed over, or never will be read; its file (if the process never mapped it) goes here
+        self.child.drop_busy()
         if reuse:
             _give_back(self.child)
         else:
@@ -255,16 +357,37 @@ class WriterProcess:
 
 
 # ---- the writer process ----------------------------------------------------------------------
-def _read_parts(path: str, layout: dict[str, tuple[str, tuple, int]]) -> dict[str, np.ndarray]:
-    """The chunk's arrays, mapped from the file (no copy: the packed table's blobs are views of
-    the mapped pages where the arena rows are contiguous)."""
-    size = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for dt, shape, _ in layout.values())
-    buf = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,)) if size else np.zeros(0, np.uint8)
+def _read_parts(buf: np.ndarray, layout: dict[str, tuple[str, tuple, int]]) -> dict[str, np.ndarray]:
+    """The chunk's arrays, views of the slot ``buf`` (the packed table's blobs are views of the
+    mapped pages where the arena rows are contiguous)."""
     out = {}
     for name, (dt, shape, off) in layout.items():
         n = int(np.prod(shape)) * np.dtype(dt).itemsize
         out[name] = buf[off : off + n].view(np.dtype(dt)).reshape(shape)
     return out
+
+
+def _map_slot(path: str) -> tuple[mmap.mmap, np.ndarray]:
+    """Map the slot file at ``path`` (read only) and remove the file: the mapping keeps its pages
+    for both processes, and no file outlives them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    return mm, np.frombuffer(mm, np.uint8)
+
+
+def _unmap(slot: tuple[mmap.mmap, np.ndarray] | None) -> None:
+    if slot is None:
+        return
+    mm = slot[0]
+    del slot
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive: the mapping goes with it
+        pass
 
 
 def _peak_rss_reset() -> None:
@@ -289,6 +412,7 @@ def main(rfd: int, wfd: int) -> None:
 
     rx, tx = Connection(rfd, writable=False), Connection(wfd, readable=False)
     writer = None
+    slots: dict[str, tuple[mmap.mmap, np.ndarray]] = {}  # path -> mapping, for the life of the process
     try:
         while True:
             try:
@@ -303,15 +427,21 @@ def main(rfd: int, wfd: int) -> None:
                 writer = packed_writer(Path(sink), meta, tmp=tmp)
             elif msg[0] == "chunk":
                 _, path, layout, segs = msg
-                p = _read_parts(path, layout)
-                os.unlink(path)
+                if path not in slots:
+                    slots[path] = _map_slot(path)
+                p = _read_parts(slots[path][1], layout)
                 st = (p["st"], p["cnt"]) if "cnt" in p else p.get("st")
                 table = _build_packed(segs, p["dig"], st, p.get("vals"), p.get("tv"), p.get("ti"))
                 assert writer is not None
                 writer.write(table)
                 vals = p.get("vals")
                 rows = int(np.asarray(table.column("n")).sum())
-                tx.send(("ack", rows, 0 if vals is None else int(vals.size), path))
+                value_bytes = 0 if vals is None else int(vals.size)
+                del p, st, table, vals  # no view of the slot outlives the ack (the engine refills it)
+                tx.send(("ack", rows, value_bytes, path))
+            elif msg[0] == "drop":
+                for path in msg[1]:
+                    _unmap(slots.pop(path, None))
             elif msg[0] == "close":  # the file is complete; wait for the next one
                 assert writer is not None
                 writer.close()

@@ -267,6 +267,69 @@ def test_writer_process_abort_leaves_no_files_and_is_reused(tmp_path, monkeypatc
     assert read_table(dest, "ops").num_rows == 4 and r2.summary()["rows"] == 4
 
 
+def _slot_files() -> list[Path]:
+    from mismatch_probe.probes.recorder_writer import _shm_dir
+
+    return list(Path(_shm_dir()).glob(f"mp-ops-{os.getpid()}-*"))
+
+
+def test_writer_process_reuses_its_shared_memory_slots(tmp_path, monkeypatch):
+    """Chunks go through a few slots of shared memory that both processes map once: the slots of one
+    file serve the next recorder's chunks, the rows stay those of the in-memory path, a slot larger than
+    _SLOT_KEEP is unmapped on both sides after its chunk, and no slot file stays in /dev/shm."""
+    from mismatch_probe.probes import recorder_writer
+
+    monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", "process")
+    seq, pos = np.zeros(4, np.int64), np.arange(4)
+    ref = OpRecorder(CapturePlan("stats"), buffer_rows=4)
+    for i in range(6):
+        ref.record(f"{i}.out", _rand(torch.bfloat16, 4, 8, i), seq, pos)
+    want = ref.table().to_pandas()
+    slots = []
+    for k in range(2):
+        r = OpRecorder(CapturePlan("stats"), sink=tmp_path / f"ops{k}.parquet", buffer_rows=4)
+        child = r._proc.child
+        for i in range(6):  # six chunks of 4 rows
+            r.record(f"{i}.out", _rand(torch.bfloat16, 4, 8, i), seq, pos)
+        r.close()
+        pd.testing.assert_frame_equal(read_table(tmp_path / f"ops{k}.parquet", "ops").to_pandas(), want)
+        assert not child.busy and 1 <= len(child.free) <= r.queue_chunks + 1
+        slots.append({id(s) for s in child.free})
+        assert not _slot_files()
+    assert slots[0] == slots[1]  # the second file went through the first one's slots
+    monkeypatch.setattr(recorder_writer, "_SLOT_KEEP", 0)  # every slot is dropped after its chunk
+    r = OpRecorder(CapturePlan("stats"), sink=tmp_path / "ops2.parquet", buffer_rows=4)
+    child = r._proc.child
+    for i in range(6):
+        r.record(f"{i}.out", _rand(torch.bfloat16, 4, 8, i), seq, pos)
+    r.close()
+    pd.testing.assert_frame_equal(read_table(tmp_path / "ops2.parquet", "ops").to_pandas(), want)
+    assert not child.free and not child.busy and not _slot_files()
+
+
+def test_writer_process_death_is_an_error_and_leaves_no_files(tmp_path, monkeypatch):
+    """The writer process killed while chunks are in flight: close() raises (no file that reads as
+    complete), the temp file and every slot file are gone, and the next recorder gets a new process."""
+    monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", "process")
+    seq, pos = np.zeros(4, np.int64), np.arange(4)
+    r = OpRecorder(CapturePlan("stats"), sink=tmp_path / "ops.parquet", buffer_rows=4)
+    pid = r._proc.proc.pid
+    r.record("0.out", _rand(torch.bfloat16, 4, 8, 0), seq, pos)
+    r._proc.proc.kill()
+    r._proc.proc.wait()
+    with pytest.raises(RuntimeError, match="op writer process"):
+        for i in range(1, 6):
+            r.record(f"{i}.out", _rand(torch.bfloat16, 4, 8, i), seq, pos)
+        r.close()
+    r.abort()
+    assert not any(tmp_path.iterdir()) and not _slot_files()
+    r2 = OpRecorder(CapturePlan("stats"), sink=tmp_path / "ops.parquet", buffer_rows=4)
+    assert r2._proc.proc.pid != pid
+    r2.record("0.out", _rand(torch.bfloat16, 4, 8, 0), seq, pos)
+    r2.close()
+    assert read_table(tmp_path / "ops.parquet", "ops").num_rows == 4
+
+
 def test_writer_falls_back_to_a_thread_when_no_process_can_start(tmp_path, monkeypatch):
     import subprocess
 
