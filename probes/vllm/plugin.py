@@ -218,11 +218,26 @@ def _linear_apply(orig: Callable[..., Any]) -> Callable[..., Any]:
     return apply
 
 
+def _same_tensor(a: Any, b: Any) -> bool:
+    """``b`` is ``a`` as it was (same storage, layout and dtype), not a replacement."""
+    return (isinstance(b, torch.Tensor) and b.data_ptr() == a.data_ptr() and b.shape == a.shape
+            and b.stride() == a.stride() and b.dtype == a.dtype and b.device == a.device)
+
+
 def _linear_pwal(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """The recipes' weight of a linear: vLLM's own weight where its backend keeps it as loaded (CUDA:
+    an alias, no copy), else the loaded tensor vLLM let go of (the CPU backend repacks it for oneDNN
+    and replaces ``layer.weight`` by an empty one; it never writes into the loaded tensor)."""
+
     def process_weights_after_loading(self: Any, layer: Any) -> None:
-        if _STATE["recipe"] is not None and getattr(layer, "weight", None) is not None and layer.weight.ndim == 2:
-            layer._mp_weight = layer.weight.detach().clone()
-        return orig(self, layer)
+        w = getattr(layer, "weight", None)
+        if _STATE["recipe"] is None or w is None or w.ndim != 2:
+            return orig(self, layer)
+        loaded = w.detach()  # a reference, not a copy
+        out = orig(self, layer)
+        kept = getattr(layer, "weight", None)
+        layer._mp_weight = kept.detach() if _same_tensor(loaded, kept) else loaded
+        return out
 
     return process_weights_after_loading
 

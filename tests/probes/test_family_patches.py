@@ -111,3 +111,42 @@ def test_plugin_layer_subsets_follow_the_calling_layer_for_shared_modules() -> N
     finally:
         vp._STATE.clear()
         vp._STATE.update(saved)
+
+
+def test_plugin_linear_weight_is_an_alias_where_vllm_keeps_it_and_the_loaded_tensor_where_it_does_not() -> None:
+    """The recipes' weight of a vLLM linear costs no copy: where the backend keeps its weight as
+    loaded (CUDA vLLM's process_weights_after_loading does nothing) it is that tensor; where the
+    backend replaces it (vLLM's CPU backend repacks it and leaves an empty parameter) it is the
+    loaded tensor, with its values."""
+    from mismatch_probe.kernels.recipes import parse
+    from mismatch_probe.probes.vllm import plugin as vp
+
+    def keep(self, layer):  # noqa: ANN001, ANN202
+        return None
+
+    def replace(self, layer):  # noqa: ANN001, ANN202
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+    def copy_out(self, layer):  # noqa: ANN001, ANN202  (a backend that repacks into new storage of the same shape)
+        layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous().t() * 0, requires_grad=False)
+
+    saved = dict(vp._STATE)
+    try:
+        vp._STATE["recipe"] = parse("strict")
+        for orig, alias in ((keep, True), (replace, False), (copy_out, False)):
+            layer = torch.nn.Module()
+            w = torch.randn(6, 4, dtype=torch.bfloat16)
+            layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+            ptr = layer.weight.data_ptr()
+            vp._linear_pwal(orig)(None, layer)
+            assert layer._mp_weight.data_ptr() == ptr  # no copy either way
+            assert torch.equal(layer._mp_weight, w)
+            assert (layer.weight.data_ptr() == ptr) is alias
+        vp._STATE["recipe"] = None  # no recipe: nothing kept
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(6, 4), requires_grad=False)
+        vp._linear_pwal(keep)(None, layer)
+        assert not hasattr(layer, "_mp_weight")
+    finally:
+        vp._STATE.clear()
+        vp._STATE.update(saved)
