@@ -10,6 +10,7 @@
 #   bash bench/gpu_round.sh q8b     # the 8B shape's nvfp4-per-token logprobs vs the learner's, sampler in graphs (#28)
 #   bash bench/gpu_round.sh sync    # the weight sync, Triton and native kernels: bitwise and vs a D2D copy (#28 pt 4)
 #   bash bench/gpu_round.sh shapes  # the native decode GEMM at the 8B layer shapes, per variant and M (#28 pt 1)
+#   bash bench/gpu_round.sh cap06   # #27 pt 1 on the 0.6B shape alone: capture modes and chunk sizes, ~2 min
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/gs-out; each stage prints its tables last.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -17,7 +18,7 @@ out="${OUT:-/tmp/gs-out}"
 mkdir -p "$out"
 gs=/tmp/gs
 left() { echo $(( ${1} - SECONDS )); }
-case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync or shapes}" in
+case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, shapes or cap06}" in
   tests)
     timeout "$(left 585)" bash "$here/gpu_tests.sh" -m gpu tests/gpu -rA > "$out/tests.log" 2>&1
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -15
@@ -60,6 +61,12 @@ case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync or 
   shapes)
     timeout "$(left 585)" python "$here/gpu_decode_shapes.py" --out "$out/shapes" > "$out/shapes.log" 2>&1
     sed -n '/^| M /,$p' "$out/shapes.log"
+    ;;
+  cap06)  # MODES: capture modes and variants (MODE@rNk: chunks of N Ki rows)
+    timeout "$(left 585)" python "$here/gpu_capture_check.py" --out "$out/cap06" --rounds "${ROUNDS:-7}" --skip-compare \
+      --shapes qwen3-0.6b --modes "${MODES:-off,digest,stats,digest@r256k,digest@r512k,stats@r256k,stats@r512k}" \
+      > "$out/cap06.log" 2>&1
+    tail -12 "$out/cap06.log"
     ;;
   capture)
     # CAPTURE_ARGS: extra arguments (e.g. --modes off,digest,stats,digest@r128k); NVFP4_ONLY: sections (default bac)
