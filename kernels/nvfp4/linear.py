@@ -64,6 +64,9 @@ def use_kernels(x: torch.Tensor) -> bool:
 
 
 def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:
+    """The weight's address and version counter: an in-place update through autograd-visible ops bumps
+    the counter; a write through ``.data``, or a new buffer at an old address (FSDP2's per-forward
+    gather), does not change the key (see :attr:`NVFP4Linear.weights_by_shape`)."""
     return (w.data_ptr(), w._version, tuple(w.shape), w.device.type)
 
 
@@ -92,10 +95,22 @@ class NVFP4Linear:
         self.paths_used: dict[str, int] = {}  # "reference" | "cuda-native:decode" | "triton:decode" | "triton:prefill" -> calls
         self._last: tuple[int, Any] | None = None  # (M, TCWeight) of the last Triton call
         self.weight_prep = "not yet"  # how the GEMM's weight layouts were made: "fused sync" or the reference path
+        # False: the quantized weights are cached per weight address and version counter. True (the HF
+        # learner's patch, which calls invalidate() when the model's parameters change): per weight shape,
+        # whatever buffer holds it (FSDP2 gathers a layer's weights into a new buffer at every forward)
+        self.weights_by_shape = False
+
+    def invalidate(self) -> None:
+        """Drop the cached quantized weights (the weight's values changed)."""
+        self._wcache.clear()
+        self._tcache.clear()
+
+    def _wkey(self, w: torch.Tensor) -> tuple[Any, ...]:
+        return (tuple(w.shape), w.dtype, w.device.type) if self.weights_by_shape else _weight_key(w)
 
     def weight(self, w: torch.Tensor, key: Any = None) -> list[NVFP4Tensor]:
         """Quantized shards of ``w [N, K]`` (computed once per weight version)."""
-        wk = _weight_key(w)
+        wk = self._wkey(w)
         hit = self._wcache.get(key)
         if hit is not None and hit[0] == wk:
             return hit[1]
@@ -108,7 +123,7 @@ class NVFP4Linear:
         version and tuning (a new :attr:`tuning` prepares them again)."""
         from .tc_linear import prepare
 
-        wk = _weight_key(w)
+        wk = self._wkey(w)
         hit = self._tcache.get(key)
         if hit is not None and hit[0] == wk and all(t.tuning is self.tuning for t in hit[1]):
             return hit[1]

@@ -46,6 +46,45 @@ class PatchHandle:
         self.nvfp4: dict[str, NVFP4Linear] = {}
         self.positions: dict[str, Any] = {}  # "ids": position ids of the last patched rotary call
         self._undo: list[tuple[torch.nn.Module, bool, Any]] = []
+        self._model: torch.nn.Module | None = None
+        self._hook: Any = None
+        self._weights_sig: tuple[tuple[int, int], ...] | None = None
+
+    def refresh_weights(self) -> bool:
+        """Drop the NVFP4 linears' quantized weights where the model's parameters changed since the last
+        call: a parameter's version counter moves with every in-place update through torch ops (an
+        optimizer step, ``load_state_dict``; FSDP2's sharded DTensors included) and a replaced parameter
+        has a new id. Host-side only (no device work, ~0.1 ms). Runs before every forward of the patched
+        model. A write through ``param.data`` bumps no counter: call :meth:`weights_changed` after one."""
+        if self._model is None or not self.nvfp4:
+            return False
+        sig = tuple((id(p), p._version) for p in self._model.parameters())
+        if sig == self._weights_sig:
+            return False
+        self._weights_sig = sig
+        self.weights_changed()
+        return True
+
+    def _pre_forward(self, _module: torch.nn.Module, _args: Any) -> None:
+        self.refresh_weights()
+
+    def weights_changed(self) -> None:
+        """Drop every NVFP4 linear's quantized weights now."""
+        for st in self.nvfp4.values():
+            st.invalidate()
+
+    def _track_weights(self, model: torch.nn.Module) -> None:
+        """NVFP4 weights cached per shape (FSDP2 moves them every forward), dropped when the model's
+        parameters change (:meth:`refresh_weights`, before every forward of ``model``)."""
+        try:
+            self._weights_sig = tuple((id(p), p._version) for p in model.parameters())
+        except RuntimeError:  # inference tensors keep no version counter: the per-address cache stays
+            return
+        self._model = model
+        for st in self.nvfp4.values():
+            st.weights_by_shape = True
+        # first: before FSDP2's own pre-forward hook swaps in unsharded parameters (whose counters never move)
+        self._hook = model.register_forward_pre_hook(self._pre_forward, prepend=True)
 
     def _set(self, name: str, module: torch.nn.Module, fn: Callable[..., Any]) -> None:
         had = "forward" in module.__dict__
@@ -60,6 +99,9 @@ class PatchHandle:
             else:
                 del module.forward
         self._undo.clear()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def __enter__(self) -> PatchHandle:
         return self
@@ -268,6 +310,8 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
             router, experts = _moe_fns(r, h, name)
             h._set(f"{name}.gate", mod.gate, router)
             h._set(f"{name}.experts", mod.experts, experts)
+    if h.nvfp4:
+        h._track_weights(model)
     return h
 
 

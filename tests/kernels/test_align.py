@@ -192,6 +192,46 @@ def test_nvfp4_static_needs_calibration_and_qdq_modes() -> None:
         assert 0 < float(err) < 1.0
 
 
+def test_nvfp4_weights_quantized_once_and_again_when_the_parameters_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The patched model's NVFP4 linears quantize their weights once, not at every forward, and again
+    (all of them) after an in-place update of any parameter: the next forward equals a freshly patched
+    model's bit for bit. A write through ``.data`` is not seen until ``weights_changed()``."""
+    from mismatch_probe.kernels.nvfp4 import linear as lin
+
+    calls = []
+    orig = lin.quantize_weight_ref
+    monkeypatch.setattr(lin, "quantize_weight_ref", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    seqs = _seqs()[:3]
+    model, fresh = _load("tiny-qwen3"), _load("tiny-qwen3")
+    h = patch(model, "nvfp4-per-token")
+    n = len(h.nvfp4)
+    a = _score(model, seqs, "nvfp4-per-token")
+    assert len(calls) == n and all(st.weights_by_shape for st in h.nvfp4.values())
+    assert all(torch.equal(x, y) for x, y in zip(a, _score(model, seqs, "nvfp4-per-token"), strict=True))
+    assert len(calls) == n  # the second forward quantized nothing
+    with torch.no_grad():
+        for m in (model, fresh):
+            m.model.layers[1].mlp.up_proj.weight.mul_(1.25)  # an optimizer-style in-place update
+    b = _score(model, seqs, "nvfp4-per-token")
+    assert len(calls) == 2 * n
+    with patch(fresh, "nvfp4-per-token"):
+        ref = _score(fresh, seqs, "nvfp4-per-token")
+    assert all(torch.equal(x, y) for x, y in zip(b, ref, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    for m in (model, fresh):
+        m.model.layers[0].self_attn.o_proj.weight.data.mul_(0.5)  # no version bump
+    before = len(calls)  # (the fresh model's patch quantized its own weights meanwhile)
+    _score(model, seqs, "nvfp4-per-token")
+    assert len(calls) == before  # not seen: the caller says so
+    h.weights_changed()
+    c = _score(model, seqs, "nvfp4-per-token")
+    assert len(calls) == before + n
+    with patch(fresh, "nvfp4-per-token"):
+        assert all(torch.equal(x, y) for x, y in zip(c, _score(fresh, seqs, "nvfp4-per-token"), strict=True))
+    h.undo()
+    assert not model._forward_pre_hooks
+
+
 FSDP_SCRIPT = r"""
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
@@ -212,6 +252,26 @@ with t.patch(plain, "strict"), t.patch(sharded, "strict") as h:
     a, b = t._score(plain, seqs, "strict"), t._score(sharded, seqs, "strict")
 assert all(torch.equal(x, y) for x, y in zip(a, b))
 assert all(torch.equal(x, y) for x, y in zip(base, t._score(sharded, seqs, None)))
+# NVFP4: weights quantized once although FSDP2 gathers them into a new buffer at every forward, and
+# again after an optimizer-style update of the shards (the same update on the plain model)
+from mismatch_probe.kernels.nvfp4 import linear as lin
+calls = []
+orig = lin.quantize_weight_ref
+lin.quantize_weight_ref = lambda *a, **k: calls.append(1) or orig(*a, **k)
+with t.patch(plain, "nvfp4-per-token") as hp, t.patch(sharded, "nvfp4-per-token") as hs:
+    n = len(hs.nvfp4)
+    for _ in range(2):
+        a, b = t._score(plain, seqs, "nvfp4-per-token"), t._score(sharded, seqs, "nvfp4-per-token")
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len(calls) == 2 * n, (len(calls), n)  # plain and sharded, once each
+    with torch.no_grad():
+        for m in (plain, sharded):
+            for name, p in m.named_parameters():
+                if "layers.1." in name:
+                    p.mul_(1.25)
+    a, b = t._score(plain, seqs, "nvfp4-per-token"), t._score(sharded, seqs, "nvfp4-per-token")
+    assert len(calls) == 4 * n, (len(calls), n)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 dist.destroy_process_group()
 print(f"ok rank {rank} of {world}")
 """
@@ -220,7 +280,9 @@ print(f"ok rank {rank} of {world}")
 def test_patch_under_fsdp2_bitwise_equals_plain_model_and_undoes(tmp_path: Path) -> None:
     """FSDP2 (fully_shard per layer and root, gloo, 2 ranks started by torch's launcher, each
     rank holding half of every parameter): the patched sharded model gives the patched plain
-    model's logprobs bit for bit on every rank, and undo restores the sharded model's own."""
+    model's logprobs bit for bit on every rank, and undo restores the sharded model's own. Under
+    NVFP4 the sharded model quantizes its weights once (not at every forward's gather) and again after
+    an in-place update of the shards, still bit for bit the plain model's."""
     import os
     import subprocess
     import sys
