@@ -196,6 +196,20 @@ def nvfp4_kernels(model: torch.nn.Module) -> dict[str, Any] | None:
     return out or None
 
 
+def weights_changed(model: torch.nn.Module) -> int:
+    """After vLLM's weights were updated in place (an RL weight sync into its parameters): drop every
+    NVFP4 linear's quantized weights, so the next call quantizes the new values. Their cache keys on the
+    weight's address and version counter, which vLLM's loaders (writes through ``param.data``) do not
+    move. Returns how many states were dropped."""
+    n = 0
+    for mod in model.modules():
+        st = nvfp4_state(mod)
+        if st is not None:
+            st.invalidate()
+            n += 1
+    return n
+
+
 def _nvfp4_state(layer: Any, scheme: str) -> NVFP4Linear:
     st = getattr(layer, "_mp_nvfp4", None)
     if st is None or st.scheme.name != scheme:
@@ -509,7 +523,7 @@ def installed() -> list[str]:
 
 __all__ = [
     "ENV", "OP_KINDS", "activate", "active", "active_ops", "deactivate", "install", "installed", "register", "tag_modules",
-    "uninstall",
+    "uninstall", "weights_changed",
 ]
 
 

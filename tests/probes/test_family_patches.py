@@ -150,3 +150,20 @@ def test_plugin_linear_weight_is_an_alias_where_vllm_keeps_it_and_the_loaded_ten
     finally:
         vp._STATE.clear()
         vp._STATE.update(saved)
+
+
+def test_plugin_weights_changed_drops_every_nvfp4_state_cache() -> None:
+    """vLLM's loaders write weights through ``param.data`` (no version bump): after such an update the
+    plugin's ``weights_changed`` makes every NVFP4 linear quantize the new values."""
+    from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
+    from mismatch_probe.probes.vllm import plugin as vp
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False), torch.nn.Linear(16, 32, bias=False))
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    w = model[0].weight.detach().to(torch.bfloat16)
+    model[0]._mp_nvfp4 = st = NVFP4Linear("nvfp4-per-token")
+    before = st(x, w)
+    w.data.mul_(-1.0)  # as vLLM's weight loader writes
+    assert torch.equal(st(x, w), before)  # the stale cache this guards against
+    assert vp.weights_changed(model) == 1
+    assert torch.equal(st(x, w), -before)
