@@ -261,8 +261,7 @@ class WriterProcess:
                 pieces[name] = [np.ascontiguousarray(x.numpy() if hasattr(x, "numpy") else x)
                                 for x in (a if isinstance(a, list) else [a])]
         total = sum(x.nbytes for ps in pieces.values() for x in ps)
-        while self._inflight >= self.queue_chunks:  # its slot is free again once acknowledged
-            self._recv_ack()
+        # filled while up to queue_chunks chunks are with the process (queue_chunks + 1 slots)
         slot = self.child.slot(total, self.queue_chunks + 1)
         layout = {}
         off = 0
@@ -273,11 +272,18 @@ class WriterProcess:
             for x in ps:  # one copy into pages mapped already (numpy releases the GIL)
                 slot.buf[off : off + x.nbytes] = x.reshape(-1).view(np.uint8)
                 off += x.nbytes
+        while self._inflight >= self.queue_chunks:
+            self._recv_ack()
+        self._send_drops()
+        self._tx(("chunk", slot.path, layout, segs))
+        self._inflight += 1
+
+    def _send_drops(self) -> None:
+        """Tell the process to unmap the slots dropped here since the last message (their pages are
+        freed once both sides have unmapped them)."""
         dropped = self.child.take_dropped()
         if dropped:
             self._tx(("drop", dropped))
-        self._tx(("chunk", slot.path, layout, segs))
-        self._inflight += 1
 
     def _tx(self, msg: tuple) -> None:
         try:
@@ -325,6 +331,7 @@ class WriterProcess:
             raise self.error
         while self._inflight:
             self._recv_ack()
+        self._send_drops()  # an idle process holds no slot dropped here
         self._tx(("close",))
         msg = self._recv()
         if msg[0] != "closed":
@@ -341,6 +348,7 @@ class WriterProcess:
             while (msg := self._recv())[0] != "aborted":
                 if msg[0] == "ack":  # a chunk handed over before the abort: its slot is free
                     self._ack(msg)
+            self._send_drops()
             ok = True
         except Exception:
             pass

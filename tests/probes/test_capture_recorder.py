@@ -294,6 +294,7 @@ def test_writer_process_reuses_its_shared_memory_slots(tmp_path, monkeypatch):
         r.close()
         pd.testing.assert_frame_equal(read_table(tmp_path / f"ops{k}.parquet", "ops").to_pandas(), want)
         assert not child.busy and 1 <= len(child.free) <= r.queue_chunks + 1
+        assert _mapped_slots(child.proc.pid) == len(child.free)
         slots.append({id(s) for s in child.free})
         assert not _slot_files()
     assert slots[0] == slots[1]  # the second file went through the first one's slots
@@ -305,6 +306,12 @@ def test_writer_process_reuses_its_shared_memory_slots(tmp_path, monkeypatch):
     r.close()
     pd.testing.assert_frame_equal(read_table(tmp_path / "ops2.parquet", "ops").to_pandas(), want)
     assert not child.free and not child.busy and not _slot_files()
+    assert _mapped_slots(child.proc.pid) == 0  # the idle process unmapped them too (told at close)
+
+
+def _mapped_slots(pid: int) -> int:
+    """Slot mappings of process ``pid`` (their files are removed once mapped: '(deleted)' entries)."""
+    return len({ln.split()[-2] for ln in Path(f"/proc/{pid}/maps").read_text().splitlines() if "mp-ops-" in ln})
 
 
 def test_writer_process_death_is_an_error_and_leaves_no_files(tmp_path, monkeypatch):
