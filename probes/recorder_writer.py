@@ -69,8 +69,18 @@ class _Slot:
     def __init__(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # the pages are allocated now: a full file system is an error here, not a SIGBUS at a
+            # later write into the mapping
+            os.posix_fallocate(fd, 0, size)
             self.mm = mmap.mmap(fd, size)
+        except OSError as e:
+            os.close(fd)
+            Path(path).unlink(missing_ok=True)
+            from mismatch_probe.errors import ProbeError  # the CLI prints it as one line (the worker's text too)
+
+            raise ProbeError(f"op capture: no room for a {size >> 20} MiB writer buffer in {os.path.dirname(path)} "
+                             f"([Errno {e.errno}] {e.strerror}); free space there, or set "
+                             "MISMATCH_PROBE_CAPTURE_WRITER=thread") from None
         except BaseException:
             os.close(fd)
             Path(path).unlink(missing_ok=True)

@@ -337,6 +337,31 @@ def test_writer_process_death_is_an_error_and_leaves_no_files(tmp_path, monkeypa
     assert read_table(tmp_path / "ops.parquet", "ops").num_rows == 4
 
 
+def test_writer_process_full_shared_memory_is_one_clear_error(tmp_path, monkeypatch):
+    """No room for a slot (a full /dev/shm): one clear error (a ProbeError: the CLI prints one line) naming
+    the folder and the way out, no file left behind (the slot's pages are allocated when it is made, so a full file
+    system cannot surface later as a SIGBUS inside the engine's process)."""
+    import errno
+
+    from mismatch_probe.probes import recorder_writer
+
+    def full(fd, offset, length):  # noqa: ANN001, ANN202
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", "process")
+    monkeypatch.setattr(recorder_writer, "_IDLE", [])  # a new process and so new slots
+    monkeypatch.setattr(recorder_writer.os, "posix_fallocate", full)
+    r = OpRecorder(CapturePlan("stats"), sink=tmp_path / "ops.parquet", buffer_rows=4)
+    from mismatch_probe.errors import ProbeError
+
+    with pytest.raises(ProbeError, match=r"no room for a 1 MiB writer buffer .*\[Errno 28\].*CAPTURE_WRITER=thread"):
+        for i in range(3):
+            r.record(f"{i}.out", _rand(torch.bfloat16, 4, 8, i), np.zeros(4, np.int64), np.arange(4))
+        r.close()
+    r.abort()
+    assert not any(tmp_path.iterdir()) and not _slot_files()
+
+
 def test_writer_falls_back_to_a_thread_when_no_process_can_start(tmp_path, monkeypatch):
     import subprocess
 
