@@ -242,6 +242,22 @@ print("LEARNER", json.dumps(res))
 '''
 
 
+def vllm_memory(log: str) -> dict[str, float]:
+    """What vLLM's log says of memory: the model's weights at load (the recipes' load-time copies
+    included) and the KV cache left after its profile run (everything the recipes allocate in a forward,
+    the NVFP4 layouts included, is gone from it)."""
+    import re
+
+    out = {}
+    for key, pat in (("weights_gib", r"Model loading took ([0-9.]+) GiB"),
+                     ("kv_cache_gib", r"Available KV cache memory: ([0-9.]+) GiB"),
+                     ("kv_cache_tokens", r"GPU KV cache size: ([0-9,]+) tokens")):
+        m = re.search(pat, log)
+        if m:
+            out[key] = float(m.group(1).replace(",", ""))
+    return out
+
+
 def vllm_speed(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     t = time.time()
     try:
@@ -249,6 +265,7 @@ def vllm_speed(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]
                            cwd=tempfile.gettempdir())
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SPEED ")), None)
         info = json.loads(line[6:]) if line else {"error": (p.stderr or "")[-600:]}
+        info.update(vllm_memory(p.stdout + p.stderr))
     except subprocess.TimeoutExpired:
         info = {"error": "timeout"}
     return row(step="speed", name=name, seconds=round(time.time() - t, 1), **info)
