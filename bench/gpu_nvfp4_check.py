@@ -491,6 +491,31 @@ TINY = {**Q06B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers"
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
 
 
+def profile_forward(fn: Callable[[], Any], top: int = 8) -> dict[str, Any]:
+    """One call of ``fn`` under torch.profiler (after the timed runs): its wall, the device time summed
+    over its kernels, the kernel count, and the ``top`` kernels by device time (name, us, count); a
+    diagnostic of where a forward goes (device-bound or host-bound), not a timing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda() else [])
+    with profile(activities=acts) as prof:
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        wall_s = time.perf_counter() - t
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA") and e.device_time_total:
+            k = kernels.setdefault(e.name[:60], [0.0, 0])
+            k[0] += e.device_time_total
+            k[1] += 1
+    dev = sum(v[0] for v in kernels.values())
+    best = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"wall_ms": round(wall_s * 1e3, 2), "device_ms": round(dev / 1e3, 2),
+            "kernels": int(sum(v[1] for v in kernels.values())), "top": [f"{n}: {v[0]:.0f} us x{v[1]}" for n, v in best]}
+
+
 def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -508,6 +533,8 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
     try:
         with torch.inference_mode():
             res["bf16_s"] = round(wall(lambda: model(ids), reps=reps), 4)
+            if ARGS.profile:
+                res["bf16_profile"] = profile_forward(lambda: model(ids))
             lb = model(ids).logits
             res["bf16_batch_invariant"] = bool(torch.equal(model(ids[:1]).logits[0], lb[0]))
             del lb
@@ -518,6 +545,8 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
             sync()
             res["nvfp4_first_s"] = round(time.perf_counter() - t, 3)
             res["nvfp4_s"] = round(wall(lambda: model(ids), reps=reps), 4)
+            if ARGS.profile:
+                res["nvfp4_profile"] = profile_forward(lambda: model(ids))
             res["ratio"] = round(res["nvfp4_s"] / res["bf16_s"], 3)
             lb = model(ids).logits
             res["nvfp4_batch_invariant"] = bool(torch.equal(model(ids[:1]).logits[0], lb[0]))
@@ -575,6 +604,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (dry run of the script's Python)")
     ap.add_argument("--only", default="bac", help="sections to run, in this order (letters of a, b, c)")
     ap.add_argument("--tune", action="store_true", help="b: try the sync's launch configurations, keep the best")
+    ap.add_argument("--profile", action="store_true", help="c: one forward of each recipe under torch.profiler "
+                    "(wall vs device time, kernel count, top kernels), after the timed runs")
     ARGS = ap.parse_args()
     if ARGS.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu --tiny for a dry run")
