@@ -66,7 +66,8 @@ def use_kernels(x: torch.Tensor) -> bool:
 def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:
     """The weight's address and version counter: an in-place update through autograd-visible ops bumps
     the counter; a write through ``.data``, or a new buffer at an old address (FSDP2's per-forward
-    gather), does not change the key (see :attr:`NVFP4Linear.weights_by_shape`)."""
+    gather), does not change the key (the HF learner's patch keys by shape instead and calls
+    :meth:`NVFP4Linear.invalidate` when the model's parameters change)."""
     return (w.data_ptr(), w._version, tuple(w.shape), w.device.type)
 
 
