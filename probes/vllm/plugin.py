@@ -196,6 +196,24 @@ def nvfp4_kernels(model: torch.nn.Module) -> dict[str, Any] | None:
     return out or None
 
 
+def recipe_weights(model: torch.nn.Module) -> dict[str, int] | None:
+    """What the recipes' linear weights cost in vLLM's ``model`` (for the manifest): how many are vLLM's
+    own weight (an alias: CUDA, where vLLM keeps its weight as loaded) and how many, of how many bytes,
+    are a tensor vLLM let go of (its CPU backend repacks and drops its own). None: no recipe weights."""
+    aliased = own = own_bytes = 0
+    for mod in model.modules():
+        w = getattr(mod, "_mp_weight", None)
+        if w is None:
+            continue
+        kept = getattr(mod, "weight", None)
+        if isinstance(kept, torch.Tensor) and kept.numel() and kept.data_ptr() == w.data_ptr():
+            aliased += 1
+        else:
+            own += 1
+            own_bytes += w.numel() * w.element_size()
+    return {"aliased": aliased, "own": own, "own_bytes": own_bytes} if aliased + own else None
+
+
 def weights_changed(model: torch.nn.Module) -> int:
     """After vLLM's weights were updated in place (an RL weight sync into its parameters): drop every
     NVFP4 linear's quantized weights, so the next call quantizes the new values. Their cache keys on the
@@ -523,7 +541,7 @@ def installed() -> list[str]:
 
 __all__ = [
     "ENV", "OP_KINDS", "activate", "active", "active_ops", "deactivate", "install", "installed", "register", "tag_modules",
-    "uninstall", "weights_changed",
+    "recipe_weights", "uninstall", "weights_changed",
 ]
 
 

@@ -229,6 +229,8 @@ class VllmSampler(SamplerRunner):
             finally:
                 nvfp4_linear.CALIBRATION["on"] = False
         desc["plugin_overrides"] = vllm_plugin.installed()
+        if self.tp == 1:  # what the recipes' linear weights hold: vLLM's own (an alias) or their own tensor
+            desc["weights"] = self.llm.apply_model(vllm_plugin.recipe_weights)[0]
         return desc
 
     @contextlib.contextmanager

@@ -93,6 +93,9 @@ def test_strict_compare_on_cuda_vllm_is_exactly_zero(strict_run: Path) -> None:
     sampler = m["engines"]["sampler"]
     assert sampler["device"] == "cuda" and sampler.get("attention_backend") == "FLASH_ATTN"
     assert any("FlashAttentionImpl.forward" in o for o in sampler["recipe"]["plugin_overrides"])
+    # the recipes read vLLM's own linear weights on CUDA (aliases, no bf16 copy: docs/gpu.md "Memory")
+    w = sampler["recipe"]["weights"]
+    assert w["aliased"] > 10 and w["own"] == 0 and w["own_bytes"] == 0, w
 
 
 @needs_cuda_vllm

@@ -133,6 +133,7 @@ def test_plugin_linear_weight_is_an_alias_where_vllm_keeps_it_and_the_loaded_ten
     saved = dict(vp._STATE)
     try:
         vp._STATE["recipe"] = parse("strict")
+        model = torch.nn.Sequential()
         for orig, alias in ((keep, True), (replace, False), (copy_out, False)):
             layer = torch.nn.Module()
             w = torch.randn(6, 4, dtype=torch.bfloat16)
@@ -142,6 +143,8 @@ def test_plugin_linear_weight_is_an_alias_where_vllm_keeps_it_and_the_loaded_ten
             assert layer._mp_weight.data_ptr() == ptr  # no copy either way
             assert torch.equal(layer._mp_weight, w)
             assert (layer.weight.data_ptr() == ptr) is alias
+            model.append(layer)
+        assert vp.recipe_weights(model) == {"aliased": 1, "own": 2, "own_bytes": 2 * 6 * 4 * 2}  # the manifest's record
         vp._STATE["recipe"] = None  # no recipe: nothing kept
         layer = torch.nn.Module()
         layer.weight = torch.nn.Parameter(torch.randn(6, 4), requires_grad=False)
