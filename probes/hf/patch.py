@@ -54,7 +54,7 @@ class PatchHandle:
         """Drop the NVFP4 linears' quantized weights where the model's parameters changed since the last
         call: a parameter's version counter moves with every in-place update through torch ops (an
         optimizer step, ``load_state_dict``; FSDP2's sharded DTensors included) and a replaced parameter
-        has a new id. Host-side only (no device work, ~0.1 ms). Runs before every forward of the patched
+        has a new id. Host-side only (no device work; ~0.13 ms for 300-400 parameters). Runs before every forward of the patched
         model. A write through ``param.data`` bumps no counter: call :meth:`weights_changed` after one."""
         if self._model is None or not self.nvfp4:
             return False
