@@ -467,24 +467,29 @@ def _native_module(dev: torch.device) -> Any:
     return mod
 
 
-def _native_sync(ws: list[torch.Tensor], shards: list[_Shard], fused: bool, mod: Any, ab: torch.Tensor,
-                 buf: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """The native kernels: the amax pass over every shard, then (a shared amax made in between) the fused
-    kernel over the shards of 128-wide decode chunks; returns the flags."""
-    dev = ws[0].device
+def _native_amax(ws: list[torch.Tensor], shards: list[_Shard], fused: bool, mod: Any, ab: torch.Tensor,
+                 buf: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The native amax kernel over every shard; returns the shard table on the device and the fused
+    kernel's program count over it (for :func:`_native_quant`)."""
     base = _base(ws)
     tab, na, nq = _native_table(ws, shards, base, fused, mod)
-    (t_dev,) = _to(dev, tab)
+    (t_dev,) = _to(ws[0].device, tab)
     mod.sync_weights(base, t_dev, ab, buf, na, 0)
-    if fused:
-        flags = _fuse_amax(ab)
+    return t_dev, nq
+
+
+def _native_quant(ws: list[torch.Tensor], shards: list[_Shard], fused: bool, mod: Any, ab: torch.Tensor,
+                  buf: torch.Tensor, table: tuple[torch.Tensor, int]) -> list[_Shard]:
+    """The native fused kernel over the shards of 128-wide decode chunks (``table``: :func:`_native_amax`'s,
+    reused where every shard is one); returns the other shards (the Triton fused kernel's)."""
     nat = [sh for sh in shards if sh.plan[0] == 128]
-    if len(nat) < len(shards):  # the others take the Triton fused kernel: a table of these alone
-        tab, _, nq = _native_table(ws, nat, base, fused, mod)
-        (t_dev,) = _to(dev, tab)
-    if nq:
-        mod.sync_weights(base, t_dev, ab, buf, 0, nq)
-    return flags
+    t_dev, nq = table
+    if nat and len(nat) < len(shards):  # a table of these alone
+        tab, _, nq = _native_table(ws, nat, _base(ws), fused, mod)
+        (t_dev,) = _to(ws[0].device, tab)
+    if nat:
+        mod.sync_weights(_base(ws), t_dev, ab, buf, 0, nq)
+    return [sh for sh in shards if sh.plan[0] != 128]
 
 
 def _fuse_amax(ab: torch.Tensor) -> torch.Tensor:
@@ -515,21 +520,19 @@ def _sync_async(ws: list[torch.Tensor], parts: list[list[int] | None], scheme: A
     shards, nbytes = _layout(ws, sizes, tuning)
     ab = torch.zeros(len(ws), _COLS, dtype=torch.float32, device=dev)
     buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    flags = ab.view(torch.int32)[:, 3:6]
 
     def amax_col(sh: _Shard) -> int:  # the shared amax (column 6) or the shard's own
         return 6 if fused else sh.j
 
     if mod is not None:
-        flags = _native_sync(ws, shards, fused, mod, ab, buf, flags)
-        rest = [sh for sh in shards if sh.plan[0] != 128]
-        if rest:  # K % 128 != 0: the Triton fused kernel, after the native amax pass
-            _launch_sync(ws, rest, amax_col, ab, buf)
+        table = _native_amax(ws, shards, fused, mod, ab, buf)
     else:
         _amax_pass(ws, sizes, ab)
-        if fused:
-            flags = _fuse_amax(ab)
-        _launch_sync(ws, shards, amax_col, ab, buf)
+    flags = _fuse_amax(ab) if fused else ab.view(torch.int32)[:, 3:6]
+    # the fused pass: the native kernel takes the shards of 128-wide decode chunks, Triton the rest
+    rest = shards if mod is None else _native_quant(ws, shards, fused, mod, ab, buf, table)
+    if rest:
+        _launch_sync(ws, rest, amax_col, ab, buf)
     out: list[list[Any]] = [[] for _ in ws]
     for sh in shards:
         out[sh.w].append(_tcweight(sh, buf, ab, sh.w * _COLS + amax_col(sh), tuning))

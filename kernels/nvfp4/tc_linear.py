@@ -249,18 +249,22 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         return out
     cfg = prefill_config(w.nseg, k // w.nseg, tun.prefill)
     n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
-    wdec = cfg["WDEC"] and not grouped
+    wop, wdec = _weight_args(w, cfg["WDEC"] and not grouped)
     launch(prefill_kernel, (n_m * triton.cdiv(n, cfg["BN"]),),
-           a_op, w.codes if wdec else w.op(), a_amax, w.amax, out.view(torch.int16), te, tr0, tr1,
+           a_op, wop, a_amax, w.amax, out.view(torch.int16), te, tr0, tr1,
            m, n, k, wes,
            cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET, cfg["FLAT"],
-           **_wdec_args(w, wdec), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           **wdec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
-def _wdec_args(w: TCWeight, wdec: bool) -> dict[str, Any]:
-    """The prefill kernel's arguments for weights decoded in registers (``PrefillTuning.decode_weights``)."""
-    return {"wc_ptr": w.codes, "ws_ptr": w.scales, "WDEC": True} if wdec else {}
+def _weight_args(w: TCWeight, decode: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The prefill kernel's weight operand and keyword arguments: the fp16 operand ``w.op()``, or with
+    ``decode`` (``PrefillTuning.decode_weights``) the codes and scale bytes decoded in registers (the
+    operand pointer is then unused: the codes stand in, so no operand is made)."""
+    if decode:
+        return w.codes, {"wc_ptr": w.codes, "ws_ptr": w.scales, "WDEC": True}
+    return w.op(), {}
 
 
 def two_launch(w: TCWeight) -> bool:
@@ -276,8 +280,7 @@ def _prefill_two_launch(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m
     cfg = prefill_config(1, k // 2, w.tuning.prefill)  # the one-accumulator tile
     rows = max(cfg["BM"], w.tuning.prefill.partial_bytes // (4 * n) // cfg["BM"] * cfg["BM"])
     part = torch.empty(min(m, rows), n, dtype=torch.float32, device=a_op.device)
-    wdec = bool(cfg["WDEC"])
-    wop = w.codes if wdec else w.op()
+    wop, wdec = _weight_args(w, bool(cfg["WDEC"]))
     for r0 in range(0, m, rows):
         mm = min(rows, m - r0)
         am, ao, o = a_amax[r0:r0 + mm], a_op[r0:r0 + mm], out[r0:r0 + mm]
@@ -285,7 +288,7 @@ def _prefill_two_launch(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m
         for phase in (1, 2):
             launch(prefill_kernel, grid, ao, wop, am, w.amax, o.view(torch.int16), am, am, am, mm, n, k, 0,
                    cfg["BM"], cfg["BN"], cfg["BK"], 2, cfg["GROUP_M"], False, w.per_row, INTERPRET, True, part, phase,
-                   **_wdec_args(w, wdec), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                   **wdec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:

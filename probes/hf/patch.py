@@ -35,6 +35,11 @@ class _PosEmb(tuple):
     positions: torch.Tensor
 
 
+def _weights_signature(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Each parameter's id and version counter (a RuntimeError for inference tensors, which keep none)."""
+    return tuple((id(p), p._version) for p in model.parameters())
+
+
 class PatchHandle:
     """Undo record of one :func:`patch`; a context manager."""
 
@@ -58,7 +63,7 @@ class PatchHandle:
         model. A write through ``param.data`` bumps no counter: call :meth:`weights_changed` after one."""
         if self._model is None or not self.nvfp4:
             return False
-        sig = tuple((id(p), p._version) for p in self._model.parameters())
+        sig = _weights_signature(self._model)
         if sig == self._weights_sig:
             return False
         self._weights_sig = sig
@@ -77,7 +82,7 @@ class PatchHandle:
         """NVFP4 weights cached per shape (FSDP2 moves them every forward), dropped when the model's
         parameters change (:meth:`refresh_weights`, before every forward of ``model``)."""
         try:
-            self._weights_sig = tuple((id(p), p._version) for p in model.parameters())
+            self._weights_sig = _weights_signature(model)
         except RuntimeError:  # inference tensors keep no version counter: the per-address cache stays
             return
         self._model = model

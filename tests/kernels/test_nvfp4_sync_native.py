@@ -280,3 +280,29 @@ def test_native_sync_block_math_is_the_reference_quantizer(amax_kind: str) -> No
     packed = codes.reshape(24, -1, 2)
     assert np.array_equal(packed[..., 0] | (packed[..., 1] << 4), ref.codes.numpy())
     assert np.array_equal(scales, ref.scales.numpy())
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4-per-token", "nvfp4-static"])
+def test_native_sync_launch_order_and_the_triton_rest(monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
+    """With the native kernels on (a stub module records its calls): one native amax launch over every
+    shard, then the shared amax of a fused scheme, then one native fused launch over the shards of 128-wide
+    decode chunks and the Triton fused kernel over the rest (K % 128 != 0); no Triton amax pass."""
+    calls: list[tuple] = []
+
+    def sync_weights(base, tab, ab, buf, na, nq):  # noqa: ANN001, ANN202
+        calls.append(("native", len(tab), na > 0, nq > 0))
+
+    mod = SimpleNamespace(sync_cols=_const("SYNC_COLS"), sync_amax_elems=_const("SYNC_AMAX_ELEMS"),
+                          sync_chunks=_const("SYNC_CH"), sync_weights=sync_weights)
+    monkeypatch.setattr(sync, "_native_module", lambda dev: mod)
+    monkeypatch.setattr(sync, "_amax_pass", lambda *a: calls.append(("triton amax",)))
+    monkeypatch.setattr(sync, "_fuse_amax", lambda ab: calls.append(("fuse",)) or ab.view(torch.int32)[:, 3:6])
+    monkeypatch.setattr(sync, "_launch_sync", lambda ws, shards, *a: calls.append(("triton fused", len(shards))))
+    ws = [torch.zeros(96, 1024, dtype=torch.bfloat16), torch.zeros(32, 96, dtype=torch.bfloat16)]  # bkc 128, 32
+    out, _ = sync._sync_async(ws, [[32, 32, 32], None], scheme, DEFAULT)
+    fuse = [("fuse",)] if sync._scheme(scheme).fused_weight_amax else []
+    assert calls == [("native", 4, True, False), *fuse, ("native", 3, False, True), ("triton fused", 1)]
+    calls.clear()
+    sync._sync_async(ws[:1], [[32, 32, 32]], scheme, DEFAULT)  # every shard native: the amax table again
+    assert calls == [("native", 3, True, False), *fuse, ("native", 3, False, True)]
+    assert [len(o) for o in out] == [3, 1]
