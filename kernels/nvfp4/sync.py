@@ -580,7 +580,19 @@ def sync_model(named_weights: dict[str, torch.Tensor], scheme: Any = "nvfp4-per-
         tws, flags = _sync_async([named_weights[nm] for nm in names], [partitions.get(nm) for nm in names], scheme, tuning)
         out.update(zip(names, tws))
         pending.append((tws, flags))
-    for tws, flags in pending:
-        for t, f in zip(tws, flags.tolist()):
+    fused = _scheme(scheme).fused_weight_amax
+    for names, (tws, flags) in zip(by_dev.values(), pending, strict=True):
+        for nm, t, f in zip(names, tws, flags.tolist(), strict=True):
             _decide_native(t, f)
+            if fused and 2 in f:
+                _reference_nan(t, named_weights[nm])
     return {nm: out[nm] for nm in named_weights}
+
+
+def _reference_nan(tws: list[Any], w: torch.Tensor) -> None:
+    """The shared amax of a weight holding a NaN, as the reference computes it (``w.float().abs().amax()``):
+    its NaN's bits are the device's (CUDA's reduction does not keep the constant NaN the kernels wrote),
+    and only the bits of the amax differ (codes and scales of a NaN amax do not depend on them). Rare: a
+    weight with a NaN, after the host has read the flags."""
+    _, _, ab, idx = tws[0]._lz
+    ab.view(-1)[idx] = w.detach().float().abs().amax()

@@ -68,8 +68,12 @@ SCRIPT = textwrap.dedent(
             check(sync_weight(w, scheme, parts), w, scheme, parts)
         z = torch.zeros(70, 128, dtype=torch.bfloat16)
         check(sync_weight(z, scheme), z, scheme, None)
-        for bad in (float("nan"), float("inf"), float("-inf")):  # flagged blocks, native off
-            w = special(80, 256, 5); w[50, 3] = bad
+        for bad in (float("nan"), float("inf"), float("-inf"), "payload"):  # flagged blocks, native off
+            w = special(80, 256, 5)
+            if bad == "payload":  # a negative NaN with a payload: the shared amax keeps the reference's bits
+                w.view(torch.int16)[50, 3] = -63  # 0xffc1
+            else:
+                w[50, 3] = bad
             check(sync_weight(w, scheme, [40, 40]), w, scheme, [40, 40])
     # a contiguous view 2 bytes past an aligned address (the kernels' offsets are hinted 16-byte aligned)
     flat = special(66, 128, 16).reshape(-1)

@@ -64,9 +64,12 @@ def test_sync_on_cuda_equals_the_reference_path(backend: str, scheme: str, monke
     for (n, k, seed), parts in CASES:
         w = _special(n, k, seed)
         _check(sync.sync_weight(w, scheme, parts), w, scheme, parts)
-    for bad in (float("nan"), float("inf"), float("-inf")):  # flagged blocks: native off, dec made from codes
+    for bad in (float("nan"), float("inf"), float("-inf"), "payload"):  # flagged blocks: native off, dec from codes
         w = _special(80, 256, 5)
-        w[50, 3] = bad
+        if bad == "payload":  # a negative NaN with a payload (bf16 0xffc1)
+            w.view(torch.int16)[50, 3] = -63
+        else:
+            w[50, 3] = bad
         _check(sync.sync_weight(w, scheme, [40, 40]), w, scheme, [40, 40])
     ws = {"qkv": _special(100, 384, 11), "o": _special(64, 128, 12), "up": _special(130, 128, 14),
           "gate_up": _special(96, 128, 15), "down": _special(128, 4096, 16)}
