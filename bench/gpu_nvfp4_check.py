@@ -235,7 +235,7 @@ def section_sync() -> None:
             "triton": {"amax_ms": round(t_amax * 1e3, 2), "amax_read_GBps": round(nbytes / t_amax / 1e9),
                        "amax_and_kernel_ms": round(t_all * 1e3, 2), "kernel_ms": round((t_all - t_amax) * 1e3, 2)}}
         mod = None
-        if cuda():  # the extension where it builds, whatever SY.BACKEND says (it is "triton" by default)
+        if cuda():  # the extension where it builds, whatever SY.BACKEND says
             old, SY.BACKEND = SY.BACKEND, "auto"
             try:
                 mod = SY._native_module(torch.device(ARGS.device))
@@ -516,6 +516,29 @@ def profile_forward(fn: Callable[[], Any], top: int = 8) -> dict[str, Any]:
             "kernels": int(sum(v[1] for v in kernels.values())), "top": [f"{n}: {v[0]:.0f} us x{v[1]}" for n, v in best]}
 
 
+def host_profile(fn: Callable[[], Any], name: str, top: int = 10) -> list[str]:
+    """One call of ``fn`` under cProfile (after the timed runs): the whole table (by own time) into
+    ``ARGS.out/<name>_cprofile.txt``, and the ``top`` functions by own time (us, calls); where a
+    host-bound forward's Python goes (cProfile's own overhead inflates small functions)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    sync()
+    pr.enable()
+    fn()
+    sync()
+    pr.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf).sort_stats("tottime")
+    st.print_stats(60)
+    st.sort_stats("cumulative").print_stats(60)
+    (ARGS.out / f"{name}_cprofile.txt").write_text(buf.getvalue())
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    return [f"{Path(f).name}:{ln}({fn_}): {v[2] * 1e6:.0f} us x{v[1]}" for (f, ln, fn_), v in rows]
+
+
 def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -535,6 +558,7 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
             res["bf16_s"] = round(wall(lambda: model(ids), reps=reps), 4)
             if ARGS.profile:
                 res["bf16_profile"] = profile_forward(lambda: model(ids))
+                res["bf16_host_top"] = host_profile(lambda: model(ids), f"bf16_{shape['num_hidden_layers']}l", 5)
             lb = model(ids).logits
             res["bf16_batch_invariant"] = bool(torch.equal(model(ids[:1]).logits[0], lb[0]))
             del lb
@@ -547,6 +571,7 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
             res["nvfp4_s"] = round(wall(lambda: model(ids), reps=reps), 4)
             if ARGS.profile:
                 res["nvfp4_profile"] = profile_forward(lambda: model(ids))
+                res["nvfp4_host_top"] = host_profile(lambda: model(ids), f"nvfp4_{shape['num_hidden_layers']}l")
             res["ratio"] = round(res["nvfp4_s"] / res["bf16_s"], 3)
             lb = model(ids).logits
             res["nvfp4_batch_invariant"] = bool(torch.equal(model(ids[:1]).logits[0], lb[0]))

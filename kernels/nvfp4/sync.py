@@ -14,8 +14,8 @@ where K % 128 == 0 and the K segments allow it) or, for the other shards, the de
 decode GEMM cannot run on it: a NaN-flagged block, no extension), made from the codes at first use
 (:class:`SyncedWeight`): the sync writes 1.19 bytes per weight instead of 1.75. Two implementations (:data:`BACKEND`):
 
-* native (CUDA C++, ``csrc/sync.cuh``; opt-in, ``BACKEND = "native"`` or ``"auto"``, until a GPU run has
-  checked it bitwise: it needs the extension of :func:`native.load`, sm_89+ with nvcc): one launch of
+* native (CUDA C++, ``csrc/sync.cuh``; the default where the extension of :func:`native.load` builds,
+  sm_89+ with nvcc: ``BACKEND = "auto"``): one launch of
   each kernel for all the weights, over one int64 table
   with a row per shard (offsets of its bf16 and of its outputs in one buffer, its amax slot, its
   programs' first number: a program finds its shard by binary search, so the host table is per shard,
@@ -25,7 +25,7 @@ decode GEMM cannot run on it: a NaN-flagged block, no extension), made from the 
   codes and ``dec`` alone (16-byte stores) and scales, ``dsc``, the native words and fp16 scales after
   one shuffle per word with its neighbour lane (4- to 16-byte stores). Shards of a 32- or 64-wide
   decode chunk (K % 128 != 0) take the Triton fused kernel after the native amax pass;
-* Triton (the default, ``BACKEND = "triton"``; the CPU interpreter): ``_amax_kernel``
+* Triton (``BACKEND = "triton"``; without the extension, and in the CPU interpreter): ``_amax_kernel``
   per row and ``_sync_kernel`` per 64-row tile and ``bkc``-wide K chunk, one launch each per K (and
   decode layout), reading int64 tables (per weight or shard its offset from the group's
   lowest-addressed weight and the offsets of its outputs; per program its weight or shard and rows).
@@ -65,13 +65,13 @@ AMAX_CFG = (32, 128, 4)  # amax pass: rows per program, K block, warps (best of 
 SYNC_WARPS = 8  # the fused kernel, per 64-row tile
 ROWS = tl.constexpr(TILE)
 MAX_SHARDS = 3
-# which kernels run the sync on a CUDA device: "triton" (the default: the kernels the H200 checks ran on),
-# "native" the CUDA C++ ones of csrc/sync.cuh (an error where the extension is absent), "auto" the native
-# ones where native.load() builds them (sm_89+, nvcc), else Triton. The native kernels are opt-in until a
-# GPU run has checked them bitwise (bench/gpu_nvfp4_check.py --only b checks and times both; until then
-# only the CPU emulation of tests/kernels/test_nvfp4_sync_native.py covers them); shards whose decode chunk
-# is not 128 wide (K % 128 != 0) always take the Triton fused kernel
-BACKEND = "triton"
+# which kernels run the sync on a CUDA device: "auto" (the default) the CUDA C++ ones of csrc/sync.cuh where
+# native.load() builds them (sm_89+, nvcc; the extension the native decode GEMM loads too), else Triton;
+# "native" those alone (an error where the extension is absent); "triton" the Triton kernels. Both are
+# bitwise the reference path on the H200 (2026-12-05: bench/gpu_nvfp4_check.py --only b, tests/kernels/
+# test_nvfp4_sync_gpu.py), the native ones 1.8x a D2D copy of the 8B shape's weights against Triton's 3.7x;
+# shards whose decode chunk is not 128 wide (K % 128 != 0) always take the Triton fused kernel
+BACKEND = "auto"
 BACKENDS = ("auto", "native", "triton")
 
 
