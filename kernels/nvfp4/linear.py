@@ -71,6 +71,38 @@ def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:
     return (w.data_ptr(), w._version, tuple(w.shape), w.device.type)
 
 
+class SharedInput:
+    """One activation quantization for the linears that read one tensor inside a scope: HF's q/k/v
+    projections read the attention block's input, gate/up the MLP's (the HF learner's patch opens the
+    scope around those modules' forwards). Within :meth:`open` of tensor ``x``, a linear whose input is
+    ``x`` itself (the same object) reuses the quantized activation of the first one: for schemes whose
+    activation quantization is a function of the input alone (per-token, dynamic per-tensor), the bits
+    each linear would compute. Outside a scope, or for another input, nothing is shared or kept."""
+
+    def __init__(self) -> None:
+        self.src: torch.Tensor | None = None
+        self.entry: tuple[Any, Any] | None = None  # (tag: which quantizer and layout, its result)
+        self.hits = 0
+
+    def open(self, x: Any) -> None:
+        self.src = x if isinstance(x, torch.Tensor) else None
+        self.entry = None
+
+    def close(self) -> None:
+        self.src = self.entry = None
+
+    def get(self, x: torch.Tensor, tag: Any) -> Any:
+        if self.src is None or x is not self.src or self.entry is None or self.entry[0] != tag:
+            return None
+        self.hits += 1
+        return self.entry[1]
+
+    def put(self, x: torch.Tensor, tag: Any, value: Any) -> Any:
+        if self.src is not None and x is self.src:
+            self.entry = (tag, value)
+        return value
+
+
 class NVFP4Linear:
     """One linear under an NVFP4 scheme: the scheme's quantizers, the quantized weight shards (cached),
     the static amax, and the GEMM (:mod:`tc_linear`) under ``tuning``.
@@ -100,6 +132,7 @@ class NVFP4Linear:
         # learner's patch, which calls invalidate() when the model's parameters change): per weight shape,
         # whatever buffer holds it (FSDP2 gathers a layer's weights into a new buffer at every forward)
         self.weights_by_shape = False
+        self.shared: SharedInput | None = None  # set by the HF learner's patch: one quantization per input
 
     def invalidate(self) -> None:
         """Drop the cached quantized weights (the weight's values changed)."""
@@ -156,12 +189,25 @@ class NVFP4Linear:
             return NVFP4Tensor(codes, scales, amax_t, True), op
         return nvfp4_quantize(x2, per_token=self.scheme.per_token, amax=amax), None
 
-    def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any) -> torch.Tensor:
+    def _quantized_input(self, src: torch.Tensor, x2: torch.Tensor, amax: torch.Tensor | None, tw: Any) -> Any:
+        """:meth:`quantize_input`, or (inside a :class:`SharedInput` scope, input-only schemes) the
+        quantization an earlier linear made of the same input tensor ``src``."""
+        sh = self.shared if amax is None else None
+        if sh is None:
+            return self.quantize_input(x2, amax, tw)
+        from .tc_linear import operand_layout
+
+        tag = ("kernel", self.scheme.per_token, operand_layout(x2.shape[0], tw, "auto"))
+        hit = sh.get(src, tag)
+        return hit if hit is not None else sh.put(src, tag, self.quantize_input(x2, amax, tw))
+
+    def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any,
+                       src: torch.Tensor | None = None) -> torch.Tensor:
         from .tc_linear import OP_DTYPE, choose, tc_matmul, use_native
 
         tws = self.prepared(w, key)
         x2 = x2.detach().contiguous()
-        qa, op = self.quantize_input(x2, amax, tws[0])
+        qa, op = self._quantized_input(x2 if src is None else src, x2, amax, tws[0])
         ys = [tc_matmul(qa, tw, a_op=op) for tw in tws]  # the activation is quantized once for all shards
         path = choose(x2.shape[0], tws[0])
         native = path == "decode" and use_native(tws[0], op if op is not None else x2.new_empty(0, dtype=OP_DTYPE), tws[0].nseg)
@@ -185,10 +231,16 @@ class NVFP4Linear:
             if s.static and self.static_amax is None:
                 raise RuntimeError("nvfp4-static: no calibrated input scale (run the calibration pass first)")
             amax = self.static_amax.to(x2.device) if s.static else None
+            sh = self.shared if amax is None else None
             if use_kernels(x2) and x2.shape[0] > 0:
-                y = self._kernel_matmul(x2, w, amax, key)
+                y = self._kernel_matmul(x2, w, amax, key, x)
             else:
-                qa = nvfp4_quantize_ref(x2.detach(), per_token=s.per_token, amax=amax)
+                tag = ("reference", s.per_token)
+                qa = sh.get(x, tag) if sh is not None else None
+                if qa is None:
+                    qa = nvfp4_quantize_ref(x2.detach(), per_token=s.per_token, amax=amax)
+                    if sh is not None:
+                        sh.put(x, tag, qa)
                 y = torch.cat([w4a4_gemm_ref(qa, qw, out_dtype=torch.float32) for qw in self.weight(w, key)], dim=-1)
                 self.paths_used["reference"] = self.paths_used.get("reference", 0) + 1
             y = y.to(x.dtype)

@@ -34,6 +34,7 @@ compute each element alone, so :func:`ew` calls them directly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -276,10 +277,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return attention_batch(q[None], k[None], v[None], q_pos.reshape(1, -1), scale, window)[0]
 
 
-def attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+@functools.lru_cache(maxsize=16)
+def tail_positions(b: int, tq: int, tk: int, device: torch.device) -> torch.Tensor:
+    """``[B, Tq]`` positions ``Tk - Tq .. Tk - 1`` (the queries of a right-padded batch: key j at position j),
+    one tensor per shape and device, shared by every layer (:func:`attention_batch`'s ``q_pos=None``)."""
+    return torch.arange(tk - tq, tk, device=device).expand(b, tq)
+
+
+def attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None, scale: float,
                     window: int | None = None) -> torch.Tensor:
     """Causal attention of ``B`` sequences at once: ``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]``
-    (key j at position j; right padding is never visible to a real query), ``q_pos [B, Tq]``.
+    (key j at position j; right padding is never visible to a real query), ``q_pos [B, Tq]`` (None: the
+    last Tq positions, :func:`tail_positions`; the CUDA kernel then reuses its batch description per shape).
 
     CPU definition (module doc): scores ``dot(q, k) * scale`` from fixed ``[QB, D] x [D, KB]`` fp32
     GEMMs; ``m`` = max over visible keys; ``p = exp(s - m)``; denominator ``tree_sum(p)``;
@@ -293,6 +302,8 @@ def attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
         return cu.attention(q, k, v, q_pos, scale, window)  # type: ignore[attr-defined]
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
+    if q_pos is None:
+        q_pos = tail_positions(b, tq, tk, q.device)
     rep = hq // hkv
     tqp, tkp = -(-tq // QB) * QB, -(-max(tk, 1) // KB) * KB
     nqb, nkb = tqp // QB, tkp // KB

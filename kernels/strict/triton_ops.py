@@ -31,6 +31,7 @@ come here.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -177,10 +178,22 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
                        num_warps=ATT_WARPS, num_stages=ATT_STAGES)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+@functools.lru_cache(maxsize=16)
+def _learner_meta(b: int, tq: int, tk: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The batch description of :func:`attention` with the last Tq positions (``q_pos=None``): per row
+    its positions, first query (0), queries, keys, and the identity block table; made once per shape."""
+    i32 = torch.int32
+    pos = torch.arange(tk - tq, tk, device=device, dtype=i32).expand(b, tq).contiguous()
+    return (pos, torch.zeros(b, device=device, dtype=i32), torch.full((b,), tq, device=device, dtype=i32),
+            torch.full((b,), tk, device=device, dtype=i32),
+            torch.arange(triton.cdiv(max(tk, 1), LEARNER_PAGE), device=device, dtype=i32))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None, scale: float,
               window: int | None = None) -> torch.Tensor:
     """``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]`` (any strides, last dim contiguous), ``q_pos [B, Tq]``
-    (the learner; vLLM's paged cache: :func:`paged_attention`, the same kernel)."""
+    (None: the last Tq positions, every layer's batch description made once per shape; the learner;
+    vLLM's paged cache: :func:`paged_attention`, the same kernel)."""
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     if q.stride(-1) != 1:
@@ -190,13 +203,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if v.stride(-1) != 1:
         v = v.contiguous()
     dev = q.device
-    pos = q_pos.to(device=dev, dtype=torch.int32).expand(b, tq).contiguous()
+    if q_pos is None:
+        pos, zeros, qlen, kvlen, table = _learner_meta(b, tq, tk, dev)
+    else:
+        i32 = torch.int32
+        pos = q_pos.to(device=dev, dtype=i32).expand(b, tq).contiguous()
+        zeros, qlen = torch.zeros(b, device=dev, dtype=i32), torch.full((b,), tq, device=dev, dtype=i32)
+        kvlen = torch.full((b,), tk, device=dev, dtype=i32)
+        table = torch.arange(triton.cdiv(max(tk, 1), LEARNER_PAGE), device=dev, dtype=i32)
     out = torch.empty(b, tq, hq, d, device=dev, dtype=q.dtype)
-    i32 = torch.int32
-    table = torch.arange(triton.cdiv(max(tk, 1), LEARNER_PAGE), device=dev, dtype=i32)
-    zeros = torch.zeros(b, device=dev, dtype=i32)
-    _launch(q, k, v, out, pos, zeros, torch.full((b,), tq, device=dev, dtype=i32),
-            torch.full((b,), tk, device=dev, dtype=i32), table, b, tq, scale, window,
+    _launch(q, k, v, out, pos, zeros, qlen, kvlen, table, b, tq, scale, window,
             (k.stride(0), LEARNER_PAGE * k.stride(1), k.stride(1), k.stride(2)),
             (v.stride(0), LEARNER_PAGE * v.stride(1), v.stride(1), v.stride(2)),
             (q.stride(0), q.stride(1), q.stride(2)), (out.stride(0), out.stride(1), out.stride(2)),

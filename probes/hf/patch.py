@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mismatch_probe.kernels.nvfp4.linear import CALIBRATION, NVFP4Linear, calibration_token_ids
+from mismatch_probe.kernels.nvfp4.linear import CALIBRATION, NVFP4Linear, SharedInput, calibration_token_ids
 from mismatch_probe.kernels.recipes import OP_KINDS, Recipe, parse
 from mismatch_probe.kernels.strict import ops as so
 
@@ -54,6 +54,8 @@ class PatchHandle:
         self._model: torch.nn.Module | None = None
         self._hook: Any = None
         self._weights_sig: tuple[tuple[int, int], ...] | None = None
+        self.shared = SharedInput()  # NVFP4: one activation quantization for q/k/v, one for gate/up
+        self._scopes: list[Any] = []  # the hooks that open and close its scope around attention and MLP blocks
 
     def refresh_weights(self) -> bool:
         """Drop the NVFP4 linears' quantized weights where the model's parameters changed since the last
@@ -91,6 +93,17 @@ class PatchHandle:
         # first: before FSDP2's own pre-forward hook swaps in unsharded parameters (whose counters never move)
         self._hook = model.register_forward_pre_hook(self._pre_forward, prepend=True)
 
+    def _share_inputs(self, module: torch.nn.Module) -> None:
+        """Around ``module``'s forward (an attention or MLP block, whose projections all read its input and
+        never write it), the NVFP4 linears share one quantization of that input (:class:`SharedInput`)."""
+        sh = self.shared
+
+        def pre(_m: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            sh.open(kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None)))
+
+        self._scopes.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self._scopes.append(module.register_forward_hook(lambda *_: sh.close(), always_call=True))
+
     def _set(self, name: str, module: torch.nn.Module, fn: Callable[..., Any]) -> None:
         had = "forward" in module.__dict__
         self._undo.append((module, had, module.__dict__.get("forward")))
@@ -107,6 +120,10 @@ class PatchHandle:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        for hook in self._scopes:
+            hook.remove()
+        self._scopes.clear()
+        self.shared.close()
 
     def __enter__(self) -> PatchHandle:
         return self
@@ -168,9 +185,8 @@ def _attention_forward(self: Any, hidden_states: torch.Tensor, position_embeddin
     if self._mp_attn:
         if getattr(self, "attn_logit_softcapping", None):
             raise NotImplementedError("strict attention: no logit soft cap")
-        tk = k.shape[2]
-        qpos = torch.arange(tk - t, tk, device=q.device).expand(b, t)  # right padding: key j at position j
-        out = so.attention_batch(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), qpos, self.scaling,
+        # right padding: key j at position j, the queries at the last t positions (q_pos None)
+        out = so.attention_batch(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, self.scaling,
                                  getattr(self, "sliding_window", None)).reshape(b, t, -1)
     else:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -185,6 +201,7 @@ def _attention_forward(self: Any, hidden_states: torch.Tensor, position_embeddin
 def _linear_fn(recipe: Recipe, handle: PatchHandle, name: str) -> Callable[..., torch.Tensor]:
     if recipe.nvfp4:
         state = handle.nvfp4.setdefault(name, NVFP4Linear(recipe.linear))
+        state.shared = handle.shared
 
         def fwd(self: Any, x: torch.Tensor) -> torch.Tensor:
             return state(x, self.weight, self.bias)
@@ -317,6 +334,13 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
             h._set(f"{name}.experts", mod.experts, experts)
     if h.nvfp4:
         h._track_weights(model)
+        for name, mod in model.named_modules():  # the blocks whose projections read one input
+            m = _LAYER.search(name)
+            if m is None or (lset is not None and int(m.group(1)) not in lset):
+                continue
+            cls = type(mod).__name__
+            if cls.endswith("Attention") or (cls.endswith("MLP") and hasattr(mod, "gate_proj") and hasattr(mod, "up_proj")):
+                h._share_inputs(mod)
     return h
 
 

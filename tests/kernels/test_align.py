@@ -232,6 +232,34 @@ def test_nvfp4_weights_quantized_once_and_again_when_the_parameters_change(monke
     assert not model._forward_pre_hooks
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
+def test_nvfp4_activation_quantized_once_per_block_input(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v read one tensor, gate/up another: the patched model quantizes each once (4 activation
+    quantizations per layer, not 7), and the logprobs equal those of the same model quantizing in every
+    linear, bit for bit; the scope hooks go with undo()."""
+    from mismatch_probe.kernels.nvfp4 import linear as lin
+
+    calls = []
+    orig = lin.nvfp4_quantize_ref
+    monkeypatch.setattr(lin, "nvfp4_quantize_ref", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    seqs = _seqs()[:3]
+    model = _load(name)
+    layers = model.config.num_hidden_layers
+    h = patch(model, "nvfp4-per-token")
+    shared = _score(model, seqs, "nvfp4-per-token")
+    assert len(calls) == 4 * layers and h.shared.hits == 3 * layers
+    assert h.shared.src is None and h.shared.entry is None  # nothing kept past the blocks
+    for st in h.nvfp4.values():
+        st.shared = None
+    calls.clear()
+    alone = _score(model, seqs, "nvfp4-per-token")
+    assert len(calls) == 7 * layers
+    assert all(torch.equal(x, y) for x, y in zip(shared, alone, strict=True))
+    h.undo()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+
 FSDP_SCRIPT = r"""
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard

@@ -51,6 +51,8 @@ def test_strict_attention_bitwise_padding_windows_decode_threads(threads: tuple[
     pos = torch.arange(width).expand(len(lens), width)
     for window in (None, 20):
         batch = so.attention_batch(q, k, v, pos, 0.2, window)
+        assert torch.equal(so.attention_batch(q, k, v, None, 0.2, window), batch)  # None: the last positions
+        assert torch.equal(so.attention_batch(q[:, 90:], k, v, None, 0.2, window), batch[:, 90:])
         for n in threads:
             torch.set_num_threads(n)
             for i, t in enumerate(lens):

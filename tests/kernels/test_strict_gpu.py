@@ -54,3 +54,6 @@ def test_strict_cuda_attention_padding_and_decode_bitwise(window: int | None) ->
     for j in (0, 63, 64, 200, 299):
         dec = so.attention_batch(q[:, j : j + 1], k[:, : j + 1], v[:, : j + 1], pos[:, j : j + 1], d**-0.5, window)
         assert torch.equal(dec, full[:, j : j + 1]), j
+        tail = so.attention_batch(q[:, j : j + 1], k[:, : j + 1], v[:, : j + 1], None, d**-0.5, window)
+        assert torch.equal(tail, dec), j  # q_pos None: the last positions, the batch description cached
+    assert torch.equal(so.attention_batch(q, k, v, None, d**-0.5, window), full)
