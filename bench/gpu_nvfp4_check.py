@@ -575,6 +575,13 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
             res["ratio"] = round(res["nvfp4_s"] / res["bf16_s"], 3)
             lb = model(ids).logits
             res["nvfp4_batch_invariant"] = bool(torch.equal(model(ids[:1]).logits[0], lb[0]))
+            # side by side: every linear quantizing its own input (before SharedInput) vs q/k/v and gate/up sharing
+            for st in h.nvfp4.values():
+                st.shared = None
+            res["nvfp4_unshared_s"] = round(wall(lambda: model(ids), reps=reps), 4)
+            res["shared_bitwise_unshared"] = bool(torch.equal(model(ids).logits, lb))
+            for st in h.nvfp4.values():
+                st.shared = h.shared
             res["target"] = "ratio <= 1.3, batch invariant"
             res["pass"] = res["ratio"] <= 1.3 and res["nvfp4_batch_invariant"] if cuda() else None
     finally:
