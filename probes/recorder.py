@@ -48,8 +48,9 @@ BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, on
 # reach the writer while the forward runs and the wait after it is short. H200, HF learner score(), the
 # whole cost (BENCHMARKS.md, issue 27): stats 1.87x -> 1.38x of capture off on the 8B shape, 2.35x -> 1.95x
 # on the 0.6B shape; digest-only chunks stay large (on the host-bound 0.6B forward each chunk's host work
-# costs more than the shorter wait saves: 1.36x -> 1.71x with 128 Ki rows)
-STATS_BUFFER_ROWS = 1 << 17
+# costs more than the shorter wait saves: 1.36x -> 1.71x with 128 Ki rows). With the writer's shared-memory
+# slots (round 7, 2026-12-05, 0.6B shape, stats): 128 Ki rows 2.03x, 256 Ki 1.75x, 512 Ki 1.76x -> 256 Ki
+STATS_BUFFER_ROWS = 1 << 18
 # CUDA: queued tensors launch when their bytes reach _QUEUE_BYTES (each tensor counted as at least
 # _QUEUE_BYTES // _QUEUE_OPS, so at most _QUEUE_OPS tensors wait), and at each new micro-batch of the HF
 # learner (launch(): after the previous forward's logprobs reached the host, so the kernels overlap the
