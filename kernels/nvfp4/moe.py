@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
+
+from mismatch_probe.kernels.launch_math import cdiv
 
 from .ref import NVFP4Tensor, nvfp4_quantize_ref
 from .triton_quant import nvfp4_quantize
@@ -69,7 +70,7 @@ def tile_schedule(offsets: torch.Tensor, bm: int, max_rows: int) -> tuple[torch.
     counts = offsets[1:] - offsets[:-1]
     tiles = (counts + bm - 1) // bm
     cum = torch.cumsum(tiles, 0)
-    n_tiles = triton.cdiv(max_rows, bm) + e_count
+    n_tiles = cdiv(max_rows, bm) + e_count
     t = torch.arange(n_tiles, device=offsets.device)
     e = torch.searchsorted(cum, t, right=True)
     valid = e < e_count

@@ -21,8 +21,9 @@ built for bandwidth:
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
+
+from mismatch_probe.kernels.launch_math import cdiv, next_pow2
 
 from .common import INTERPRET, bf16_bits_rne, bf16_round, e4m3_round, kjit, launch, load_as_f32, quant_outputs, rmax, rsum
 
@@ -152,7 +153,7 @@ QF_CFG: dict[str, int] = {}  # tuning overrides (bench): ELEMS (elements per pro
 
 def pick_rows(k: int) -> tuple[int, int, int]:
     """(rows per program, padded blocks per row, num_warps) for row length K."""
-    nb = triton.next_power_of_2(max(1, k // 16))
+    nb = next_pow2(max(1, k // 16))
     elems = nb * 16
     r = max(1, min(16, (1024 if INTERPRET else QF_CFG.get("ELEMS", 8192)) // elems))
     nw = QF_CFG.get("num_warps", 4)  # H200, 8192^2 bf16: 4 warps 78 us, 8: 83, 2: 100 (2026-12-01)
@@ -189,7 +190,7 @@ def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
         return codes, scales, amax_t, op
     xbits = x.dtype == torch.bfloat16
     r, nb, nw = pick_rows(k)
-    launch(_quant_fast_kernel, (triton.cdiv(rows, r),), x.view(torch.int16) if xbits else x, amax_t, codes, scales,
+    launch(_quant_fast_kernel, (cdiv(rows, r),), x.view(torch.int16) if xbits else x, amax_t, codes, scales,
            codes if op is None else op, rows, k, r, nb, mode, xbits, not INTERPRET, op is not None, num_warps=nw)
     return codes, scales, amax_t, op
 
@@ -240,7 +241,7 @@ def rmsnorm_quantize_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
     op = torch.empty(rows, k, dtype=emit_op, device=dev) if emit_op is not None else codes
     if rows:
         r, nb, nw = pick_rows(k)
-        launch(_rmsnorm_quant_fast_kernel, (triton.cdiv(rows, r),), x.view(torch.int16) if bf else x, wk,
+        launch(_rmsnorm_quant_fast_kernel, (cdiv(rows, r),), x.view(torch.int16) if bf else x, wk,
                y.view(torch.int16) if bf else y, amax, codes, scales, op, rows, k, float(eps), r, nb, bf, wbf,
                not INTERPRET, emit_op is not None, num_warps=nw)
     return y, codes, scales, amax, (op if emit_op is not None else None)

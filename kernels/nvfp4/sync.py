@@ -49,8 +49,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import triton
 import triton.language as tl
+
+from mismatch_probe.kernels.launch_math import next_pow2
 
 from .common import INTERPRET, e2m1_encode, e4m3_round, kjit, launch, rmax, rsum
 from .schemes import SCHEMES, Scheme, quantize_weight_ref, shard_sizes
@@ -278,7 +279,7 @@ def _amax_pass(ws: list[torch.Tensor], sizes: list[list[int]], ab: torch.Tensor)
             rows.append([_offset(ws[i], base), n, b[0], b[1], i * _COLS])
         prog = _progs([-(-ws[i].shape[0] // r) for i in idx], r)
         tab, prog = _to(ab.device, _table(rows), prog)
-        bk = min(triton.next_power_of_2(k), bk0)
+        bk = min(next_pow2(k), bk0)
         launch(_amax_kernel, (prog.shape[0],), base.view(torch.int16), tab, prog, flat, flat[3:].view(torch.int32), k, r, bk,
                num_warps=warps)
 

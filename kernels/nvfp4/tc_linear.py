@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import triton
 
+from mismatch_probe.kernels.launch_math import cdiv
+
 from .common import INTERPRET, kernel_device_ok, launch
 from .gemm_tc import decode_kernel, decode_ns_kernel, prefill_kernel, reduce_kernel
 from .ref import NVFP4Tensor, e2m1_decode, e4m3_decode, unpack_codes
@@ -49,7 +51,7 @@ def nseg_for(n: int, k: int, grouped: bool = False, rule: SegmentRule = DEFAULT.
     bkc = chunk_for(k)
     if grouped or bkc == 0:
         return 1
-    tiles, s = triton.cdiv(n, 64), 1
+    tiles, s = cdiv(n, 64), 1
     while tiles * s < rule.target and s < rule.max_segments and (k // bkc) % (2 * s) == 0:
         s *= 2
     if s == 1 and rule.long_k and k >= rule.long_k and (k // bkc) % 2 == 0:
@@ -225,13 +227,13 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
 
             native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part)
             if nseg > 1 and not native.fused_segments(m, w, nseg):
-                launch(reduce_kernel, (triton.cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16),
+                launch(reduce_kernel, (cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16),
                        m, n, nseg, 1024, w.per_row, False, num_warps=4)
             return out
-        n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
+        n_m = te.numel() if grouped else cdiv(m, cfg["BM"])
         args = (w.dec, w.dsc, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
                 m, n, k, cfg["BN"], cfg["BM"], w.bkc, nseg)
-        grid = (triton.cdiv(n, cfg["BN"]), n_m, nseg)
+        grid = (cdiv(n, cfg["BN"]), n_m, nseg)
         if cfg.get("SWAP", False):
             launch(decode_kernel, grid, *args, grouped, w.per_row, cfg["USE_ASM"], INTERPRET,
                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -240,7 +242,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if nseg > 1:
             blk = 1024
-            launch(reduce_kernel, (triton.cdiv(m * n, blk),), part, a_amax, w.amax,
+            launch(reduce_kernel, (cdiv(m * n, blk),), part, a_amax, w.amax,
                    row_e if row_e is not None else a_amax, out.view(torch.int16), m, n, nseg, blk, w.per_row, grouped,
                    num_warps=4)
         return out
@@ -248,9 +250,9 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         _prefill_two_launch(a_amax, a_op, w, m, out)
         return out
     cfg = prefill_config(w.nseg, k // w.nseg, tun.prefill)
-    n_m = te.numel() if grouped else triton.cdiv(m, cfg["BM"])
+    n_m = te.numel() if grouped else cdiv(m, cfg["BM"])
     wop, wdec = _weight_args(w, cfg["WDEC"] and not grouped)
-    launch(prefill_kernel, (n_m * triton.cdiv(n, cfg["BN"]),),
+    launch(prefill_kernel, (n_m * cdiv(n, cfg["BN"]),),
            a_op, wop, a_amax, w.amax, out.view(torch.int16), te, tr0, tr1,
            m, n, k, wes,
            cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET, cfg["FLAT"],
@@ -284,7 +286,7 @@ def _prefill_two_launch(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m
     for r0 in range(0, m, rows):
         mm = min(rows, m - r0)
         am, ao, o = a_amax[r0:r0 + mm], a_op[r0:r0 + mm], out[r0:r0 + mm]
-        grid = (triton.cdiv(mm, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+        grid = (cdiv(mm, cfg["BM"]) * cdiv(n, cfg["BN"]),)
         for phase in (1, 2):
             launch(prefill_kernel, grid, ao, wop, am, w.amax, o.view(torch.int16), am, am, am, mm, n, k, 0,
                    cfg["BM"], cfg["BN"], cfg["BK"], 2, cfg["GROUP_M"], False, w.per_row, INTERPRET, True, part, phase,

@@ -8,8 +8,9 @@ bit-deciding divisions use ``tl.div_rn``; E4M3/E2M1/bf16 rounding uses the exact
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
+
+from mismatch_probe.kernels.launch_math import cdiv, next_pow2
 
 from .common import (
     INTERPRET,
@@ -174,14 +175,14 @@ QUANT_NUM_WARPS: int | None = None  # tuning override (bench)
 
 
 def _pick_tiles(rows: int, k: int, tile16: bool) -> tuple[int, int, int]:
-    kp = triton.next_power_of_2(k)
+    kp = next_pow2(k)
     if tile16:
         bk = max(16, min(kp, 256 if INTERPRET else 512))
-        return 16, bk, triton.cdiv(k, bk)
+        return 16, bk, cdiv(k, bk)
     bk = max(16, min(kp, 2048 if INTERPRET else 8192))
     target = 4096 if INTERPRET else 4096
-    r = max(1, min(64, target // bk, triton.next_power_of_2(rows)))
-    return r, bk, triton.cdiv(k, bk)
+    r = max(1, min(64, target // bk, next_pow2(rows)))
+    return r, bk, cdiv(k, bk)
 
 
 def nvfp4_quantize(
@@ -213,9 +214,9 @@ def nvfp4_quantize(
     xbits = x.dtype == torch.bfloat16
     xk = x.view(torch.int16) if xbits else x
     nb = k // 16
-    bb = max(1, min(triton.next_power_of_2(nb), 128 if INTERPRET else 512))
+    bb = max(1, min(next_pow2(nb), 128 if INTERPRET else 512))
     nw = QUANT_NUM_WARPS or (8 if bb >= 256 else 4)
-    v2_args = (k, bb, triton.cdiv(nb, bb))
+    v2_args = (k, bb, cdiv(nb, bb))
     if amax is not None:
         amax_t = check_amax(amax, rows, per_token, x.device)
     elif per_token:
@@ -233,7 +234,7 @@ def nvfp4_quantize(
                num_warps=nw)
         return NVFP4Tensor(codes, scales, amax_t, per_token, tile16)
     r, bk, nk = _pick_tiles(rows, k, tile16)
-    grid = (triton.cdiv(rows, r),)
+    grid = (cdiv(rows, r),)
     kw = {"num_warps": 8 if bk * r >= 4096 else 4}
     launch(_quantize_kernel, grid, xk, amax_t, codes, scales, rows, k, r, bk, nk, tile16, compute, per_token, xbits,
            **kw)
@@ -287,9 +288,9 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *, appl
     rows, k = q.shape
     mode = 1 if dtype == torch.bfloat16 else 0
     out = torch.empty(rows, k, dtype=torch.bfloat16 if mode else torch.float32, device=q.codes.device)
-    bk = max(16, min(triton.next_power_of_2(k), 1024))
-    r = max(1, min(32, 4096 // bk, triton.next_power_of_2(rows)))
-    grid = (triton.cdiv(rows, r), triton.cdiv(k, bk))
+    bk = max(16, min(next_pow2(k), 1024))
+    r = max(1, min(32, 4096 // bk, next_pow2(rows)))
+    grid = (cdiv(rows, r), cdiv(k, bk))
     launch(_dequant_kernel, grid,
         q.codes, q.scales, q.amax, out.view(torch.int16) if mode else out, rows, k, r, bk, q.per_token, apply_global, mode
     )
@@ -371,7 +372,7 @@ def rmsnorm_nvfp4_quantize(
     amax = torch.empty(rows, dtype=torch.float32, device=x.device)
     codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=x.device)
-    bk = max(16, triton.next_power_of_2(k))
+    bk = max(16, next_pow2(k))
     kw = {"num_warps": 8 if bk >= 4096 else 4}
     launch(_rmsnorm_quant_kernel, (rows,),
         x.view(torch.int16) if bf else x, wk, y.view(torch.int16) if bf else y, amax, codes, scales, rows, k,

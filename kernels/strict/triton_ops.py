@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mismatch_probe.kernels.launch_math import cdiv, next_pow2
+
 BM, BN, BK, WARPS, STAGES, GROUP = 128, 128, 64, 8, 3, 8
 ATT_BM, ATT_BN, ATT_WARPS, ATT_STAGES = 64, 64, 4, 2
 LSE_BLOCK = 4096
@@ -171,7 +173,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     d = q.shape[-1]
     if n_seq == 0 or max_q == 0:
         return
-    grid = (triton.cdiv(max_q, ATT_BM // gq), n_seq * (hq // gq))
+    grid = (cdiv(max_q, ATT_BM // gq), n_seq * (hq // gq))
     _attn_kernel[grid](q, k, v, out, pos, qstart, qlen, kvlen, table, hq, hq // hkv, float(scale), int(window or 0),
                        *qstrides, *kstrides, *vstrides, *ostrides, spb, stb,
                        D=d, PAGE=page, HAS_WINDOW=window is not None, BLOCK_M=ATT_BM, BLOCK_N=ATT_BN, GQ=gq,
@@ -186,7 +188,7 @@ def _learner_meta(b: int, tq: int, tk: int, device: torch.device) -> tuple[torch
     pos = torch.arange(tk - tq, tk, device=device, dtype=i32).expand(b, tq).contiguous()
     return (pos, torch.zeros(b, device=device, dtype=i32), torch.full((b,), tq, device=device, dtype=i32),
             torch.full((b,), tk, device=device, dtype=i32),
-            torch.arange(triton.cdiv(max(tk, 1), LEARNER_PAGE), device=device, dtype=i32))
+            torch.arange(cdiv(max(tk, 1), LEARNER_PAGE), device=device, dtype=i32))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None, scale: float,
@@ -210,7 +212,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         pos = q_pos.to(device=dev, dtype=i32).expand(b, tq).contiguous()
         zeros, qlen = torch.zeros(b, device=dev, dtype=i32), torch.full((b,), tq, device=dev, dtype=i32)
         kvlen = torch.full((b,), tk, device=dev, dtype=i32)
-        table = torch.arange(triton.cdiv(max(tk, 1), LEARNER_PAGE), device=dev, dtype=i32)
+        table = torch.arange(cdiv(max(tk, 1), LEARNER_PAGE), device=dev, dtype=i32)
     out = torch.empty(b, tq, hq, d, device=dev, dtype=q.dtype)
     _launch(q, k, v, out, pos, zeros, qlen, kvlen, table, b, tq, scale, window,
             (k.stride(0), LEARNER_PAGE * k.stride(1), k.stride(1), k.stride(2)),
@@ -313,7 +315,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor |
         _rmsnorm_kernel[(rows,)](xv, rc, weight if weight is not None else y, y, rout, h, float(eps), float(offset),
                                  xv.shape[1], xv.stride(0), xv.stride(1), HAS_W=weight is not None,
                                  HAS_RES=residual is not None, ROUND_FIRST=round_first,
-                                 BLOCK=triton.next_power_of_2(h), num_warps=4 if h <= 4096 else 8)
+                                 BLOCK=next_pow2(h), num_warps=4 if h <= 4096 else 8)
     return y.reshape(x.shape), (rout.reshape(x.shape) if residual is not None else None)
 
 
@@ -367,7 +369,7 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor | None, kind: str = "silu")
     n = g.shape[0] * cols
     if n:
         blk = 1024
-        _act_mul_kernel[(triton.cdiv(n, blk),)](g, u if u is not None else g, out, n, cols, g.stride(0),
+        _act_mul_kernel[(cdiv(n, blk),)](g, u if u is not None else g, out, n, cols, g.stride(0),
                                                 (u if u is not None else g).stride(0), ACT=_ACTS[kind],
                                                 HAS_UP=u is not None, BLOCK=blk, num_warps=4)
     return out
@@ -399,7 +401,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if xs.shape[0]:
         _rope_kernel[(xs.shape[0],)](xs, out, pos, cos.contiguous(), sin.contiguous(), h, xs.stride(0), xs.stride(1),
-                                     HALF=d // 2, BLOCK_H=triton.next_power_of_2(h), num_warps=4)
+                                     HALF=d // 2, BLOCK_H=next_pow2(h), num_warps=4)
     return out
 
 

@@ -10,7 +10,8 @@ this one is used by the named checks (``gemm_*``), the tests and the benches.
 from __future__ import annotations
 
 import torch
-import triton
+
+from mismatch_probe.kernels.launch_math import cdiv
 
 from ..common import INTERPRET, kernel_device_ok, launch
 from ..ref import FLOAT_DTYPES, NVFP4Tensor, w4a4_gemm_ref
@@ -126,7 +127,7 @@ def w4a4_matmul(
     b_op, b_sf = _operand(w, b_fp4)
     bm, bn = cfg["BM"], cfg["BN"]
     kstep = kstep_for(cfg, k // 16, config)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = (cdiv(m, bm), cdiv(n, bn))
     obf = out_dtype == torch.bfloat16
     launch(
         w4a4_kernel, grid,

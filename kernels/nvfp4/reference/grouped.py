@@ -11,7 +11,8 @@ combine are the production ones of :mod:`moe`.
 from __future__ import annotations
 
 import torch
-import triton
+
+from mismatch_probe.kernels.launch_math import cdiv
 
 from ..common import INTERPRET, kernel_device_ok, launch, require_contiguous
 from ..moe import GroupedNVFP4Weights, gather_rows, moe_combine, moe_route, tile_schedule
@@ -80,7 +81,7 @@ def grouped_w4a4(
         b_op = nvfp4_dequantize(flat, torch.bfloat16, apply_global=False).reshape(e_count, n, k)
     obf = out_dtype == torch.bfloat16
     launch(
-        w4a4_kernel, (te.numel(), triton.cdiv(n, bn)),
+        w4a4_kernel, (te.numel(), cdiv(n, bn)),
         a_op, a.scales, a.amax, b_op, w.scales, w.amax, out.view(torch.int16) if obf else out,
         te, tr0, tr1,
         m, n, k, b_op[0].numel(), n * (k // 16), 1,
