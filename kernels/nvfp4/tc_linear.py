@@ -19,7 +19,10 @@ is data (:class:`tuning.GemmTuning`, carried by the prepared weight).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -165,7 +168,8 @@ def choose(m: int, w: TCWeight, path: str = "auto") -> str:
     return "decode" if m <= DECODE_MAX_M and w.bkc else "prefill"
 
 
-def decode_config(m: int, grouped: bool = False, tuning: DecodeTuning = DEFAULT.decode) -> dict[str, Any]:
+@functools.lru_cache(maxsize=1024)
+def decode_config(m: int, grouped: bool = False, tuning: DecodeTuning = DEFAULT.decode) -> Mapping[str, Any]:
     """Tokens on the MMA's M side (16 rows: mma.sync) and 64 weight rows per program by default;
     for dense M <= 16 four decode chunks per loop step and 3 stages (more bytes in flight per SM);
     ``SWAP`` puts the weight rows on the M side instead (wgmma m64, tokens on N). Chosen from the
@@ -174,26 +178,27 @@ def decode_config(m: int, grouped: bool = False, tuning: DecodeTuning = DEFAULT.
     over = tuning.overrides()
     if INTERPRET:
         keep = {key: v for key, v in over.items() if key in ("SWAP", "CPI", "NSEG")}
-        return {"BN": 16, "BM": 16, "num_warps": 4, "num_stages": 1, "USE_ASM": False, **keep}
+        return MappingProxyType({"BN": 16, "BM": 16, "num_warps": 4, "num_stages": 1, "USE_ASM": False, **keep})
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     small = bm == 16 and not grouped
-    return {"SWAP": False, "BN": 64 if bm < 64 else 32, "BM": bm, "num_warps": 4, "num_stages": 3 if small else 4,
-            "USE_ASM": True, "CPI": 4 if small else 1, **over}
+    return MappingProxyType({"SWAP": False, "BN": 64 if bm < 64 else 32, "BM": bm, "num_warps": 4,
+                             "num_stages": 3 if small else 4, "USE_ASM": True, "CPI": 4 if small else 1, **over})
 
 
-def prefill_config(nseg: int, kseg: int, tuning: PrefillTuning = DEFAULT.prefill) -> dict[str, Any]:
+@functools.lru_cache(maxsize=1024)
+def prefill_config(nseg: int, kseg: int, tuning: PrefillTuning = DEFAULT.prefill) -> Mapping[str, Any]:
     """Prefill tile config; ``FLAT``: one K loop across the segments (see ``prefill_kernel``; same
     bits either way, ``FLAT=False`` is the old loop per segment, kept for the side-by-side probe).
     ``tuning``: :class:`tuning.PrefillTuning` (its tile overrides are ignored in the interpreter)."""
     bk = 64 if kseg % 64 == 0 else (32 if kseg % 32 == 0 else 16)
     flat = {"FLAT": tuning.flat, "WDEC": tuning.decode_weights}
     if INTERPRET:
-        return {"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1, **flat}
+        return MappingProxyType({"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1, **flat})
     if nseg == 1:
         cfg = {"BM": 128, "BN": 256, "BK": bk, "num_warps": 8, "num_stages": 3, "GROUP_M": 16}
     else:
         cfg = {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 4, "GROUP_M": 16}
-    return {**cfg, **flat, **tuning.overrides()}
+    return MappingProxyType({**cfg, **flat, **tuning.overrides()})
 
 
 def act_operand(a: NVFP4Tensor) -> torch.Tensor:
