@@ -327,4 +327,6 @@ class HfLearner(HfModelRunner):
         if self._patch is not None and isinstance(self.info.settings.get("recipe"), dict):
             # which NVFP4 GEMM path ran per linear (reference / triton:decode / triton:prefill)
             self.info.settings["recipe"]["nvfp4_kernels"] = self._patch.describe()["nvfp4_kernels"]
+            # linear calls that reused their block's activation quantization (docs/nvfp4.md, SharedInput)
+            self.info.settings["recipe"]["nvfp4_shared_inputs"] = self._patch.shared.hits
         return out

@@ -156,6 +156,7 @@ def test_nvfp4_story(runs: Runs, real_run_qwen3: Path) -> None:
     assert m["engines"]["sampler"]["recipe"]["linear"] == "nvfp4-static"
     kernels = m["engines"]["learner"]["recipe"]["nvfp4_kernels"]  # which GEMM ran, per linear
     assert kernels and all(set(k["paths_used"]) == {"reference"} for k in kernels.values())  # CPU: the reference
+    assert m["engines"]["learner"]["recipe"]["nvfp4_shared_inputs"] > 0  # q/k/v and gate/up: one quantization each
     sk = m["engines"]["sampler"]["recipe"]["nvfp4_kernels"]  # the sampler's linears too, by vLLM module name
     assert sk and all(set(k["paths_used"]) == {"reference"} for k in sk.values()), sk
     assert any(name.endswith("self_attn.qkv_proj") for name in sk) and any(name.endswith("mlp.down_proj") for name in sk)
