@@ -23,7 +23,8 @@ needs no native build):
 * c ``learner``: HF Qwen3 forward, random weights, 0.6B shape (4 x 1,024 tokens) and 8B shape
   (2 x 1,024): bf16 vs the nvfp4-per-token recipe (``probes.hf.patch.patch``), median of 5 after a
   warm-up, the first nvfp4 forward (it prepares the weights) timed apart (acceptance: <= 1.3x bf16),
-  and batch invariance: sequence 0's logits alone equal its rows in the batch.
+  and batch invariance: sequence 0's logits alone equal its rows in the batch. ``--graphs``: both forwards
+  also captured in a CUDA graph and replayed (the device-bound cost, a diagnostic; bitwise against eager).
 
 Writes ``--out/gpu_nvfp4_check.json`` and prints a markdown table last.
 """
@@ -125,6 +126,21 @@ def graph_us(fn: Callable[[], Any], target_ms: float = 20.0, repeats: int = 5) -
         b.synchronize()
         per.append(a.elapsed_time(b) * 1e3 / reps)
     return statistics.median(per)
+
+
+def graphed(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+    """``fn`` (static inputs) captured in one CUDA graph after 3 warm-up calls on a side stream: (replay,
+    the graph's output, overwritten by each replay)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g.replay, out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -582,11 +598,40 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
             res["shared_bitwise_unshared"] = bool(torch.equal(model(ids).logits, lb))
             for st in h.nvfp4.values():
                 st.shared = h.shared
+            if ARGS.graphs and cuda():
+                res.update(graph_forwards(model, ids, lb, h))
             res["target"] = "ratio <= 1.3, batch invariant"
             res["pass"] = res["ratio"] <= 1.3 and res["nvfp4_batch_invariant"] if cuda() else None
     finally:
         if h is not None:
             h.undo()
+    return res
+
+
+def graph_forwards(model: Any, ids: Any, nvfp4_logits: Any, h: Any) -> dict[str, Any]:
+    """Both forwards (bf16, then nvfp4-per-token) captured in a CUDA graph and replayed, static inputs: what
+    the learner would cost without its host overhead (a diagnostic: the product's learner runs eagerly).
+    Each replay's logits against the eager forward's (torch.equal); a capture that fails is its error."""
+    res: dict[str, Any] = {}
+    reps = 5
+    try:
+        replay, out = graphed(lambda: model(ids).logits)
+        res["nvfp4_graph_s"] = round(wall(replay, reps=reps), 4)
+        res["nvfp4_graph_equal_eager"] = bool(torch.equal(out, nvfp4_logits))
+        del out, replay
+    except Exception as e:
+        res["nvfp4_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    h.undo()
+    try:
+        eager = model(ids).logits
+        replay, out = graphed(lambda: model(ids).logits)
+        res["bf16_graph_s"] = round(wall(replay, reps=reps), 4)
+        res["bf16_graph_equal_eager"] = bool(torch.equal(out, eager))
+        del out, replay, eager
+    except Exception as e:
+        res["bf16_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if "nvfp4_graph_s" in res and "bf16_graph_s" in res:
+        res["graph_ratio"] = round(res["nvfp4_graph_s"] / res["bf16_graph_s"], 3)
     return res
 
 
@@ -638,6 +683,8 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="b: try the sync's launch configurations, keep the best")
     ap.add_argument("--profile", action="store_true", help="c: one forward of each recipe under torch.profiler "
                     "(wall vs device time, kernel count, top kernels), after the timed runs")
+    ap.add_argument("--graphs", action="store_true", help="c: both forwards also captured in a CUDA graph and "
+                    "replayed (the cost without the host's launches; bitwise against eager)")
     ARGS = ap.parse_args()
     if ARGS.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu --tiny for a dry run")

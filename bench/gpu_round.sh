@@ -11,7 +11,7 @@
 #   bash bench/gpu_round.sh sync    # the weight sync, Triton and native kernels: bitwise and vs a D2D copy (#28 pt 4)
 #   bash bench/gpu_round.sh shapes  # the native decode GEMM at the 8B layer shapes, per variant and M (#28 pt 1)
 #   bash bench/gpu_round.sh cap06   # #27 pt 1 on the 0.6B shape alone: capture modes and chunk sizes, ~2 min
-#   bash bench/gpu_round.sh learner # #28 pt 3: HF forward bf16 vs nvfp4-per-token, 0.6B and 8B, with a profile of each, ~3 min
+#   bash bench/gpu_round.sh learner # #28 pt 3: HF forward bf16 vs nvfp4-per-token, 0.6B and 8B, a profile of each, both in CUDA graphs, ~3 min
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/gs-out; each stage prints its tables last.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -70,7 +70,7 @@ case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, sh
     tail -12 "$out/cap06.log"
     ;;
   learner)
-    python "$here/gpu_nvfp4_check.py" --out "$out/learner" --only c --profile --budget "$(left 585)" > "$out/learner.log" 2>&1
+    python "$here/gpu_nvfp4_check.py" --out "$out/learner" --only c --profile --graphs --budget "$(left 585)" > "$out/learner.log" 2>&1
     sed -n '/^| /,$p' "$out/learner.log" | tail -8
     ;;
   capture)
