@@ -22,7 +22,8 @@ needs no native build):
   shapes at M = 16 and 2048; rows of M = 16 equal to the same rows at M = 8192 (torch.equal).
 * c ``learner``: HF Qwen3 forward, random weights, 0.6B shape (4 x 1,024 tokens) and 8B shape
   (2 x 1,024): bf16 vs the nvfp4-per-token recipe (``probes.hf.patch.patch``), median of 5 after a
-  warm-up, the first nvfp4 forward (it prepares the weights) timed apart (acceptance: <= 1.3x bf16),
+  warm-up, ``use_cache=False`` as the product's learner forward (``padded_forward``), the first nvfp4
+  forward (it prepares the weights) timed apart (acceptance: <= 1.3x bf16),
   and batch invariance: sequence 0's logits alone equal its rows in the batch. ``--graphs``: both forwards
   also captured in a CUDA graph and replayed (the device-bound cost, a diagnostic; bitwise against eager).
 
@@ -571,31 +572,31 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
     h = None
     try:
         with torch.inference_mode():
-            res["bf16_s"] = round(wall(lambda: model(ids), reps=reps), 4)
+            res["bf16_s"] = round(wall(lambda: model(ids, use_cache=False), reps=reps), 4)
             if ARGS.profile:
-                res["bf16_profile"] = profile_forward(lambda: model(ids))
-                res["bf16_host_top"] = host_profile(lambda: model(ids), f"bf16_{shape['num_hidden_layers']}l", 5)
-            lb = model(ids).logits
-            res["bf16_batch_invariant"] = bool(torch.equal(model(ids[:1]).logits[0], lb[0]))
+                res["bf16_profile"] = profile_forward(lambda: model(ids, use_cache=False))
+                res["bf16_host_top"] = host_profile(lambda: model(ids, use_cache=False), f"bf16_{shape['num_hidden_layers']}l", 5)
+            lb = model(ids, use_cache=False).logits
+            res["bf16_batch_invariant"] = bool(torch.equal(model(ids[:1], use_cache=False).logits[0], lb[0]))
             del lb
             h = patch(model, "nvfp4-per-token")
             sync()
             t = time.perf_counter()
-            model(ids)
+            model(ids, use_cache=False)
             sync()
             res["nvfp4_first_s"] = round(time.perf_counter() - t, 3)
-            res["nvfp4_s"] = round(wall(lambda: model(ids), reps=reps), 4)
+            res["nvfp4_s"] = round(wall(lambda: model(ids, use_cache=False), reps=reps), 4)
             if ARGS.profile:
-                res["nvfp4_profile"] = profile_forward(lambda: model(ids))
-                res["nvfp4_host_top"] = host_profile(lambda: model(ids), f"nvfp4_{shape['num_hidden_layers']}l")
+                res["nvfp4_profile"] = profile_forward(lambda: model(ids, use_cache=False))
+                res["nvfp4_host_top"] = host_profile(lambda: model(ids, use_cache=False), f"nvfp4_{shape['num_hidden_layers']}l")
             res["ratio"] = round(res["nvfp4_s"] / res["bf16_s"], 3)
-            lb = model(ids).logits
-            res["nvfp4_batch_invariant"] = bool(torch.equal(model(ids[:1]).logits[0], lb[0]))
+            lb = model(ids, use_cache=False).logits
+            res["nvfp4_batch_invariant"] = bool(torch.equal(model(ids[:1], use_cache=False).logits[0], lb[0]))
             # side by side: every linear quantizing its own input (before SharedInput) vs q/k/v and gate/up sharing
             for st in h.nvfp4.values():
                 st.shared = None
-            res["nvfp4_unshared_s"] = round(wall(lambda: model(ids), reps=reps), 4)
-            res["shared_bitwise_unshared"] = bool(torch.equal(model(ids).logits, lb))
+            res["nvfp4_unshared_s"] = round(wall(lambda: model(ids, use_cache=False), reps=reps), 4)
+            res["shared_bitwise_unshared"] = bool(torch.equal(model(ids, use_cache=False).logits, lb))
             for st in h.nvfp4.values():
                 st.shared = h.shared
             if ARGS.graphs and cuda():
@@ -615,7 +616,7 @@ def graph_forwards(model: Any, ids: Any, nvfp4_logits: Any, h: Any) -> dict[str,
     res: dict[str, Any] = {}
     reps = 5
     try:
-        replay, out = graphed(lambda: model(ids).logits)
+        replay, out = graphed(lambda: model(ids, use_cache=False).logits)
         res["nvfp4_graph_s"] = round(wall(replay, reps=reps), 4)
         res["nvfp4_graph_equal_eager"] = bool(torch.equal(out, nvfp4_logits))
         del out, replay
@@ -623,8 +624,8 @@ def graph_forwards(model: Any, ids: Any, nvfp4_logits: Any, h: Any) -> dict[str,
         res["nvfp4_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     h.undo()
     try:
-        eager = model(ids).logits
-        replay, out = graphed(lambda: model(ids).logits)
+        eager = model(ids, use_cache=False).logits
+        replay, out = graphed(lambda: model(ids, use_cache=False).logits)
         res["bf16_graph_s"] = round(wall(replay, reps=reps), 4)
         res["bf16_graph_equal_eager"] = bool(torch.equal(out, eager))
         del out, replay, eager

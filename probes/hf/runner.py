@@ -22,7 +22,12 @@ def token_logprobs(logits: Any, ids: Any) -> Any:
 
 def padded_forward(model: Any, chunk: list[list[int]], device: Any) -> tuple[Any, Any]:
     """One micro-batch forward, right-padded to the longest sequence with an attention mask (the
-    learner's forward, shared by the HF learner and every FSDP rank): returns (logits, ids)."""
+    learner's forward, shared by the HF learner and every FSDP rank): returns (logits, ids).
+
+    ``use_cache=False``, as RL learners call the model to score (verl's actor passes it): no KV cache is
+    built, so the checkpoint's ``config.use_cache`` does not decide which path attention reads its keys
+    from, and no copy of every layer's keys and values into a cache is made (2 allocations and 2 copies
+    per layer: host time on a host-bound forward)."""
     import torch
 
     width = max(len(s) for s in chunk)
@@ -32,7 +37,7 @@ def padded_forward(model: Any, chunk: list[list[int]], device: Any) -> tuple[Any
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
     ids, mask = ids.to(device), mask.to(device)
-    return model(input_ids=ids, attention_mask=mask).logits, ids
+    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits, ids
 
 
 TOPK_CHUNK_ELEMS = 1 << 26  # fp32 elements of one [positions, V] slice (256 MB): bounds the extra memory

@@ -170,3 +170,43 @@ def test_plugin_weights_changed_drops_every_nvfp4_state_cache() -> None:
     assert torch.equal(st(x, w), before)  # the stale cache this guards against
     assert vp.weights_changed(model) == 1
     assert torch.equal(st(x, w), -before)
+
+
+def test_padded_forward_builds_no_kv_cache_and_equals_the_cached_forward_bitwise(monkeypatch) -> None:  # noqa: ANN001
+    """The learner's forward scores as RL learners do (``use_cache=False``): no KV cache is made, whatever
+    the checkpoint's ``config.use_cache`` says, and the logits (engine and strict, sliding window
+    included) are exactly those of HF's default forward, which copies every layer's keys into a cache."""
+    import transformers
+
+    from mismatch_probe.probes.hf.patch import patch
+    from mismatch_probe.probes.hf.runner import padded_forward
+
+    model = _gemma3(window=6)
+    assert model.config.use_cache  # HF's default: the plain forward builds a cache
+    made = []
+    init = transformers.cache_utils.DynamicCache.__init__
+
+    def counting(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        made.append(1)
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(transformers.cache_utils.DynamicCache, "__init__", counting)
+    g = torch.Generator().manual_seed(3)
+    chunk = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (19, 7, 13)]
+    for recipe in (None, "strict"):
+        h = patch(model, recipe) if recipe else None
+        try:
+            with torch.inference_mode():
+                made.clear()
+                logits, ids = padded_forward(model, chunk, "cpu")
+                assert made == []
+                mask = torch.zeros_like(ids)
+                for i, s in enumerate(chunk):
+                    mask[i, : len(s)] = 1
+                cached = model(input_ids=ids, attention_mask=mask).logits
+                assert made  # the default forward did build one: the count can fail
+                keep = mask.bool()
+                assert torch.equal(logits[keep], cached[keep])
+        finally:
+            if h is not None:
+                h.undo()
