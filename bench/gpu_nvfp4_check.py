@@ -101,19 +101,11 @@ def wall(fn: Callable[[], Any], reps: int = 3, warm: int = 1) -> float:
 
 def graph_us(fn: Callable[[], Any], target_ms: float = 20.0, repeats: int = 5) -> float:
     """Median microseconds per call of ``fn`` captured in a CUDA graph and replayed (CUDA events)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
+    replay, _ = graphed(fn)
+    replay()
     torch.cuda.synchronize()
     t = time.perf_counter()
-    g.replay()
+    replay()
     torch.cuda.synchronize()
     est = max(time.perf_counter() - t, 1e-6)
     reps = int(max(3, min(500, target_ms / 1e3 / est)))
@@ -122,7 +114,7 @@ def graph_us(fn: Callable[[], Any], target_ms: float = 20.0, repeats: int = 5) -
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(reps):
-            g.replay()
+            replay()
         b.record()
         b.synchronize()
         per.append(a.elapsed_time(b) * 1e3 / reps)
