@@ -562,37 +562,41 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
     ids = torch.randint(8, min(400, shape["vocab_size"]), (batch, tokens), device=ARGS.device)
     reps = 5 if cuda() else 1
     h = None
+
+    def fwd(x: Any = ids) -> Any:  # the call padded_forward makes (no KV cache); its logits
+        return model(x, use_cache=False).logits
+
     try:
         with torch.inference_mode():
-            res["bf16_s"] = round(wall(lambda: model(ids, use_cache=False), reps=reps), 4)
+            res["bf16_s"] = round(wall(fwd, reps=reps), 4)
             if ARGS.profile:
-                res["bf16_profile"] = profile_forward(lambda: model(ids, use_cache=False))
-                res["bf16_host_top"] = host_profile(lambda: model(ids, use_cache=False), f"bf16_{shape['num_hidden_layers']}l", 5)
-            lb = model(ids, use_cache=False).logits
-            res["bf16_batch_invariant"] = bool(torch.equal(model(ids[:1], use_cache=False).logits[0], lb[0]))
+                res["bf16_profile"] = profile_forward(fwd)
+                res["bf16_host_top"] = host_profile(fwd, f"bf16_{shape['num_hidden_layers']}l", 5)
+            lb = fwd()
+            res["bf16_batch_invariant"] = bool(torch.equal(fwd(ids[:1])[0], lb[0]))
             del lb
             h = patch(model, "nvfp4-per-token")
             sync()
             t = time.perf_counter()
-            model(ids, use_cache=False)
+            fwd()
             sync()
             res["nvfp4_first_s"] = round(time.perf_counter() - t, 3)
-            res["nvfp4_s"] = round(wall(lambda: model(ids, use_cache=False), reps=reps), 4)
+            res["nvfp4_s"] = round(wall(fwd, reps=reps), 4)
             if ARGS.profile:
-                res["nvfp4_profile"] = profile_forward(lambda: model(ids, use_cache=False))
-                res["nvfp4_host_top"] = host_profile(lambda: model(ids, use_cache=False), f"nvfp4_{shape['num_hidden_layers']}l")
+                res["nvfp4_profile"] = profile_forward(fwd)
+                res["nvfp4_host_top"] = host_profile(fwd, f"nvfp4_{shape['num_hidden_layers']}l")
             res["ratio"] = round(res["nvfp4_s"] / res["bf16_s"], 3)
-            lb = model(ids, use_cache=False).logits
-            res["nvfp4_batch_invariant"] = bool(torch.equal(model(ids[:1], use_cache=False).logits[0], lb[0]))
+            lb = fwd()
+            res["nvfp4_batch_invariant"] = bool(torch.equal(fwd(ids[:1])[0], lb[0]))
             # side by side: every linear quantizing its own input (before SharedInput) vs q/k/v and gate/up sharing
             for st in h.nvfp4.values():
                 st.shared = None
-            res["nvfp4_unshared_s"] = round(wall(lambda: model(ids, use_cache=False), reps=reps), 4)
-            res["shared_bitwise_unshared"] = bool(torch.equal(model(ids, use_cache=False).logits, lb))
+            res["nvfp4_unshared_s"] = round(wall(fwd, reps=reps), 4)
+            res["shared_bitwise_unshared"] = bool(torch.equal(fwd(), lb))
             for st in h.nvfp4.values():
                 st.shared = h.shared
             if ARGS.graphs and cuda():
-                res.update(graph_forwards(model, ids, lb, h))
+                res.update(graph_forwards(fwd, lb, h))
             res["target"] = "ratio <= 1.3, batch invariant"
             res["pass"] = res["ratio"] <= 1.3 and res["nvfp4_batch_invariant"] if cuda() else None
     finally:
@@ -601,28 +605,22 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
     return res
 
 
-def graph_forwards(model: Any, ids: Any, nvfp4_logits: Any, h: Any) -> dict[str, Any]:
+def graph_forwards(fwd: Callable[[], Any], nvfp4_logits: Any, h: Any) -> dict[str, Any]:
     """Both forwards (bf16, then nvfp4-per-token) captured in a CUDA graph and replayed, static inputs: what
     the learner would cost without its host overhead (a diagnostic: the product's learner runs eagerly).
     Each replay's logits against the eager forward's (torch.equal); a capture that fails is its error."""
     res: dict[str, Any] = {}
-    reps = 5
-    try:
-        replay, out = graphed(lambda: model(ids, use_cache=False).logits)
-        res["nvfp4_graph_s"] = round(wall(replay, reps=reps), 4)
-        res["nvfp4_graph_equal_eager"] = bool(torch.equal(out, nvfp4_logits))
-        del out, replay
-    except Exception as e:
-        res["nvfp4_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    h.undo()
-    try:
-        eager = model(ids, use_cache=False).logits
-        replay, out = graphed(lambda: model(ids, use_cache=False).logits)
-        res["bf16_graph_s"] = round(wall(replay, reps=reps), 4)
-        res["bf16_graph_equal_eager"] = bool(torch.equal(out, eager))
-        del out, replay, eager
-    except Exception as e:
-        res["bf16_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for name in ("nvfp4", "bf16"):
+        if name == "bf16":
+            h.undo()
+        try:
+            eager = nvfp4_logits if name == "nvfp4" else fwd()
+            replay, out = graphed(fwd)
+            res[f"{name}_graph_s"] = round(wall(replay, reps=5), 4)
+            res[f"{name}_graph_equal_eager"] = bool(torch.equal(out, eager))
+            del out, replay, eager
+        except Exception as e:
+            res[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if "nvfp4_graph_s" in res and "bf16_graph_s" in res:
         res["graph_ratio"] = round(res["nvfp4_graph_s"] / res["bf16_graph_s"], 3)
     return res

@@ -380,7 +380,8 @@ def log_softmax_fn(recipe: Recipe | str | None) -> Callable[[torch.Tensor], torc
 
 def calibrate(model: torch.nn.Module, handle: PatchHandle, vocab_size: int) -> int:
     """``nvfp4-static``: run the fixed calibration set (one sequence at a time, no padding) with
-    the static linears recording input amax. Returns the number of calibrated linears."""
+    the static linears recording input amax. Returns the number of calibrated linears. No KV cache, as
+    the learner's scoring forward (``runner.padded_forward``)."""
     states = [s for s in handle.nvfp4.values() if s.scheme.static]
     if not states:
         return 0
@@ -389,7 +390,7 @@ def calibrate(model: torch.nn.Module, handle: PatchHandle, vocab_size: int) -> i
     try:
         with torch.inference_mode():
             for seq in calibration_token_ids(vocab_size):
-                model(input_ids=torch.tensor([seq], device=dev))
+                model(input_ids=torch.tensor([seq], device=dev), use_cache=False)
     finally:
         CALIBRATION["on"] = False
     return len(states)
