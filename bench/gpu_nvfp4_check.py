@@ -596,7 +596,9 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
             for st in h.nvfp4.values():
                 st.shared = h.shared
             if ARGS.graphs and cuda():
-                res.update(graph_forwards(fwd, lb, h))
+                res.update(graph_forwards(model, ids, lb, h))
+                if "nvfp4_graph_s" in res:
+                    res["graph_nvfp4_vs_eager_bf16"] = round(res["nvfp4_graph_s"] / res["bf16_s"], 3)
             res["target"] = "ratio <= 1.3, batch invariant"
             res["pass"] = res["ratio"] <= 1.3 and res["nvfp4_batch_invariant"] if cuda() else None
     finally:
@@ -605,20 +607,26 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
     return res
 
 
-def graph_forwards(fwd: Callable[[], Any], nvfp4_logits: Any, h: Any) -> dict[str, Any]:
-    """Both forwards (bf16, then nvfp4-per-token) captured in a CUDA graph and replayed, static inputs: what
-    the learner would cost without its host overhead (a diagnostic: the product's learner runs eagerly).
-    Each replay's logits against the eager forward's (torch.equal); a capture that fails is its error."""
+def graph_forwards(model: Any, ids: Any, nvfp4_logits: Any, h: Any) -> dict[str, Any]:
+    """Both forwards (nvfp4-per-token, then bf16) as the learner runs them with ``--learner-arg cuda_graphs=true``
+    (probes/hf/graphs.py: the first call eager, then captured and kept only if its replay is the eager bits):
+    the time per call once the graph replays (static shape, weights resident), the replay's logits against the
+    eager forward's (torch.equal), and the learner's graph stats (a shape it refused runs eagerly: its reason)."""
+    from mismatch_probe.probes.hf.graphs import GraphedForward
+
     res: dict[str, Any] = {}
+    mask = torch.ones_like(ids)
     for name in ("nvfp4", "bf16"):
         if name == "bf16":
             h.undo()
         try:
-            eager = nvfp4_logits if name == "nvfp4" else fwd()
-            replay, out = graphed(fwd)
-            res[f"{name}_graph_s"] = round(wall(replay, reps=5), 4)
-            res[f"{name}_graph_equal_eager"] = bool(torch.equal(out, eager))
-            del out, replay, eager
+            eager = nvfp4_logits if name == "nvfp4" else model(ids, use_cache=False).logits
+            gf = GraphedForward(model)
+            gf(ids, mask, False)  # eager, then the capture and its check
+            res[f"{name}_graph_equal_eager"] = bool(torch.equal(gf(ids, mask, False), eager))
+            res[f"{name}_graph_s"] = round(wall(lambda gf=gf: gf(ids, mask, False), reps=5), 4)
+            res[f"{name}_graph_stats"] = gf.stats.to_json()
+            del eager, gf
         except Exception as e:
             res[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if "nvfp4_graph_s" in res and "bf16_graph_s" in res:

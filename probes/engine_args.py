@@ -212,10 +212,22 @@ def _typed_like(flag: str, key: str, value: str, current: Any) -> Any:
     raise UsageError(f"{flag} {key}={value}: expected a {type(current).__name__} like the config's {current!r}")
 
 
-def learner_kwargs(raw: dict[str, str], model_dir: Path | str) -> dict[str, Any]:
-    """HF ``from_pretrained`` kwargs: ``attn_implementation`` or attributes of the model's config."""
+CUDA_GRAPHS = "cuda_graphs"  # --learner-arg cuda_graphs=true: the HF learner's forward replayed from CUDA graphs
+GRAPHS_CAPTURE_WHY = ("its hooks do not run inside CUDA graphs (use --capture off to measure that configuration)")
+
+
+def learner_kwargs(raw: dict[str, str], model_dir: Path | str, *, capture_on: bool = False,
+                   learner: str = "hf") -> dict[str, Any]:
+    """HF ``from_pretrained`` kwargs: ``attn_implementation`` or attributes of the model's config; and
+    ``cuda_graphs`` (the tool's: the HF learner's forward from CUDA graphs, probes/hf/graphs.py), or a
+    conflict error."""
     if not raw:
         return {}
+    if CUDA_GRAPHS in raw and _as_bool("--learner-arg", CUDA_GRAPHS, raw[CUDA_GRAPHS]):
+        if learner != "hf":
+            raise UsageError(f"--learner-arg {CUDA_GRAPHS}=true needs --learner hf (the FSDP learner runs eagerly)")
+        if capture_on:
+            raise UsageError(f"--learner-arg {CUDA_GRAPHS}=true conflicts with op capture (--capture): {GRAPHS_CAPTURE_WHY}")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir).to_dict()
@@ -223,7 +235,9 @@ def learner_kwargs(raw: dict[str, str], model_dir: Path | str) -> dict[str, Any]
     for key, value in raw.items():
         if key in LEARNER_OWNED:
             raise UsageError(f"--learner-arg {key}: set by {LEARNER_OWNED[key]}")
-        if key == "attn_implementation":
+        if key == CUDA_GRAPHS:
+            out[key] = _as_bool("--learner-arg", key, value)
+        elif key == "attn_implementation":
             choices = _attn_choices()
             if value not in choices:
                 raise UsageError(f"--learner-arg attn_implementation={value}: must be one of {', '.join(choices)}")
@@ -231,7 +245,7 @@ def learner_kwargs(raw: dict[str, str], model_dir: Path | str) -> dict[str, Any]
         elif key in config:
             out[key] = _typed_like("--learner-arg", key, value, config[key])
         else:
-            known = ["attn_implementation", *config]
+            known = ["attn_implementation", CUDA_GRAPHS, *config]
             raise _unknown("--learner-arg", key, known, "a from_pretrained argument or config attribute")
     return out
 

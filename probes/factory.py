@@ -79,6 +79,9 @@ def build_runner(spec: EngineSpec) -> Runner:
                            recipe_layers=spec.recipe_layers, llm_kwargs=dict(spec.engine_kwargs), topk=spec.topk,
                            capture=spec.capture, ops_dest=spec.ops_dest, auto=spec.engine_auto)
     kw = dict(spec.engine_kwargs)
+    graphs = bool(kw.pop("cuda_graphs", False))
+    if graphs and (spec.engine != "hf" or spec.capture is not None or spec.ops_dest is not None):
+        raise UsageError("cuda_graphs: the HF learner without op capture only")
     common: dict[str, Any] = {
         "micro_batch_size": spec.micro_batch_size,
         "dtype": spec.dtype,
@@ -100,6 +103,7 @@ def build_runner(spec: EngineSpec) -> Runner:
                            **common)
     from mismatch_probe.probes.hf.runner import HfLearner
 
-    return HfLearner(m.path, m.vocab_size, recipe_ops=spec.recipe_ops, recipe_layers=spec.recipe_layers, topk=spec.topk,
+    return HfLearner(m.path, m.vocab_size, cuda_graphs=graphs, recipe_ops=spec.recipe_ops,
+                     recipe_layers=spec.recipe_layers, topk=spec.topk,
                      topk_support=spec.topk_support, row_parallel_slices=spec.row_parallel_slices,
                      ops_dest=spec.ops_dest, **common)

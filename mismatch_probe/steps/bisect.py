@@ -148,7 +148,9 @@ class Engines:
         # replay and ablation switch ops inside one process: the sampler runs unsharded here
         self.dropped = {k: raw.pop(k) for k in ("tensor_parallel_size", "distributed_executor_backend") if k in raw}
         skw, sauto = ea.sampler_kwargs(raw, capture_on=True, recipe=s_recipe or "engine")
-        lkw = ea.learner_kwargs(ea.split_pairs(cfg.get("learner_args"), "--learner-arg"), ml.path)
+        lraw = ea.split_pairs(cfg.get("learner_args"), "--learner-arg")
+        lraw.pop(ea.CUDA_GRAPHS, None)  # replay and ablation run the learner's ops one by one: eagerly
+        lkw = ea.learner_kwargs(lraw, ml.path)
         self.sampler = build_runner(EngineSpec(
             "vllm", ms, longest, dtype=dtype, engine_kwargs=skw, engine_auto=sauto, recipe=s_recipe,
             recipe_ops=frozenset() if align else None,  # built with the plugin; idle until ablation asks

@@ -55,7 +55,8 @@ class CaptureConfig:
         if self.engine == "vllm":
             raw = engine_args.split_pairs(self.sampler_args, mine)
             return engine_args.sampler_kwargs(raw, capture_on=plan is not None, recipe=self.recipe or "engine")
-        return engine_args.learner_kwargs(engine_args.split_pairs(self.learner_args, mine), model_dir), {}
+        return engine_args.learner_kwargs(engine_args.split_pairs(self.learner_args, mine), model_dir,
+                                          capture_on=plan is not None, learner=self.engine), {}
 
     def manifest_config(self) -> dict[str, Any]:
         return {"engine": self.engine, "from": str(self.source), "capture": self.capture,

@@ -79,7 +79,8 @@ def prepare(cfg: CompareConfig) -> Prepared:
         capture_on=cfg.capture_plan() is not None,
         recipe=cfg.side_recipe("sampler"),
     )
-    lkw = engine_args.learner_kwargs(engine_args.split_pairs(cfg.learner_args, "--learner-arg"), model.path)
+    lkw = engine_args.learner_kwargs(engine_args.split_pairs(cfg.learner_args, "--learner-arg"), model.path,
+                                     capture_on=cfg.capture_plan() is not None, learner=cfg.learner)
     from mismatch_probe.steps.validate import engine_values, sequence_lengths
 
     engine_values(model, sequence_lengths(specs, ids, cfg.max_tokens), cfg.resolved_topk(), skw, lkw)

@@ -146,6 +146,11 @@ def _sampler_values(kw: dict, needed: int, ctx: int, topk: int) -> None:
 
 
 def _learner_values(kw: dict, path: object) -> None:
+    if kw.get("cuda_graphs"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--learner-arg cuda_graphs=true needs a CUDA GPU")
     attn = kw.get("attn_implementation")
     if isinstance(attn, str) and attn.startswith("flash_attention"):
         import torch
@@ -156,7 +161,7 @@ def _learner_values(kw: dict, path: object) -> None:
 
         if attn == "flash_attention_2" and not is_flash_attn_2_available():
             raise UsageError(f"--learner-arg attn_implementation={attn}: the flash-attn package is not installed")
-    overrides = {k: v for k, v in kw.items() if k != "attn_implementation"}
+    overrides = {k: v for k, v in kw.items() if k not in ("attn_implementation", "cuda_graphs")}
     if not overrides:
         return
     from transformers import AutoConfig

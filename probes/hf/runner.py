@@ -20,14 +20,15 @@ def token_logprobs(logits: Any, ids: Any) -> Any:
     return lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def padded_forward(model: Any, chunk: list[list[int]], device: Any) -> tuple[Any, Any]:
+def padded_forward(model: Any, chunk: list[list[int]], device: Any, graphs: Any = None) -> tuple[Any, Any]:
     """One micro-batch forward, right-padded to the longest sequence with an attention mask (the
     learner's forward, shared by the HF learner and every FSDP rank): returns (logits, ids).
 
     ``use_cache=False``, as RL learners call the model to score (verl's actor passes it): no KV cache is
     built, so the checkpoint's ``config.use_cache`` does not decide which path attention reads its keys
     from, and no copy of every layer's keys and values into a cache is made (2 allocations and 2 copies
-    per layer: host time on a host-bound forward)."""
+    per layer: host time on a host-bound forward). ``graphs``: a :class:`~mismatch_probe.probes.hf.graphs.GraphedForward`
+    of ``model`` (the same forward replayed from CUDA graphs, where that gives the same bits)."""
     import torch
 
     width = max(len(s) for s in chunk)
@@ -37,6 +38,8 @@ def padded_forward(model: Any, chunk: list[list[int]], device: Any) -> tuple[Any
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
     ids, mask = ids.to(device), mask.to(device)
+    if graphs is not None:
+        return graphs(ids, mask, any(len(s) < width for s in chunk)), ids
     return model(input_ids=ids, attention_mask=mask, use_cache=False).logits, ids
 
 
@@ -184,12 +187,15 @@ class HfLearner(HfModelRunner):
         topk: int = 0,
         topk_support: Mapping[int, Mapping[str, np.ndarray]] | None = None,
         row_parallel_slices: int = 1,
+        cuda_graphs: bool = False,
         **common: Any,
     ) -> None:
         """``common``: the keyword arguments of :class:`HfModelRunner`. ``topk`` (--topk K): record
         own top-K, entropy, sampled-token rank and the logprobs at the sampler's top-K ids of
         ``topk_support`` (seq_id -> name -> sampler ids [len-1, K], -1: none); ``row_parallel_slices``
-        N > 1: the row-parallel linears reduce K in N slices as a TP = N sampler does (strict)."""
+        N > 1: the row-parallel linears reduce K in N slices as a TP = N sampler does (strict);
+        ``cuda_graphs``: the forward replayed from CUDA graphs per micro-batch shape where the replay gives the
+        eager forward's bits (probes/hf/graphs.py; CUDA, no op capture)."""
         super().__init__(model_dir, vocab_size, **common)
         self.recipe_ops = recipe_ops  # subset of op classes / decoder layers patched (bisect's ablation)
         self.recipe_layers = recipe_layers
@@ -199,6 +205,10 @@ class HfLearner(HfModelRunner):
         self.topk_support: dict[int, dict[str, np.ndarray]] = {int(k): dict(v) for k, v in (topk_support or {}).items()}
         self.row_parallel_slices = row_parallel_slices
         self.topk_out: dict[int, dict[str, np.ndarray]] = {}  # seq_id -> recorded arrays (see record_topk)
+        if cuda_graphs and (self.capture is not None or self.ops_dest is not None):
+            raise ValueError("cuda_graphs: the capture hooks run only eagerly")
+        self.cuda_graphs = cuda_graphs
+        self._graphs: Any = None  # GraphedForward, made at load
 
     def _load_impl(self) -> None:
         import torch
@@ -219,6 +229,14 @@ class HfLearner(HfModelRunner):
         self._apply_recipe()
         self._split_row_parallel()
         self.info.settings.update(self._model_settings())
+        if self.cuda_graphs:
+            if str(self.device).split(":")[0] != "cuda":
+                from mismatch_probe.errors import UsageError
+
+                raise UsageError(f"--learner-arg cuda_graphs=true needs a CUDA device, the learner runs on {self.device}")
+            from mismatch_probe.probes.hf.graphs import GraphedForward
+
+            self._graphs = GraphedForward(self.model)
 
     def _split_row_parallel(self) -> None:
         """Strict recipe and a tensor-parallel sampler: the row-parallel linears reduce K in the
@@ -257,6 +275,8 @@ class HfLearner(HfModelRunner):
     def _recipe_impl(self, recipe: str, ops: list[str] | None, layers: list[int] | None) -> Iterator[None]:
         from mismatch_probe.probes.hf.patch import patch, token_logprobs_fn
 
+        if self._graphs is not None:  # a graph replays the kernels it captured: none may outlive the ops' switch
+            self._graphs.clear()
         handle = patch(self.model, recipe, ops=ops, layers=layers)
         saved = self._logprobs
         self._logprobs = token_logprobs_fn(recipe if ops is None or "logsoftmax" in ops else None)
@@ -265,6 +285,8 @@ class HfLearner(HfModelRunner):
         finally:
             handle.undo()
             self._logprobs = saved
+            if self._graphs is not None:
+                self._graphs.clear()
 
     def nvfp4_state(self, name: str) -> Any:
         """The NVFP4 linear state of the patched HF module ``name`` (None: not an NVFP4 linear)."""
@@ -284,6 +306,9 @@ class HfLearner(HfModelRunner):
         return self.model
 
     def _unload_impl(self) -> None:
+        if self._graphs is not None:
+            self._graphs.clear()
+            self._graphs = None
         if self._patch is not None:
             self._patch.undo()
             self._patch = None
@@ -302,6 +327,7 @@ class HfLearner(HfModelRunner):
         mb = self.micro_batch_size
         rec = OpRecorder(self.capture, sink=self.ops_dest) if self.capture is not None else None
         cap = HfCapture(self.model, rec) if rec is not None else None
+        graphs = self._graphs if rec is None else None  # the capture hooks run only eagerly
         if rec is not None:
             rec.begin(seq_ids, [len(s) for s in seqs])
         try:
@@ -313,7 +339,7 @@ class HfLearner(HfModelRunner):
                     chunk = seqs[start : start + mb]
                     if cap is not None:
                         cap.set_batch(seq_ids[start : start + mb], [len(s) for s in chunk], max(len(s) for s in chunk))
-                    logits, ids = padded_forward(self.model, chunk, self.device)
+                    logits, ids = padded_forward(self.model, chunk, self.device, graphs)
                     lp = self._logprobs(logits, ids).double().cpu().numpy()
                     out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
                     if self.topk:
@@ -329,6 +355,8 @@ class HfLearner(HfModelRunner):
         if rec is not None:
             self._finish_capture(rec)
             self.info.settings["unobservable_ops"] = list(HfCapture.unobservable)
+        if self._graphs is not None:  # which shapes replayed from graphs, which ran eagerly and why
+            self.info.settings["cuda_graphs"] = self._graphs.stats.to_json()
         if self._patch is not None and isinstance(self.info.settings.get("recipe"), dict):
             # which NVFP4 GEMM path ran per linear (reference / triton:decode / triton:prefill)
             self.info.settings["recipe"]["nvfp4_kernels"] = self._patch.describe()["nvfp4_kernels"]

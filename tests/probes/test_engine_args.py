@@ -94,9 +94,29 @@ def test_learner_args(tmp_path) -> None:
         assert message in str(e.value), e.value
 
 
+def test_learner_cuda_graphs_arg(tmp_path) -> None:
+    from mismatch_probe.probes.models import resolve_model
+
+    model = resolve_model("tiny-qwen3").path
+    assert ea.learner_kwargs({"cuda_graphs": "true"}, model) == {"cuda_graphs": True}
+    assert ea.learner_kwargs({"cuda_graphs": "false"}, model, capture_on=True, learner="fsdp") == {"cuda_graphs": False}
+    for kw, message in (
+        ({"capture_on": True}, "cuda_graphs=true conflicts with op capture (--capture)"),
+        ({"learner": "fsdp"}, "cuda_graphs=true needs --learner hf"),
+    ):
+        with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            ea.learner_kwargs({"cuda_graphs": "true"}, model, **kw)
+    with pytest.raises(UsageError, match="expected true or false|cuda_graphs"):
+        ea.learner_kwargs({"cuda_graphs": "maybe"}, model)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (("--learner-arg", "cuda_graphs=true"), "--learner-arg cuda_graphs=true conflicts with op capture"),
+        (("--capture", "off", "--learner", "fsdp", "--learner-arg", "cuda_graphs=true"),
+         "--learner-arg cuda_graphs=true needs --learner hf"),
+        (("--capture", "off", "--learner-arg", "cuda_graphs=true"), "--learner-arg cuda_graphs=true needs a CUDA GPU"),
         (("--sampler-arg", "tensor_paralel_size=2"), "--sampler-arg tensor_paralel_size: not a vLLM engine argument"),
         (("--sampler-arg", "enforce_eager=false"), "--sampler-arg enforce_eager=false conflicts with op capture"),
         (("--align", "strict", "--capture", "off", "--sampler-arg", "enforce_eager=false"),
@@ -110,3 +130,13 @@ def test_cli_one_line_error_exit_2(tmp_path, args: tuple[str, ...], message: str
     lines = p.stderr.strip().splitlines()  # (vLLM's import may log a line of its own first)
     assert "Traceback" not in p.stderr and lines[-1].startswith("error: ") and message in lines[-1]
     assert not out.exists()
+
+
+def test_hf_learner_cuda_graphs_on_the_cpu_is_one_line_error() -> None:
+    from mismatch_probe.probes.hf.runner import HfLearner
+    from mismatch_probe.probes.models import resolve_model
+
+    m = resolve_model("tiny-qwen3")
+    with pytest.raises(UsageError, match="cuda_graphs=true needs a CUDA device, the learner runs on cpu"):
+        with HfLearner(m.path, m.vocab_size, device="cpu", cuda_graphs=True):
+            pass
