@@ -8,7 +8,8 @@
    off; the streamed table checked equal, row for row, to the recorder's in-memory per-row table.
    ``MODE@thread``: the same with the writer thread instead of the writer process; ``MODE@rNk``: chunks
    of N Ki rows, ``MODE@qNm``: queued tensors launched every N MiB, ``MODE@hN``: at most N side-stream batches in
-   flight (``--modes``; ``--cprofile``: one whole ``score()`` per listed mode profiled). ``close s``: how long
+   flight, ``MODE@lateflush``: the last micro-batch's rows handed to the writer at close() (``--modes``;
+   ``--cprofile``: one whole ``score()`` per listed mode profiled). ``close s``: how long
    ``score()`` waits after its last forward (the recorder's ``close()``).
 2. ``mismatch-probe compare`` with the default capture vs ``--capture off`` (same prompts, seeds:
    same sequences, checked), Qwen3-0.6B-shaped checkpoint, 64 sequences x 256 generated tokens;
@@ -83,6 +84,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     sizes: dict[str, int] = {}
     rows: dict[str, int] = {}
     from mismatch_probe.probes import recorder as recmod
+    from mismatch_probe.probes.hf import runner as hfrun
 
     defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX)
     closes: dict[str, list[float]] = {m: [] for m in modes}
@@ -105,6 +107,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             recmod.BUFFER_ROWS = int(variant[1:-1]) << 10 if rk else defaults[0]
             recmod.STATS_BUFFER_ROWS = int(variant[1:-1]) << 10 if rk else defaults[2]
             recmod._QUEUE_BYTES = int(variant[1:-1]) << 20 if variant[:1] == "q" and variant.endswith("m") else defaults[1]
+            # MODE@lateflush: the last micro-batch's rows handed to the writer at close(), after the logprobs
+            hfrun.EARLY_FLUSH = variant != "lateflush"
             # MODE@hN: at most N side-stream batches in flight before the recording thread waits
             recmod._HELD_MAX = int(variant[1:]) if variant[:1] == "h" and variant[1:].isdigit() else defaults[3]
             _CLOSE.clear()

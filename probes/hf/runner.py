@@ -43,6 +43,10 @@ def padded_forward(model: Any, chunk: list[list[int]], device: Any, graphs: Any 
     return model(input_ids=ids, attention_mask=mask, use_cache=False).logits, ids
 
 
+# op capture: the last micro-batch's rows are handed to the writer as soon as its forward returns (nothing is
+# recorded after the logits), so their digests, copy and Parquet write overlap the logprobs' kernels and their
+# copy to the host; False: at close(), after the logprobs (the bench's A/B switch, MODE@lateflush)
+EARLY_FLUSH = True
 TOPK_CHUNK_ELEMS = 1 << 26  # fp32 elements of one [positions, V] slice (256 MB): bounds the extra memory
 
 
@@ -340,6 +344,8 @@ class HfLearner(HfModelRunner):
                     if cap is not None:
                         cap.set_batch(seq_ids[start : start + mb], [len(s) for s in chunk], max(len(s) for s in chunk))
                     logits, ids = padded_forward(self.model, chunk, self.device, graphs)
+                    if rec is not None and EARLY_FLUSH and start + mb >= len(seqs):
+                        rec.flush()
                     lp = self._logprobs(logits, ids).double().cpu().numpy()
                     out.extend(lp[i, : len(s) - 1].copy() for i, s in enumerate(chunk))
                     if self.topk:
