@@ -44,7 +44,7 @@ class _Graph:
 
 @dataclass
 class GraphStats:
-    """What the manifest records (``settings.cuda_graphs``)."""
+    """What the manifest records (the learner's settings, key "cuda_graphs")."""
 
     captured: int = 0
     replays: int = 0
