@@ -11,6 +11,7 @@
 #   bash bench/gpu_round.sh sync    # the weight sync, Triton and native kernels: bitwise and vs a D2D copy (#28 pt 4)
 #   bash bench/gpu_round.sh shapes  # the native decode GEMM at the 8B layer shapes, per variant and M (#28 pt 1)
 #   bash bench/gpu_round.sh cap06   # #27 pt 1 on the 0.6B shape alone: capture modes and chunk sizes, ~2 min
+#   bash bench/gpu_round.sh graphs  # #28 pt 3: the graphed learner's GPU test and its forward, bf16 vs nvfp4-per-token, ~3 min
 #   bash bench/gpu_round.sh learner # #28 pt 3: HF forward bf16 vs nvfp4-per-token, 0.6B and 8B, a profile of each, both in CUDA graphs, ~3 min
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/gs-out; each stage prints its tables last.
 set -uo pipefail
@@ -19,7 +20,7 @@ out="${OUT:-/tmp/gs-out}"
 mkdir -p "$out"
 gs=/tmp/gs
 left() { echo $(( ${1} - SECONDS )); }
-case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, shapes, cap06 or learner}" in
+case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, shapes, cap06, graphs or learner}" in
   tests)
     timeout "$(left 585)" bash "$here/gpu_tests.sh" -m gpu tests/gpu -rA > "$out/tests.log" 2>&1
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -15
@@ -68,6 +69,12 @@ case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, sh
       --shapes qwen3-0.6b --modes "${MODES:-off,digest,stats,digest@r256k,digest@r512k,stats@r256k,stats@r512k}" \
       > "$out/cap06.log" 2>&1
     tail -12 "$out/cap06.log"
+    ;;
+  graphs)  # --learner-arg cuda_graphs=true: its GPU test, then the learner bench with the product's graphs (#28 pt 3), ~3 min
+    timeout "$(left 300)" bash "$here/gpu_tests.sh" -m gpu tests/gpu/test_learner_graphs.py -rA > "$out/graphs_test.log" 2>&1
+    grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error" "$out/graphs_test.log" | tail -12
+    python "$here/gpu_nvfp4_check.py" --out "$out/learner" --only c --graphs --budget "$(left 585)" > "$out/learner.log" 2>&1
+    sed -n '/^| /,$p' "$out/learner.log" | tail -8
     ;;
   learner)
     python "$here/gpu_nvfp4_check.py" --out "$out/learner" --only c --profile --graphs --budget "$(left 585)" > "$out/learner.log" 2>&1
