@@ -9,8 +9,8 @@ shape. What makes it safe to leave on:
   what the call returns); its graph is then captured and replayed on the same inputs, and kept only if
   the replay equals that eager forward bit for bit (``torch.equal``). A shape whose capture fails or
   whose replay differs runs eagerly from then on; the manifest says which and why. (Measured on the
-  H100, Qwen3-0.6B shape: the nvfp4-per-token forward replays bitwise; the bf16 one does not, cuBLAS
-  picking another kernel inside the capture, so a bf16 learner stays eager.)
+  H100, Qwen3-0.6B shape: the nvfp4-per-token forward replays bitwise; the bf16 one does not (not
+  diagnosed; likely cuBLAS choosing other GEMM kernels inside a capture), so a bf16 learner stays eager.)
 - **No host decision on the data.** A micro-batch without padding is captured without an attention
   mask (HF drops an all-ones mask eagerly too); a padded one with its mask as a device input, which HF
   turns into the 4-D mask inside the graph (``is_tracing`` is true while capturing), so another
