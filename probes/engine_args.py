@@ -213,7 +213,7 @@ def _typed_like(flag: str, key: str, value: str, current: Any) -> Any:
 
 
 CUDA_GRAPHS = "cuda_graphs"  # --learner-arg cuda_graphs=true: the HF learner's forward replayed from CUDA graphs
-GRAPHS_CAPTURE_WHY = ("its hooks do not run inside CUDA graphs (use --capture off to measure that configuration)")
+GRAPHS_CAPTURE_WHY = "its hooks do not run inside CUDA graphs (use --capture off to measure that configuration)"
 
 
 def learner_kwargs(raw: dict[str, str], model_dir: Path | str, *, capture_on: bool = False,

@@ -79,9 +79,7 @@ def build_runner(spec: EngineSpec) -> Runner:
                            recipe_layers=spec.recipe_layers, llm_kwargs=dict(spec.engine_kwargs), topk=spec.topk,
                            capture=spec.capture, ops_dest=spec.ops_dest, auto=spec.engine_auto)
     kw = dict(spec.engine_kwargs)
-    graphs = bool(kw.pop("cuda_graphs", False))
-    if graphs and (spec.engine != "hf" or spec.capture is not None or spec.ops_dest is not None):
-        raise UsageError("cuda_graphs: the HF learner without op capture only")
+    graphs = bool(kw.pop("cuda_graphs", False))  # the HF learner's (engine_args.learner_kwargs refuses it elsewhere)
     common: dict[str, Any] = {
         "micro_batch_size": spec.micro_batch_size,
         "dtype": spec.dtype,
@@ -95,8 +93,8 @@ def build_runner(spec: EngineSpec) -> Runner:
     if spec.engine == "fsdp":
         from mismatch_probe.probes.fsdp.runner import FsdpLearner
 
-        if spec.recipe_ops is not None or spec.recipe_layers is not None or spec.row_parallel_slices > 1:
-            raise ValueError("the FSDP learner runs whole recipes only (no op/layer subset, no K slices)")
+        if spec.recipe_ops is not None or spec.recipe_layers is not None or spec.row_parallel_slices > 1 or graphs:
+            raise ValueError("the FSDP learner runs whole recipes only (no op/layer subset, no K slices), eagerly")
         return FsdpLearner(m.path, m.vocab_size, nproc=spec.nproc, timeout_s=spec.timeout_s,
                            mp_param_dtype=spec.mp_param_dtype, mp_reduce_dtype=spec.mp_reduce_dtype,
                            seq_meta=spec.seq_meta, dataset_dest=spec.tokens_dest, ops_dataset_dest=spec.ops_dest,

@@ -209,8 +209,6 @@ class HfLearner(HfModelRunner):
         self.topk_support: dict[int, dict[str, np.ndarray]] = {int(k): dict(v) for k, v in (topk_support or {}).items()}
         self.row_parallel_slices = row_parallel_slices
         self.topk_out: dict[int, dict[str, np.ndarray]] = {}  # seq_id -> recorded arrays (see record_topk)
-        if cuda_graphs and (self.capture is not None or self.ops_dest is not None):
-            raise ValueError("cuda_graphs: the capture hooks run only eagerly")
         self.cuda_graphs = cuda_graphs
         self._graphs: Any = None  # GraphedForward, made at load
 
@@ -331,7 +329,7 @@ class HfLearner(HfModelRunner):
         mb = self.micro_batch_size
         rec = OpRecorder(self.capture, sink=self.ops_dest) if self.capture is not None else None
         cap = HfCapture(self.model, rec) if rec is not None else None
-        graphs = self._graphs if rec is None else None  # the capture hooks run only eagerly
+        graphs = self._graphs if rec is None else None  # a captured score runs eagerly (hooks do not run in a replay)
         if rec is not None:
             rec.begin(seq_ids, [len(s) for s in seqs])
         try:
