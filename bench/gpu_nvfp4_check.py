@@ -607,6 +607,52 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
     return res
 
 
+def graph_first_diff(model: Any, ids: Any) -> str:
+    """Where a graph replay of ``model(ids)`` first leaves the eager bits: every leaf module's output is
+    cloned by a forward hook, eagerly and while capturing (the clone is then a kernel of the graph, which
+    the replay refills), and the two lists are compared in call order. Returns the first module that
+    differs (with the largest |difference|), or that none does."""
+    outs: list[tuple[str, Any]] = []
+
+    def hook(name: str) -> Callable[..., None]:
+        def f(_m: Any, _i: Any, o: Any) -> None:
+            o = o[0] if isinstance(o, tuple | list) else o
+            if isinstance(o, torch.Tensor):
+                outs.append((name, o.detach().clone()))
+        return f
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if not list(m.children())]
+    try:
+        model(ids, use_cache=False)
+        eager, outs[:] = list(outs), []
+        static = ids.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                model(static, use_cache=False)
+                outs.clear()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(static, use_cache=False)
+        graph.replay()
+        sync()
+        if len(outs) != len(eager):
+            return f"the graph recorded {len(outs)} module outputs, the eager forward {len(eager)}"
+        for (name, a), (_, b) in zip(eager, outs, strict=True):
+            if a.shape != b.shape or not torch.equal(a, b):
+                d = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("nan")
+                return f"{name} ({type(model.get_submodule(name)).__name__}): max |d| {d:.3g}"
+        return f"none of {len(eager)} module outputs differs"
+    except Exception as e:  # a diagnosis: never the bench's failure
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    finally:
+        for hd in handles:
+            hd.remove()
+        outs.clear()
+
+
 def graph_forwards(model: Any, ids: Any, nvfp4_logits: Any, h: Any) -> dict[str, Any]:
     """Both forwards (nvfp4-per-token, then bf16) as the learner runs them with ``--learner-arg cuda_graphs=true``
     (probes/hf/graphs.py: the first call eager, then captured and kept only if its replay is the eager bits):
@@ -626,6 +672,8 @@ def graph_forwards(model: Any, ids: Any, nvfp4_logits: Any, h: Any) -> dict[str,
             res[f"{name}_graph_equal_eager"] = bool(torch.equal(gf(ids, mask, False), eager))
             res[f"{name}_graph_s"] = round(wall(lambda gf=gf: gf(ids, mask, False), reps=5), 4)
             res[f"{name}_graph_stats"] = gf.stats.to_json()
+            if not res[f"{name}_graph_equal_eager"] or gf.stats.eager_shapes:
+                res[f"{name}_graph_first_diff"] = graph_first_diff(model, ids)
             del eager, gf
         except Exception as e:
             res[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
