@@ -9,8 +9,9 @@ shape. What makes it safe to leave on:
   what the call returns); its graph is then captured and replayed on the same inputs, and kept only if
   the replay equals that eager forward bit for bit (``torch.equal``). A shape whose capture fails or
   whose replay differs runs eagerly from then on; the manifest says which and why. (Measured on the
-  H100, Qwen3-0.6B shape: the nvfp4-per-token forward replays bitwise; the bf16 one does not (not
-  diagnosed; likely cuBLAS choosing other GEMM kernels inside a capture), so a bf16 learner stays eager.)
+  H100 and the H200, Qwen3-0.6B and 8B shapes: the nvfp4-per-token forward replays bitwise; the bf16
+  one does not, first at layer 0's ``o_proj`` output, the q/k/v projections before it still equal:
+  SDPA's output or the cuBLAS GEMM of ``o_proj`` changes inside a capture. So a bf16 learner stays eager.)
 - **No host decision on the data.** A micro-batch without padding is captured without an attention
   mask (HF drops an all-ones mask eagerly too); a padded one with its mask as a device input, which HF
   turns into the 4-D mask inside the graph (``is_tracing`` is true while capturing), so another
