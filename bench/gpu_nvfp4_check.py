@@ -608,10 +608,13 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
 
 
 def graph_first_diff(model: Any, ids: Any) -> str:
-    """Where a graph replay of ``model(ids)`` first leaves the eager bits: every leaf module's output is
-    cloned by a forward hook, eagerly and while capturing (the clone is then a kernel of the graph, which
-    the replay refills), and the two lists are compared in call order. Returns the first module that
-    differs (with the largest |difference|), or that none does."""
+    """Where the learner's graph of ``model(ids)`` (``GraphedForward``, as ``cuda_graphs=true`` makes it) first
+    leaves the eager bits: every leaf module's output is cloned by a forward hook in each forward the class runs
+    (its eager call, two warm-ups, the capture; the capture's clones are kernels of the graph, which the
+    class's check replays), and the eager call's clones are compared with the capture's in call order. Returns
+    the first module that differs (with the largest |difference|), or that none does."""
+    from mismatch_probe.probes.hf.graphs import GraphedForward
+
     outs: list[tuple[str, Any]] = []
 
     def hook(name: str) -> Callable[..., None]:
@@ -623,28 +626,19 @@ def graph_first_diff(model: Any, ids: Any) -> str:
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if not list(m.children())]
     try:
-        model(ids, use_cache=False)
-        eager, outs[:] = list(outs), []
-        static = ids.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                model(static, use_cache=False)
-                outs.clear()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            model(static, use_cache=False)
-        graph.replay()
+        model(ids, use_cache=False)  # how many outputs one forward records
+        n = len(outs)
+        outs.clear()
+        gf = GraphedForward(model)
+        gf(ids, torch.ones_like(ids), False)
         sync()
-        if len(outs) != len(eager):
-            return f"the graph recorded {len(outs)} module outputs, the eager forward {len(eager)}"
-        for (name, a), (_, b) in zip(eager, outs, strict=True):
+        if len(outs) != 4 * n:
+            return f"{len(outs)} module outputs recorded, not 4 x {n} (capture: {gf.stats.eager_shapes or 'kept'})"
+        for (name, a), (_, b) in zip(outs[:n], outs[-n:], strict=True):
             if a.shape != b.shape or not torch.equal(a, b):
                 d = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("nan")
                 return f"{name} ({type(model.get_submodule(name)).__name__}): max |d| {d:.3g}"
-        return f"none of {len(eager)} module outputs differs"
+        return f"none of {n} module outputs differs"
     except Exception as e:  # a diagnosis: never the bench's failure
         return f"{type(e).__name__}: {str(e)[:160]}"
     finally:
