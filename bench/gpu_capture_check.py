@@ -64,11 +64,12 @@ def _plans() -> dict[str, Any]:
 
 
 _CLOSE: list[float] = []
+STAGES: dict[str, Any] = {}  # shape -> mode -> stage medians (--trace)
 LOGS: Path | None = None  # where compare's output goes (--out)
 
 
 def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, rounds: int, modes: list[str],
-               check_tables: bool, tmp: Path, cprofile: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+               check_tables: bool, tmp: Path, cprofile: tuple[str, ...] = (), trace: bool = False) -> list[dict[str, Any]]:
     """Point 1: score() with ops streamed to disk, per mode, rounds interleaved (round 0 warms up)."""
     from mismatch_probe.run.schema import read_table
 
@@ -86,7 +87,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     from mismatch_probe.probes import recorder as recmod
     from mismatch_probe.probes.hf import runner as hfrun
 
-    defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX)
+    defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX,
+                recmod._QUEUE_CHUNKS, recmod._FLUSH_AT_LAUNCH)
     closes: dict[str, list[float]] = {m: [] for m in modes}
     orig_close = recmod.OpRecorder.close
 
@@ -98,29 +100,45 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             _CLOSE.append(time.perf_counter() - t)
 
     recmod.OpRecorder.close = timed_close
+    tr = None
+    if trace:  # stage timestamps per score() (bench/capture_trace.py)
+        from capture_trace import Trace
+
+        tr = Trace().install()
     for i in range(rounds + 1):
         for mode in modes:
             base_mode, _, variant = mode.partition("@")  # MODE@thread: the writer thread, not the writer process
-            os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if variant == "thread" else "process"
+            vs = variant.split("+")  # variants combine: MODE@q1024m+r1536k
+            os.environ["MISMATCH_PROBE_CAPTURE_WRITER"] = "thread" if "thread" in vs else "process"
             # MODE@rNk: chunks of N*1024 rows; MODE@qNm: queued tensors launched every N MiB
-            rk = variant[:1] == "r" and variant.endswith("k")
-            recmod.BUFFER_ROWS = int(variant[1:-1]) << 10 if rk else defaults[0]
-            recmod.STATS_BUFFER_ROWS = int(variant[1:-1]) << 10 if rk else defaults[2]
-            recmod._QUEUE_BYTES = int(variant[1:-1]) << 20 if variant[:1] == "q" and variant.endswith("m") else defaults[1]
+            rk = [int(v[1:-1]) << 10 for v in vs if v[:1] == "r" and v.endswith("k")]
+            recmod.BUFFER_ROWS = rk[0] if rk else defaults[0]
+            recmod.STATS_BUFFER_ROWS = rk[0] if rk else defaults[2]
+            qm = [int(v[1:-1]) << 20 for v in vs if v[:1] == "q" and v.endswith("m")]
+            recmod._QUEUE_BYTES = qm[0] if qm else defaults[1]
             # MODE@lateflush: the last micro-batch's rows handed to the writer at close(), after the logprobs
-            hfrun.EARLY_FLUSH = variant != "lateflush"
+            hfrun.EARLY_FLUSH = "lateflush" not in vs
             # MODE@hN: at most N side-stream batches in flight before the recording thread waits
-            recmod._HELD_MAX = int(variant[1:]) if variant[:1] == "h" and variant[1:].isdigit() else defaults[3]
+            hn = [int(v[1:]) for v in vs if v[:1] == "h" and v[1:].isdigit()]
+            recmod._HELD_MAX = hn[0] if hn else defaults[3]
+            # MODE@cN: N chunks wait for the writer before recording blocks; MODE@fl: a launch the queue triggers flushes
+            cn = [int(v[1:]) for v in vs if v[:1] == "c" and v[1:].isdigit()]
+            recmod._QUEUE_CHUNKS = cn[0] if cn else defaults[4]
+            recmod._FLUSH_AT_LAUNCH = "fl" in vs or defaults[5]
             _CLOSE.clear()
             r.capture = plans[base_mode]
             dest = tmp / f"{shape}-{mode}.parquet"
             dest.unlink(missing_ok=True)
             r.ops_dest = dest if r.capture is not None else None
             _sync(device)
+            if tr is not None:
+                tr.begin()
             t0 = time.perf_counter()
             lp = r.score(seqs, ids)  # returns once the rows are on disk (OpRecorder.close())
             _sync(device)
             dt = time.perf_counter() - t0
+            if tr is not None:
+                tr.end(mode)
             if i:
                 times[mode].append(dt)
                 closes[mode].append(sum(_CLOSE))
@@ -128,8 +146,12 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             if r.capture is not None:
                 sizes[mode] = dest.stat().st_size
                 rows[mode] = int((r.info.settings.get("capture") or {}).get("rows", 0))
+    if tr is not None:
+        tr.uninstall()
+        STAGES[shape] = tr.summary()
     recmod.OpRecorder.close = orig_close
-    recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX = defaults
+    (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX, recmod._QUEUE_CHUNKS,
+     recmod._FLUSH_AT_LAUNCH) = defaults
     for mode in cprofile:  # after the timed rounds (the profiler slows what it runs): one whole score() each
         import cProfile
         import pstats
@@ -308,6 +330,8 @@ def main() -> None:
     ap.add_argument("--cprofile", default="", help="modes (e.g. off,stats) of which one whole score() each is "
                     "cProfiled after the timed rounds: $OUT/cprofile_SHAPE_MODE.txt")
     ap.add_argument("--skip-compare", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="stage timestamps per score() (bench/capture_trace.py): "
+                    "a second table, medians per mode")
     a = ap.parse_args()
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -341,7 +365,9 @@ def main() -> None:
                 if a.shapes and shape not in a.shapes.split(","):
                     continue
                 res["score"] += score_part(shape, n_seqs, seq_len, mb, a.device, rounds, modes, not a.quick, tmp,
-                                           tuple(m for m in a.cprofile.split(",") if m))
+                                           tuple(m for m in a.cprofile.split(",") if m), a.trace)
+                if STAGES:
+                    res["stages"] = STAGES
                 dump.write_text(json.dumps(res, indent=1))
                 for f in tmp.glob("*.parquet"):
                     f.unlink()
@@ -353,6 +379,11 @@ def main() -> None:
             dump.write_text(json.dumps(res, indent=1))
     finally:
         dump.write_text(json.dumps(res, indent=1))
+        if STAGES:
+            from capture_trace import table
+
+            for shape, summ in STAGES.items():
+                print(f"\n{shape}: " + table(summ), flush=True)
         print(_table(res), flush=True)
 
 

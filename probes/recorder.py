@@ -63,6 +63,10 @@ _COPY_QUEUE_BYTES = 1 << 30  # copy_on_record: the queued copies are memory the 
 # CPU: kept values go to the writer in pieces of this size, so it writes them while the engine runs on
 _CPU_VALUE_BYTES = 64 << 20
 _HELD_MAX = 4  # side-stream batches in flight before the recording thread waits for the oldest
+_QUEUE_CHUNKS = 2  # chunks waiting for the writer before recording blocks
+# CUDA: a launch the queue triggers (not a new micro-batch's) also ends the chunk, so its rows reach the
+# writer while the forward runs on (the chunk boundaries follow the launches; no launch of its own)
+_FLUSH_AT_LAUNCH = False
 _META = {DIGEST_KEY: b"mp64"}
 _NOROWS = object()
 
@@ -118,7 +122,7 @@ class OpRecorder:
         self._window: tuple[np.ndarray, np.ndarray] | None = None  # sorted seq ids, full-row limit each
         self._writer: Any = None
         self._tables: list[pa.Table] = []
-        self.queue_chunks = 2  # chunks waiting for the writer before recording blocks
+        self.queue_chunks = _QUEUE_CHUNKS  # chunks waiting for the writer before recording blocks
         # rows are written by a separate process (recorder_writer.py: no GIL shared with the engine)
         # or, for in-memory recorders and MISMATCH_PROBE_CAPTURE_WRITER=thread, by a thread
         self.writer_mode = "memory" if sink is None else _writer_mode()
@@ -239,6 +243,8 @@ class OpRecorder:
                     self._fast.extend((op, lay, rows, off))
                     self._enqueue(tensor, lay.qkeys[rows.stats], (tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0),
                                   lay.qcost)
+                    if self._flush_due:
+                        self.flush()
                     return
         n = len(seq_ids)
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
@@ -314,7 +320,7 @@ class OpRecorder:
             self._topk_n += src.shape[0]
             self._topk.append((tv.float(), ti.int()))
         self._seg(seg)
-        if self._vbytes > (self.buffer_bytes if cuda else min(self.buffer_bytes, _CPU_VALUE_BYTES)):
+        if self._flush_due or self._vbytes > (self.buffer_bytes if cuda else min(self.buffer_bytes, _CPU_VALUE_BYTES)):
             self.flush()
 
     # ---- device arena (CUDA) ---------------------------------------------------------------
@@ -326,6 +332,7 @@ class OpRecorder:
         self._topk_n = 0
         self._vbytes = 0
         self._used = 0
+        self._flush_due = False
 
     def _arena(self) -> tuple[Any, Any]:
         """(digests, stats) of the current chunk: numpy arrays (CPU) or CUDA tensors."""
@@ -369,7 +376,10 @@ class OpRecorder:
         q[1].extend(desc)
         self._qb += cost
         if self._qb >= self._queue_limit:
-            self._launch()
+            if _FLUSH_AT_LAUNCH:  # once the op's segment is in the chunk (the caller: record / record_rows)
+                self._flush_due = True
+            else:
+                self._launch()
 
     def launch(self) -> None:
         """Launch the queued tensors' kernels now (the HF capture calls it when a new micro-batch

@@ -72,6 +72,25 @@ def test_batched_path_packed_equals_its_in_memory_table_and_the_golden_digests(t
         np.testing.assert_allclose(got.column(c).to_numpy(), want.column(c).to_numpy(), rtol=1e-12, atol=1e-12)
 
 
+def test_batched_path_flushing_at_each_launch_writes_the_same_rows(tmp_path, monkeypatch):
+    # chunks ended by the queue's launches (any op, the general path's full rows and top-k included):
+    # the same rows as one chunk
+    pytest.importorskip("triton")
+    from mismatch_probe.probes import recorder as recmod
+
+    monkeypatch.setattr(recmod, "_FLUSH_AT_LAUNCH", True)
+    monkeypatch.setattr(recmod, "_QUEUE_BYTES", 1)  # every queued tensor launches (and ends the chunk)
+    dest = tmp_path / "ops.parquet"
+    rec = OpRecorder(G.plan(), sink=dest, batched=True)
+    G.record(rec)
+    rec.close()
+    monkeypatch.setattr(recmod, "_FLUSH_AT_LAUNCH", False)
+    mem = OpRecorder(G.plan(), sink=None, batched=True)
+    G.record(mem)
+    assert_same_rows(G.sorted_rows(read_table(dest, "ops")), G.sorted_rows(mem.table()))
+    assert pq.ParquetFile(dest).metadata.num_row_groups > 1
+
+
 def test_empty_packed_file_reads_as_an_empty_ops_table(tmp_path):
     dest = tmp_path / "ops.parquet"
     rec = OpRecorder(G.plan(), sink=dest)

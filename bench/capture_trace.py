@@ -1,0 +1,142 @@
+"""Where a captured ``score()`` spends its time, stage by stage (a bench diagnostic, not the product):
+timestamps around the recorder's launches and flushes, the learner's forwards, the writer feeder's
+wait for each chunk's device copy and its hand-over, the writer process's acknowledgements and the
+close, taken by wrapping those functions in this process (the writer process itself is not traced:
+its work shows as the time the engine's process waits for its acks).
+
+    from capture_trace import Trace
+    tr = Trace().install()       # before the timed rounds
+    tr.begin(); r.score(...); tr.end(mode)   # per score()
+    tr.summary()                 # per mode: medians of each stage (ms), what the table prints
+    tr.uninstall()
+
+Stages (ms, per ``score()``, medians over the rounds):
+``fwd``: the learner's forwards (host time of ``padded_forward``: hooks included, no sync);
+``launch`` / ``n_launch``: the recorder's queued-kernel launches (host time; inside and outside flushes);
+``flush`` / ``n_flush``: the recorder's chunk flushes (host time, their launches included);
+``block``: the recording thread blocked handing a chunk over (writer behind);
+``after_fwd``: from the last forward's return until ``close()`` starts (early flush, logprobs, ``.cpu()``);
+``close``: ``close()``; of it ``drain`` (until the feeder has handed every chunk over), ``acks`` (then
+until the last chunk's ack), ``final`` (then the file's footer and rename);
+``ev_wait``: the feeder waiting for chunks' device copies (all chunks; ``ev_wait_last``: the last);
+``send``: the feeder's copy into shared memory and the message (all chunks; ``send_last``: the last).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+_now = time.perf_counter
+
+
+class Trace:
+    def __init__(self) -> None:
+        self.ev: list[tuple[str, float, float]] = []  # (stage, start, duration) of the current score()
+        self.rows: dict[str, list[dict[str, float]]] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._t0 = 0.0
+
+    def _wrap(self, owner: Any, name: str, stage: str) -> None:
+        orig = getattr(owner, name)
+        tr = self
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            t = _now()
+            try:
+                return orig(*a, **k)
+            finally:
+                tr.ev.append((stage, t, _now() - t))
+
+        setattr(owner, name, wrapped)
+        self._undo.append((owner, name, orig))
+
+    def install(self) -> Trace:
+        from mismatch_probe.probes import recorder as recmod
+        from mismatch_probe.probes import recorder_writer as rw
+        from mismatch_probe.probes.hf import runner as hfrun
+
+        self._wrap(hfrun, "padded_forward", "fwd")
+        self._wrap(recmod.OpRecorder, "_launch", "launch")
+        self._wrap(recmod.OpRecorder, "flush", "flush")
+        self._wrap(recmod.OpRecorder, "close", "close")
+        self._wrap(rw.WriterProcess, "submit", "block")
+        self._wrap(rw.WriterProcess, "_drain", "drain")
+        self._wrap(rw.WriterProcess, "_ack", "ack")
+        orig_send = rw.WriterProcess._send
+        tr = self
+
+        def send(self: Any, ev: Any, segs: list, parts: dict[str, Any]) -> None:  # feeder thread
+            t = _now()
+            if ev is not None:
+                ev.synchronize()
+            t1 = _now()
+            tr.ev.append(("ev_wait", t, t1 - t))
+            orig_send(self, None, segs, parts)
+            tr.ev.append(("send", t1, _now() - t1))
+
+        rw.WriterProcess._send = send
+        self._undo.append((rw.WriterProcess, "_send", orig_send))
+        return self
+
+    def uninstall(self) -> None:
+        for owner, name, orig in reversed(self._undo):
+            setattr(owner, name, orig)
+        self._undo.clear()
+
+    def begin(self) -> None:
+        self.ev = []
+        self._t0 = _now()
+
+    def end(self, mode: str) -> dict[str, float]:
+        ev = list(self.ev)
+
+        def of(stage: str) -> list[tuple[float, float]]:
+            return [(s, d) for st, s, d in ev if st == stage]
+
+        ms = 1e3
+        fwd, close = of("fwd"), of("close")
+        row: dict[str, float] = {
+            "fwd": sum(d for _, d in fwd) * ms,
+            "launch": sum(d for _, d in of("launch")) * ms, "n_launch": len(of("launch")),
+            "flush": sum(d for _, d in of("flush")) * ms, "n_flush": len(of("flush")),
+            "block": sum(d for _, d in of("block")) * ms,
+            "ev_wait": sum(d for _, d in of("ev_wait")) * ms, "send": sum(d for _, d in of("send")) * ms,
+            "ev_wait_last": (of("ev_wait")[-1][1] * ms) if of("ev_wait") else 0.0,
+            "send_last": (of("send")[-1][1] * ms) if of("send") else 0.0,
+        }
+        if fwd and close:
+            c0, cd = close[-1]
+            row["after_fwd"] = (c0 - (fwd[-1][0] + fwd[-1][1])) * ms
+            row["close"] = cd * ms
+            drains = [s + d for s, d in of("drain") if s >= c0]
+            acks = [s + d for s, d in of("ack") if s >= c0]
+            t_drain = drains[-1] if drains else c0
+            t_acks = max([t_drain, *acks])
+            row["drain"] = (t_drain - c0) * ms
+            row["acks"] = (t_acks - t_drain) * ms
+            row["final"] = (c0 + cd - t_acks) * ms
+        self.rows.setdefault(mode, []).append(row)
+        return row
+
+    def summary(self, skip_first: bool = True) -> dict[str, dict[str, float]]:
+        """Per mode, the median of each stage over the rounds (the first, a warm-up, left out)."""
+        out = {}
+        for mode, rows in self.rows.items():
+            rs = rows[1:] if skip_first and len(rows) > 1 else rows
+            keys = sorted({k for r in rs for k in r})
+            out[mode] = {k: round(statistics.median(r.get(k, 0.0) for r in rs), 3) for k in keys}
+        return out
+
+
+COLUMNS = ("fwd", "n_launch", "launch", "n_flush", "flush", "block", "after_fwd", "close", "drain", "acks", "final",
+           "ev_wait", "ev_wait_last", "send", "send_last")
+
+
+def table(summary: dict[str, dict[str, float]]) -> str:
+    head = f"{'mode':18}" + "".join(f"{c:>13}" for c in COLUMNS)
+    lines = ["stages per score(), ms, medians (bench/capture_trace.py)", head]
+    for mode, s in summary.items():
+        lines.append(f"{mode:18}" + "".join(f"{s.get(c, 0.0):13.2f}" for c in COLUMNS))
+    return "\n".join(lines)
