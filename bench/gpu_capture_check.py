@@ -8,8 +8,10 @@
    off; the streamed table checked equal, row for row, to the recorder's in-memory per-row table.
    ``MODE@thread``: the same with the writer thread instead of the writer process; ``MODE@rNk``: chunks
    of N Ki rows, ``MODE@qNm``: queued tensors launched every N MiB, ``MODE@hN``: at most N side-stream batches in
-   flight, ``MODE@lateflush``: the last micro-batch's rows handed to the writer at close() (``--modes``;
-   ``--cprofile``: one whole ``score()`` per listed mode profiled). ``close s``: how long
+   flight, ``MODE@lateflush``: the last micro-batch's rows handed to the writer at close(), ``MODE@cN``: N
+   chunks wait for the writer before recording blocks, ``MODE@fl``: each launch the queue triggers also ends
+   the chunk; variants combine with ``+`` (``digest@q1024m+fl``) (``--modes``; ``--cprofile``: one whole
+   ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
    ``score()`` waits after its last forward (the recorder's ``close()``).
 2. ``mismatch-probe compare`` with the default capture vs ``--capture off`` (same prompts, seeds:
    same sequences, checked), Qwen3-0.6B-shaped checkpoint, 64 sequences x 256 generated tokens;

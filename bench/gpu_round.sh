@@ -64,11 +64,11 @@ case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, sh
     timeout "$(left 585)" python "$here/gpu_decode_shapes.py" --out "$out/shapes" > "$out/shapes.log" 2>&1
     sed -n '/^| M /,$p' "$out/shapes.log"
     ;;
-  cap06)  # MODES: capture modes and variants (MODE@rNk: chunks of N Ki rows)
+  cap06)  # MODES: capture modes and variants (MODE@rNk: chunks of N Ki rows; MODE@q1024m+fl: see gpu_capture_check.py)
     timeout "$(left 585)" python "$here/gpu_capture_check.py" --out "$out/cap06" --rounds "${ROUNDS:-7}" --skip-compare \
-      --shapes qwen3-0.6b --modes "${MODES:-off,digest,stats,digest@r256k,digest@r512k,stats@r256k,stats@r512k}" \
-      > "$out/cap06.log" 2>&1
-    tail -12 "$out/cap06.log"
+      --shapes "${SHAPES:-qwen3-0.6b}" --trace \
+      --modes "${MODES:-off,digest,stats,digest@q1024m+fl,stats@q1024m+fl}" > "$out/cap06.log" 2>&1
+    sed -n '/stages per score/,$p' "$out/cap06.log"
     ;;
   graphs)  # --learner-arg cuda_graphs=true: its GPU test, then the learner bench with the product's graphs (#28 pt 3), ~3 min
     timeout "$(left 300)" bash "$here/gpu_tests.sh" -m gpu tests/gpu/test_learner_graphs.py -rA > "$out/graphs_test.log" 2>&1
