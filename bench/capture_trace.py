@@ -15,6 +15,7 @@ Stages (ms, per ``score()``, medians over the rounds):
 ``launch`` / ``n_launch``: the recorder's queued-kernel launches (host time; inside and outside flushes);
 ``flush`` / ``n_flush``: the recorder's chunk flushes (host time, their launches included);
 ``block``: the recording thread blocked handing a chunk over (writer behind);
+``hold``: the recording thread keeping side-stream batches' tensors alive (waits when too many are in flight);
 ``after_fwd``: from the last forward's return until ``close()`` starts (early flush, logprobs, ``.cpu()``);
 ``close``: ``close()``; of it ``drain`` (until the feeder has handed every chunk over), ``acks`` (then
 until the last chunk's ack), ``final`` (then the file's footer and rename);
@@ -61,6 +62,7 @@ class Trace:
         self._wrap(recmod.OpRecorder, "_launch", "launch")
         self._wrap(recmod.OpRecorder, "flush", "flush")
         self._wrap(recmod.OpRecorder, "close", "close")
+        self._wrap(recmod.OpRecorder, "_hold_until_done", "hold")
         self._wrap(rw.WriterProcess, "submit", "block")
         self._wrap(rw.WriterProcess, "_drain", "drain")
         self._wrap(rw.WriterProcess, "_ack", "ack")
@@ -102,6 +104,7 @@ class Trace:
             "launch": sum(d for _, d in of("launch")) * ms, "n_launch": len(of("launch")),
             "flush": sum(d for _, d in of("flush")) * ms, "n_flush": len(of("flush")),
             "block": sum(d for _, d in of("block")) * ms,
+            "hold": sum(d for _, d in of("hold")) * ms,
             "ev_wait": sum(d for _, d in of("ev_wait")) * ms, "send": sum(d for _, d in of("send")) * ms,
             "ev_wait_last": (of("ev_wait")[-1][1] * ms) if of("ev_wait") else 0.0,
             "send_last": (of("send")[-1][1] * ms) if of("send") else 0.0,
@@ -130,7 +133,7 @@ class Trace:
         return out
 
 
-COLUMNS = ("fwd", "n_launch", "launch", "n_flush", "flush", "block", "after_fwd", "close", "drain", "acks", "final",
+COLUMNS = ("fwd", "n_launch", "launch", "n_flush", "flush", "block", "hold", "after_fwd", "close", "drain", "acks", "final",
            "ev_wait", "ev_wait_last", "send", "send_last")
 
 

@@ -67,6 +67,9 @@ _QUEUE_CHUNKS = 2  # chunks waiting for the writer before recording blocks
 # CUDA: a launch the queue triggers (not a new micro-batch's) also ends the chunk, so its rows reach the
 # writer while the forward runs on (the chunk boundaries follow the launches; no launch of its own)
 _FLUSH_AT_LAUNCH = False
+# a chunk's device rows copied straight into the writer process's shared memory (page-locked once per
+# slot), not into a pinned buffer the feeder then copies (see recorder_writer.WriterProcess.stage)
+_D2H_TO_SLOT = False
 _META = {DIGEST_KEY: b"mp64"}
 _NOROWS = object()
 
@@ -461,6 +464,11 @@ class OpRecorder:
         u = self._used
         if self._is_batched:
             self._launch()
+            job = self._staged_job(u) if _D2H_TO_SLOT and self._proc is not None else None
+            if job is not None:
+                self._reset_chunk()
+                self._submit(job)
+                return
             with self._after_engine():  # the values and top-k were gathered on the engine's stream
                 dig, st = self._arena()
                 vals = self._to_host([v.reshape(-1).view(torch.uint8) for v in self._values])
@@ -490,6 +498,34 @@ class OpRecorder:
         self._reset_chunk()
         self._submit(job)
 
+    def _staged_job(self, u: int) -> tuple | None:
+        """The chunk's parts copied by the device straight into the writer process's shared memory
+        (``_D2H_TO_SLOT``; ``WriterProcess.stage``), on the side stream after the chunk's kernels: the job
+        (event, segments, staged chunk), or None where a slot cannot be page-locked (the caller copies
+        through pinned buffers instead)."""
+        import torch
+
+        with self._after_engine():  # the values and top-k were gathered on the engine's stream
+            dig, st = self._arena()
+            parts = {"dig": dig[:u]}  # raw digests (8 bytes a row), as the packed ops.parquet stores them
+            if self._chunk_has_stats():  # float64 sum, sum_sq, abs_max and int32 NaN / Inf counts, split on the device
+                parts["st"] = st[:u, :3].contiguous()
+                parts["cnt"] = st[:u, 3:].to(torch.int32)
+            if self._values:
+                parts["vals"] = torch.cat([v.reshape(-1).view(torch.uint8) for v in self._values])
+            if self._topk:
+                parts["tv"] = torch.cat([a for a, _ in self._topk])
+                parts["ti"] = torch.cat([b for _, b in self._topk])
+            staged = self._proc.stage(parts)
+            if staged is None:
+                return None
+            ev = None
+            if self._device.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record()
+        self._hold_until_done([self._values, self._topk, list(parts.values())])
+        return (ev, self._segs, staged)
+
     def _chunk_has_stats(self) -> bool:
         return any((g.rows if isinstance(g, _Seg) else g[5]).stats for g in self._segs)
 
@@ -498,6 +534,9 @@ class OpRecorder:
         import threading
 
         if self.writer_mode == "process":
+            if len(job) == 3:  # (event, segments, staged chunk): copied into the writer's memory already
+                self._proc.submit(job)
+                return
             ev, segs, dig, st, vals, tv, ti = job
             st, cnt = st if isinstance(st, tuple) else (st, None)
             self._proc.submit((ev, segs, {"dig": dig, "st": st, "cnt": cnt, "vals": vals, "tv": tv, "ti": ti}))

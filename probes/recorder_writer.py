@@ -89,8 +89,25 @@ class _Slot:
         self.path, self.size = path, size
         self.buf: np.ndarray | None = np.frombuffer(self.mm, np.uint8)
         self.mapped = False  # by the writer process (which then removed the file)
+        self.registered: bool | None = None  # page-locked for CUDA copies (None: not tried yet)
+
+    def register(self) -> bool:
+        """Page-lock the slot for CUDA (once): device-to-host copies then land here asynchronously,
+        with no pinned staging buffer and no host copy. False where CUDA refuses it."""
+        if self.registered is None:
+            import torch
+
+            assert self.buf is not None
+            rc = torch.cuda.cudart().cudaHostRegister(self.buf.ctypes.data, self.size, 0)
+            self.registered = int(rc) == 0
+        return self.registered
 
     def close(self) -> None:
+        if self.registered and self.buf is not None:  # no copy into it is in flight (acked, or the stream synced)
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.buf.ctypes.data)
+        self.registered = None
         self.buf = None
         if not self.mapped:
             Path(self.path).unlink(missing_ok=True)
@@ -122,11 +139,17 @@ class _Child:
         self.busy: dict[str, _Slot] = {}  # path -> slot of a chunk not yet acknowledged
         self.dropped: list[str] = []  # slots unmapped here, to unmap there with the next message
         self._n = 0
+        # the slot lists: the feeder and, for chunks staged on the device (WriterProcess.stage), the recording thread
+        self.lock = threading.RLock()
 
     # ---- slots (feeder thread; the recording thread only once the feeder is idle) ---------------
     def slot(self, nbytes: int, most: int) -> _Slot:
         """A free slot of at least ``nbytes`` (the smallest that fits), or a new one; free slots too
         small for it are dropped while the child would hold more than ``most`` slots."""
+        with self.lock:
+            return self._slot(nbytes, most)
+
+    def _slot(self, nbytes: int, most: int) -> _Slot:
         fits = [s for s in self.free if s.size >= nbytes]
         if fits:
             s = min(fits, key=lambda x: x.size)
@@ -142,6 +165,16 @@ class _Child:
 
     def release(self, path: str) -> None:
         """The writer process is done with the slot at ``path`` (its ack)."""
+        with self.lock:
+            self._release(path)
+
+    def unused(self, s: _Slot) -> None:
+        """A slot taken and never handed over: free again (the process has not mapped it)."""
+        with self.lock:
+            self.busy.pop(s.path, None)
+            self.free.append(s)
+
+    def _release(self, path: str) -> None:
         s = self.busy.pop(path, None)
         if s is None:
             return
@@ -160,12 +193,14 @@ class _Child:
 
     def drop_busy(self) -> None:
         """Chunks that will never be acknowledged (an abort, a failed process): their slots go."""
-        for s in list(self.busy.values()):
-            s.close()
-        self.busy.clear()
+        with self.lock:
+            for s in list(self.busy.values()):
+                s.close()
+            self.busy.clear()
 
     def take_dropped(self) -> list[str]:
-        out, self.dropped = self.dropped, []
+        with self.lock:
+            out, self.dropped = self.dropped, []
         return out
 
     def feed(self, writer: WriterProcess, job: tuple | None) -> None:
@@ -242,6 +277,26 @@ def _stop_idle() -> None:
 atexit.register(_stop_idle)
 
 
+class Staged:
+    """A chunk copied (or being copied, until its event) into a slot by :meth:`WriterProcess.stage`:
+    the slot, the parts' layout in it (numpy dtype, shape, offset) and the host views the copies write
+    (kept until the event has completed)."""
+
+    __slots__ = ("slot", "layout", "views")
+
+    def __init__(self, slot: _Slot, layout: dict[str, tuple[str, tuple, int]], views: list[Any]) -> None:
+        self.slot, self.layout, self.views = slot, layout, views
+
+
+@functools.cache
+def _np_dtype(dt: Any) -> str:
+    """The numpy dtype string of a torch dtype of the parts a recorder stages."""
+    import torch
+
+    return np.dtype({torch.int64: np.int64, torch.float64: np.float64, torch.int32: np.int32, torch.uint8: np.uint8,
+                     torch.float32: np.float32}[dt]).str
+
+
 class WriterProcess:
     """Parent side of one ``ops.parquet``: the writer process's feeder thread turns queued chunk
     jobs into files + messages for it. ``submit`` blocks while ``queue_chunks`` jobs wait (bounded
@@ -261,9 +316,17 @@ class WriterProcess:
         self._inflight = 0
 
     # ---- feeder thread -----------------------------------------------------------------------
-    def _send(self, ev: Any, segs: list, parts: dict[str, Any]) -> None:
+    def _send(self, ev: Any, segs: list, parts: Any) -> None:
         if ev is not None:
             ev.synchronize()  # the chunk's device-to-host copy (GIL released while waiting)
+        if isinstance(parts, Staged):  # copied into its slot by the device already: a message, no host copy
+            parts.views.clear()
+            while self._inflight >= self.queue_chunks:
+                self._recv_ack()
+            self._send_drops()
+            self._tx(("chunk", parts.slot.path, parts.layout, segs))
+            self._inflight += 1
+            return
         pieces: dict[str, list[np.ndarray]] = {}
         for name in PARTS:
             a = parts.get(name)
@@ -324,10 +387,45 @@ class WriterProcess:
 
     # ---- recording thread ----------------------------------------------------------------------
     def submit(self, job: tuple) -> None:
-        self.slots.acquire()  # blocks while queue_chunks jobs wait: host memory stays bounded
+        """Queue ``job`` = (event, segments, parts: host arrays by name, or a :class:`Staged`) for the
+        feeder; blocks while ``queue_chunks`` jobs wait (a staged job took its turn in :meth:`stage`)."""
+        if not isinstance(job[2], Staged):
+            self.slots.acquire()  # blocks while queue_chunks jobs wait: host memory stays bounded
         self.child.feed(self, job)
         if self.error is not None:
             raise self.error
+
+    def stage(self, parts: dict[str, Any]) -> Staged | None:
+        """Copy a chunk's tensors (by part name, in :data:`PARTS` order) into a slot of shared memory,
+        asynchronously on the current stream: for CUDA tensors the slot is page-locked once
+        (``cudaHostRegister``), so the device writes the bytes the writer process reads, with no pinned
+        staging buffer and no host copy. The caller records the event that ends the copies and passes
+        the result to :meth:`submit`. None (nothing queued) where the slot cannot be page-locked.
+        Blocks while ``queue_chunks`` jobs wait, as :meth:`submit` does."""
+        import torch
+
+        total = sum(t.numel() * t.element_size() for t in parts.values())
+        self.slots.acquire()
+        try:
+            # up to queue_chunks staged + queue_chunks with the process, and one more
+            slot = self.child.slot(total, 2 * self.queue_chunks + 1)
+            if any(t.is_cuda for t in parts.values()) and not slot.register():
+                self.child.unused(slot)
+                self.slots.release()
+                return None
+            assert slot.buf is not None
+            layout, views, off = {}, [], 0
+            for name, t in parts.items():
+                n = t.numel() * t.element_size()
+                dst = torch.from_numpy(slot.buf[off : off + n])
+                dst.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+                layout[name] = (_np_dtype(t.dtype), tuple(t.shape), off)
+                views.append(dst)
+                off += n
+        except BaseException:
+            self.slots.release()
+            raise
+        return Staged(slot, layout, views)
 
     def _drain(self) -> None:
         """Wait until the feeder has handed over (or dropped) every job of this file."""

@@ -91,6 +91,36 @@ def test_batched_path_flushing_at_each_launch_writes_the_same_rows(tmp_path, mon
     assert pq.ParquetFile(dest).metadata.num_row_groups > 1
 
 
+@pytest.mark.parametrize("at_launch", [False, True])
+def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_path, monkeypatch, at_launch):
+    # chunks copied straight into the writer process's shared memory (WriterProcess.stage; on CUDA the
+    # device writes them there): the same rows, values and top-k as the in-memory recorder's
+    pytest.importorskip("triton")
+    from mismatch_probe.probes import recorder as recmod
+
+    monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", "process")
+    monkeypatch.setattr(recmod, "_D2H_TO_SLOT", True)
+    monkeypatch.setattr(recmod, "_FLUSH_AT_LAUNCH", at_launch)
+    if at_launch:  # many chunks: slots reused and ack-bounded
+        monkeypatch.setattr(recmod, "_QUEUE_BYTES", 1)
+    from mismatch_probe.probes import recorder_writer as rw
+
+    staged = []
+    orig = rw.WriterProcess.stage
+    monkeypatch.setattr(rw.WriterProcess, "stage", lambda self, parts: staged.append(orig(self, parts)) or staged[-1])
+    dest = tmp_path / "ops.parquet"
+    rec = OpRecorder(G.plan(), sink=dest, batched=True)
+    assert rec.writer_mode == "process"
+    G.record(rec)
+    rec.close()
+    monkeypatch.setattr(recmod, "_D2H_TO_SLOT", False)
+    mem = OpRecorder(G.plan(), sink=None, batched=True)
+    G.record(mem)
+    assert_same_rows(G.sorted_rows(read_table(dest, "ops")), G.sorted_rows(mem.table()))
+    assert rec.rows_written == mem.rows_written
+    assert staged and all(s is not None for s in staged) and (len(staged) > 1) == at_launch
+
+
 def test_empty_packed_file_reads_as_an_empty_ops_table(tmp_path):
     dest = tmp_path / "ops.parquet"
     rec = OpRecorder(G.plan(), sink=dest)
