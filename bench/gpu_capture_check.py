@@ -9,9 +9,9 @@
    ``MODE@thread``: the same with the writer thread instead of the writer process; ``MODE@rNk``: chunks
    of N Ki rows, ``MODE@qNm``: queued tensors launched every N MiB, ``MODE@hN``: at most N side-stream batches in
    flight, ``MODE@lateflush``: the last micro-batch's rows handed to the writer at close(), ``MODE@cN``: N
-   chunks wait for the writer before recording blocks, ``MODE@fl``: each launch the queue triggers also ends
-   the chunk, ``MODE@slot`` / ``MODE@noslot``: chunks copied by the device into the writer's shared memory
-   or through pinned buffers; variants combine with ``+`` (``digest@q1024m+fl``) (``--modes``; ``--cprofile``: one whole
+   chunks wait for the writer before recording blocks, ``MODE@slot`` / ``MODE@noslot``: chunks copied by the
+   device into the writer's shared memory or through pinned buffers; variants combine with ``+``
+   (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
    ``score()`` waits after its last forward (the recorder's ``close()``).
 2. ``mismatch-probe compare`` with the default capture vs ``--capture off`` (same prompts, seeds:
@@ -91,7 +91,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     from mismatch_probe.probes.hf import runner as hfrun
 
     defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX,
-                recmod._QUEUE_CHUNKS, recmod._FLUSH_AT_LAUNCH, recmod._D2H_TO_SLOT)
+                recmod._QUEUE_CHUNKS, recmod._D2H_TO_SLOT)
     closes: dict[str, list[float]] = {m: [] for m in modes}
     orig_close = recmod.OpRecorder.close
 
@@ -124,12 +124,11 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             # MODE@hN: at most N side-stream batches in flight before the recording thread waits
             hn = [int(v[1:]) for v in vs if v[:1] == "h" and v[1:].isdigit()]
             recmod._HELD_MAX = hn[0] if hn else defaults[3]
-            # MODE@cN: N chunks wait for the writer before recording blocks; MODE@fl: a launch the queue triggers flushes
+            # MODE@cN: N chunks wait for the writer before recording blocks
             cn = [int(v[1:]) for v in vs if v[:1] == "c" and v[1:].isdigit()]
             recmod._QUEUE_CHUNKS = cn[0] if cn else defaults[4]
-            recmod._FLUSH_AT_LAUNCH = "fl" in vs or defaults[5]
             # MODE@slot / MODE@noslot: chunks copied by the device straight into the writer's shared memory, or not
-            recmod._D2H_TO_SLOT = True if "slot" in vs else False if "noslot" in vs else defaults[6]
+            recmod._D2H_TO_SLOT = True if "slot" in vs else False if "noslot" in vs else defaults[5]
             _CLOSE.clear()
             r.capture = plans[base_mode]
             dest = tmp / f"{shape}-{mode}.parquet"
@@ -156,7 +155,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
         STAGES[shape] = tr.summary()
     recmod.OpRecorder.close = orig_close
     (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX, recmod._QUEUE_CHUNKS,
-     recmod._FLUSH_AT_LAUNCH, recmod._D2H_TO_SLOT) = defaults
+     recmod._D2H_TO_SLOT) = defaults
     for mode in cprofile:  # after the timed rounds (the profiler slows what it runs): one whole score() each
         import cProfile
         import pstats

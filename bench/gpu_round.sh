@@ -64,10 +64,10 @@ case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, sh
     timeout "$(left 585)" python "$here/gpu_decode_shapes.py" --out "$out/shapes" > "$out/shapes.log" 2>&1
     sed -n '/^| M /,$p' "$out/shapes.log"
     ;;
-  cap06)  # MODES: capture modes and variants (MODE@rNk: chunks of N Ki rows; MODE@q1024m+fl: see gpu_capture_check.py)
+  cap06)  # MODES: capture modes and variants (MODE@rNk: chunks of N Ki rows; MODE@noslot: see gpu_capture_check.py)
     timeout "$(left 585)" python "$here/gpu_capture_check.py" --out "$out/cap06" --rounds "${ROUNDS:-7}" --skip-compare \
       --shapes "${SHAPES:-qwen3-0.6b}" --trace \
-      --modes "${MODES:-off,digest,stats,digest@q1024m+fl,stats@q1024m+fl}" > "$out/cap06.log" 2>&1
+      --modes "${MODES:-off,digest,stats,digest@noslot,stats@noslot}" > "$out/cap06.log" 2>&1
     sed -n '/stages per score/,$p' "$out/cap06.log"
     ;;
   graphs)  # --learner-arg cuda_graphs=true: its GPU test, then the learner bench with the product's graphs (#28 pt 3), ~3 min

@@ -8,9 +8,10 @@ Cost model (what keeps capture cheap at scale):
   launched at each new micro-batch of the HF learner: see _QUEUE_BYTES);
   queued tensors of one dtype are digested and reduced by ONE Triton launch (``digest_triton``)
   into a device arena of ``buffer_rows`` rows. When the arena fills, or the run ends, it is
-  copied to pinned host memory with one asynchronous copy per part (digests; stats split on the
-  device into the file's float64 sums and int32 counts); the writer waits for that copy's event,
-  builds the Arrow rows per op call (never per row) and writes them. No copy per op, no
+  copied with one asynchronous copy per part (digests; stats split on the device into the file's
+  float64 sums and int32 counts) straight into the writer process's shared memory (page-locked once
+  per slot; pinned host buffers where that is refused, or with the writer thread); the writer waits
+  for that copy's event, builds the Arrow rows per op call (never per row) and writes them. No copy per op, no
   synchronization inside the forward, nothing per row in Python.
 - CPU: a numba kernel (one pass over each row) writes straight into the host arena.
 - ``full`` rows are gathered on the device (``index_select``) and copied with the arena;
@@ -18,8 +19,8 @@ Cost model (what keeps capture cheap at scale):
 - Rows stream to ``ops.parquet`` in row groups (:class:`~mismatch_probe.run.schema.StreamWriter`).
   Host memory is bounded by ``queue_chunks + 2`` chunks (each ``buffer_rows`` rows of 48 bytes
   plus at most ``buffer_bytes`` of values), whatever the number of tokens: the recording thread
-  waits when the writer falls behind. The writer process's shared-memory slots (``queue_chunks + 1``
-  of them, reused) come on top; see ``recorder_writer.py``.
+  waits when the writer falls behind. The writer process's shared-memory slots (at most
+  ``2 * queue_chunks + 1`` of them, reused) come on top; see ``recorder_writer.py``.
 
 Recording only reads tensors: it never changes what the engine computes (tested: logprobs with
 and without capture are bitwise equal). An engine that overwrites a tensor in place after the hook
@@ -64,12 +65,11 @@ _COPY_QUEUE_BYTES = 1 << 30  # copy_on_record: the queued copies are memory the 
 _CPU_VALUE_BYTES = 64 << 20
 _HELD_MAX = 4  # side-stream batches in flight before the recording thread waits for the oldest
 _QUEUE_CHUNKS = 2  # chunks waiting for the writer before recording blocks
-# CUDA: a launch the queue triggers (not a new micro-batch's) also ends the chunk, so its rows reach the
-# writer while the forward runs on (the chunk boundaries follow the launches; no launch of its own)
-_FLUSH_AT_LAUNCH = False
-# a chunk's device rows copied straight into the writer process's shared memory (page-locked once per
-# slot), not into a pinned buffer the feeder then copies (see recorder_writer.WriterProcess.stage)
-_D2H_TO_SLOT = False
+# CUDA + writer process: a chunk's device rows copied straight into the writer process's shared memory
+# (page-locked once per slot), not into pinned buffers the feeder then copies into it (recorder_writer.
+# WriterProcess.stage). H100, 0.6B shape, stats (BENCHMARKS.md, issue 27 round 10): the feeder's work per
+# score() 40.9 -> 6.2 ms, the wait for it in close() 5.3 -> 1.6 ms; False: the pinned path (bench @noslot)
+_D2H_TO_SLOT = True
 _META = {DIGEST_KEY: b"mp64"}
 _NOROWS = object()
 
@@ -246,8 +246,6 @@ class OpRecorder:
                     self._fast.extend((op, lay, rows, off))
                     self._enqueue(tensor, lay.qkeys[rows.stats], (tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0),
                                   lay.qcost)
-                    if self._flush_due:
-                        self.flush()
                     return
         n = len(seq_ids)
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
@@ -323,7 +321,7 @@ class OpRecorder:
             self._topk_n += src.shape[0]
             self._topk.append((tv.float(), ti.int()))
         self._seg(seg)
-        if self._flush_due or self._vbytes > (self.buffer_bytes if cuda else min(self.buffer_bytes, _CPU_VALUE_BYTES)):
+        if self._vbytes > (self.buffer_bytes if cuda else min(self.buffer_bytes, _CPU_VALUE_BYTES)):
             self.flush()
 
     # ---- device arena (CUDA) ---------------------------------------------------------------
@@ -335,7 +333,6 @@ class OpRecorder:
         self._topk_n = 0
         self._vbytes = 0
         self._used = 0
-        self._flush_due = False
 
     def _arena(self) -> tuple[Any, Any]:
         """(digests, stats) of the current chunk: numpy arrays (CPU) or CUDA tensors."""
@@ -379,10 +376,7 @@ class OpRecorder:
         q[1].extend(desc)
         self._qb += cost
         if self._qb >= self._queue_limit:
-            if _FLUSH_AT_LAUNCH:  # once the op's segment is in the chunk (the caller: record / record_rows)
-                self._flush_due = True
-            else:
-                self._launch()
+            self._launch()
 
     def launch(self) -> None:
         """Launch the queued tensors' kernels now (the HF capture calls it when a new micro-batch

@@ -5,9 +5,11 @@ Why a process: a writer thread builds Arrow columns and compresses Parquet pages
 engine's forward runs, and every torch call of the forward releases and re-takes the GIL; a thread
 holding it delays the forward (measured: a short GPU forward ran at a fraction of its speed while
 the thread wrote). Here the engine's process only waits for the chunk's device-to-host copy (on a
-feeder thread, GIL released), copies the chunk's bytes into a slot of shared memory (GIL released)
-and sends a small message (the chunk's op segments); this process builds the table from views of
-the slot and writes the row group. The table is the same as the in-memory path's (tested).
+feeder thread, GIL released) and sends a small message (the chunk's op segments); this process builds
+the table from views of the slot and writes the row group. The table is the same as the in-memory
+path's (tested). On CUDA the device copies the chunk straight into the slot (:meth:`WriterProcess.stage`:
+the slot page-locked once with ``cudaHostRegister``); elsewhere, or where CUDA refuses to page-lock it,
+the feeder copies the chunk's host arrays into the slot (GIL released).
 
 Slots: files in shared memory (``/dev/shm``) that both processes map once and reuse, chunk after
 chunk and recorder after recorder (a slot is a ``_Child``'s, like the process). A new file per chunk
@@ -25,8 +27,9 @@ removed); any failure -> ``("error", text)`` and the process exits. After ``clos
 process waits for the next ``open`` (one process serves the recorders of an engine process one after
 another); it exits when its pipe closes (the engine's process ended), removing a file left open.
 
-Host memory stays bounded: the feeder keeps at most ``queue_chunks`` chunks in flight, and a child
-keeps at most ``queue_chunks + 1`` free slots of at most ``_SLOT_KEEP`` bytes each between chunks.
+Host memory stays bounded: at most ``queue_chunks`` chunks wait for the feeder and ``queue_chunks`` are with
+the process (each in a slot once staged), and a child keeps at most ``2 * queue_chunks + 1`` free slots of
+at most ``_SLOT_KEEP`` bytes each between chunks.
 """
 
 from __future__ import annotations
@@ -98,15 +101,21 @@ class _Slot:
             import torch
 
             assert self.buf is not None
-            rc = torch.cuda.cudart().cudaHostRegister(self.buf.ctypes.data, self.size, 0)
-            self.registered = int(rc) == 0
+            try:
+                rc = torch.cuda.cudart().cudaHostRegister(self.buf.ctypes.data, self.size, 0)
+                self.registered = int(rc) == 0
+            except (RuntimeError, AttributeError):  # no CUDA runtime binding here: the pinned path
+                self.registered = False
         return self.registered
 
     def close(self) -> None:
         if self.registered and self.buf is not None:  # no copy into it is in flight (acked, or the stream synced)
             import torch
 
-            torch.cuda.cudart().cudaHostUnregister(self.buf.ctypes.data)
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.buf.ctypes.data)
+            except RuntimeError:  # the CUDA context is gone (interpreter exit): nothing left to unpin
+                pass
         self.registered = None
         self.buf = None
         if not self.mapped:

@@ -72,27 +72,8 @@ def test_batched_path_packed_equals_its_in_memory_table_and_the_golden_digests(t
         np.testing.assert_allclose(got.column(c).to_numpy(), want.column(c).to_numpy(), rtol=1e-12, atol=1e-12)
 
 
-def test_batched_path_flushing_at_each_launch_writes_the_same_rows(tmp_path, monkeypatch):
-    # chunks ended by the queue's launches (any op, the general path's full rows and top-k included):
-    # the same rows as one chunk
-    pytest.importorskip("triton")
-    from mismatch_probe.probes import recorder as recmod
-
-    monkeypatch.setattr(recmod, "_FLUSH_AT_LAUNCH", True)
-    monkeypatch.setattr(recmod, "_QUEUE_BYTES", 1)  # every queued tensor launches (and ends the chunk)
-    dest = tmp_path / "ops.parquet"
-    rec = OpRecorder(G.plan(), sink=dest, batched=True)
-    G.record(rec)
-    rec.close()
-    monkeypatch.setattr(recmod, "_FLUSH_AT_LAUNCH", False)
-    mem = OpRecorder(G.plan(), sink=None, batched=True)
-    G.record(mem)
-    assert_same_rows(G.sorted_rows(read_table(dest, "ops")), G.sorted_rows(mem.table()))
-    assert pq.ParquetFile(dest).metadata.num_row_groups > 1
-
-
-@pytest.mark.parametrize("at_launch", [False, True])
-def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_path, monkeypatch, at_launch):
+@pytest.mark.parametrize("many_chunks", [False, True])
+def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_path, monkeypatch, many_chunks):
     # chunks copied straight into the writer process's shared memory (WriterProcess.stage; on CUDA the
     # device writes them there): the same rows, values and top-k as the in-memory recorder's
     pytest.importorskip("triton")
@@ -100,16 +81,14 @@ def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_pa
 
     monkeypatch.setenv("MISMATCH_PROBE_CAPTURE_WRITER", "process")
     monkeypatch.setattr(recmod, "_D2H_TO_SLOT", True)
-    monkeypatch.setattr(recmod, "_FLUSH_AT_LAUNCH", at_launch)
-    if at_launch:  # many chunks: slots reused and ack-bounded
-        monkeypatch.setattr(recmod, "_QUEUE_BYTES", 1)
     from mismatch_probe.probes import recorder_writer as rw
 
     staged = []
     orig = rw.WriterProcess.stage
     monkeypatch.setattr(rw.WriterProcess, "stage", lambda self, parts: staged.append(orig(self, parts)) or staged[-1])
     dest = tmp_path / "ops.parquet"
-    rec = OpRecorder(G.plan(), sink=dest, batched=True)
+    # many chunks: slots reused, the feeder bounded by the writer's acks
+    rec = OpRecorder(G.plan(), sink=dest, batched=True, buffer_rows=64 if many_chunks else None)
     assert rec.writer_mode == "process"
     G.record(rec)
     rec.close()
@@ -118,7 +97,7 @@ def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_pa
     G.record(mem)
     assert_same_rows(G.sorted_rows(read_table(dest, "ops")), G.sorted_rows(mem.table()))
     assert rec.rows_written == mem.rows_written
-    assert staged and all(s is not None for s in staged) and (len(staged) > 1) == at_launch
+    assert staged and all(s is not None for s in staged) and (len(staged) > 1) == many_chunks
 
 
 def test_empty_packed_file_reads_as_an_empty_ops_table(tmp_path):
