@@ -10,7 +10,8 @@
    of N Ki rows, ``MODE@qNm``: queued tensors launched every N MiB, ``MODE@hN``: at most N side-stream batches in
    flight, ``MODE@lateflush``: the last micro-batch's rows handed to the writer at close(), ``MODE@cN``: N
    chunks wait for the writer before recording blocks, ``MODE@slot`` / ``MODE@noslot``: chunks copied by the
-   device into the writer's shared memory or through pinned buffers; variants combine with ``+``
+   device into the writer's shared memory or through pinned buffers, ``MODE@fixed``: digest chunks end at
+   BUFFER_ROWS only (not where the forward's tail is left); variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
    ``score()`` waits after its last forward (the recorder's ``close()``).
@@ -91,7 +92,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     from mismatch_probe.probes.hf import runner as hfrun
 
     defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX,
-                recmod._QUEUE_CHUNKS, recmod._D2H_TO_SLOT)
+                recmod._QUEUE_CHUNKS, recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS)
     closes: dict[str, list[float]] = {m: [] for m in modes}
     orig_close = recmod.OpRecorder.close
 
@@ -129,6 +130,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             recmod._QUEUE_CHUNKS = cn[0] if cn else defaults[4]
             # MODE@slot / MODE@noslot: chunks copied by the device straight into the writer's shared memory, or not
             recmod._D2H_TO_SLOT = True if "slot" in vs else False if "noslot" in vs else defaults[5]
+            # MODE@fixed: digest chunks end at BUFFER_ROWS only (no chunk end adapted to the forward's tail)
+            recmod.CUDA_BUFFER_ROWS = recmod.BUFFER_ROWS if "fixed" in vs else defaults[6]
             _CLOSE.clear()
             r.capture = plans[base_mode]
             dest = tmp / f"{shape}-{mode}.parquet"
@@ -155,7 +158,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
         STAGES[shape] = tr.summary()
     recmod.OpRecorder.close = orig_close
     (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX, recmod._QUEUE_CHUNKS,
-     recmod._D2H_TO_SLOT) = defaults
+     recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS) = defaults
     for mode in cprofile:  # after the timed rounds (the profiler slows what it runs): one whole score() each
         import cProfile
         import pstats

@@ -52,6 +52,14 @@ BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, on
 # costs more than the shorter wait saves: 1.36x -> 1.71x with 128 Ki rows). With the writer's shared-memory
 # slots (round 7, 2026-12-05, 0.6B shape, stats): 128 Ki rows 2.03x, 256 Ki 1.75x, 512 Ki 1.76x -> 256 Ki
 STATS_BUFFER_ROWS = 1 << 18
+# CUDA, digest-only plans: the arena holds up to 2 Mi rows, and a forward's chunk ends where about _TAIL of
+# its rows are left (from the rows per token of the plan's previous forward in this process), so the
+# last forward's last chunk, the rows score() waits for after it, is small; before any forward of the plan,
+# and after that one boundary, chunks end at BUFFER_ROWS as before. H100, 0.6B shape (BENCHMARKS.md, issue
+# 27 round 10): a boundary at 1.5 Mi of 1.96 Mi rows: close() 10.9 -> 6.9 ms, digest 1.67x -> 1.51x of off.
+CUDA_BUFFER_ROWS = 1 << 21
+_TAIL = 0.22
+_ROWS_PER_TOKEN: dict[str, float] = {}  # plan (its JSON) -> arena rows per token of its last forward
 # CUDA: queued tensors launch when their bytes reach _QUEUE_BYTES (each tensor counted as at least
 # _QUEUE_BYTES // _QUEUE_OPS, so at most _QUEUE_OPS tensors wait), and at each new micro-batch of the HF
 # learner (launch(): after the previous forward's logprobs reached the host, so the kernels overlap the
@@ -114,6 +122,10 @@ class OpRecorder:
         self._seen: set[str] = set()
         self.buffer_rows = int(buffer_rows or BUFFER_ROWS)
         self._rows_given = buffer_rows is not None
+        self._limit = self.buffer_rows  # rows at which the current chunk ends (see CUDA_BUFFER_ROWS)
+        self._adapt = False  # the chunk end adapted to the forward (CUDA, digest-only, buffer_rows not given)
+        self._flushed = 0  # arena rows of the chunks handed over so far
+        self._fwd: tuple[int, int] | None = None  # the current forward's (arena rows before it, its rows per op)
         self.buffer_bytes = int(buffer_bytes)
         self.rows_written = 0
         self.value_bytes = 0
@@ -236,7 +248,7 @@ class OpRecorder:
                     return
                 off = self._used
                 n = lay.n
-                if not rows.full.size and off + n <= self.buffer_rows and n == self._bn:
+                if not rows.full.size and off + n <= self._limit and n == self._bn:
                     if op not in self._seen:
                         self._seen.add(op)
                         self.seen_ops.append(op)
@@ -288,7 +300,7 @@ class OpRecorder:
         need = t.shape[0] if cuda else k
         if need > self.buffer_rows:
             raise ValueError(f"capture of {op}: {need} rows at once exceed buffer_rows={self.buffer_rows}")
-        if self._used + need > self.buffer_rows:
+        if self._used + need > self._limit:
             self.flush()
         off = self._used
         seg = _Seg(op, _dtype_name(t.dtype), shape, int(t.shape[1]), t.element_size(), rows, off, cuda)
@@ -384,6 +396,42 @@ class OpRecorder:
         if self._is_batched:
             self._launch()
 
+    def start_batch(self, rows: int) -> None:
+        """A forward of ``rows`` rows per op starts (the HF capture's micro-batch; padding included):
+        the queued kernels launch (:meth:`launch`), the previous forward's rows per token are noted
+        for the plan, and this forward's chunk end is placed (see ``CUDA_BUFFER_ROWS``)."""
+        self.launch()
+        self._note_forward()
+        self._fwd = (self._flushed + self._used, int(rows))
+        self._place_limit()
+
+    def _plan_key(self) -> str:
+        import json
+
+        key = getattr(self, "_pkey", None)
+        if key is None:
+            key = self._pkey = json.dumps(self.plan.to_json(), sort_keys=True, default=str)
+        return key
+
+    def _note_forward(self) -> None:
+        """The rows per token of the forward that just ended, for the next forwards of this plan."""
+        if self._fwd is not None and self._adapt:
+            start, rows = self._fwd
+            done = self._flushed + self._used - start
+            if done > 0 and rows > 0:
+                _ROWS_PER_TOKEN[self._plan_key()] = done / rows
+
+    def _place_limit(self) -> None:
+        """Where the current chunk ends: about ``_TAIL`` of the forward's rows before its end, when
+        that is past BUFFER_ROWS and fits the arena; else at BUFFER_ROWS."""
+        if not self._adapt:
+            return
+        lim = min(self.buffer_rows, BUFFER_ROWS)
+        per = _ROWS_PER_TOKEN.get(self._plan_key()) if self._fwd is not None else None
+        if per is not None and self._fwd is not None:
+            lim = max(lim, self._used + int(per * self._fwd[1] * (1 - _TAIL)))
+        self._limit = min(self.buffer_rows, lim)
+
     def _side(self) -> Any:
         """The CUDA stream the recorder's device work runs on (None: the engine's own stream).
 
@@ -456,6 +504,9 @@ class OpRecorder:
         if not self._segs:
             return
         u = self._used
+        self._flushed += u
+        if self._adapt:  # the forward's one adapted chunk end is behind: BUFFER_ROWS again
+            self._limit = min(self.buffer_rows, BUFFER_ROWS)
         if self._is_batched:
             self._launch()
             job = self._staged_job(u) if _D2H_TO_SLOT and self._proc is not None else None
@@ -573,8 +624,13 @@ class OpRecorder:
         interpreter, for tests) go through the queued Triton launches and the device arena."""
         if self._is_batched is None:
             self._is_batched = t.device.type == "cuda" or self.force_batched
-            if self._is_batched and not self._rows_given and self.plan.keeps_stats():  # nothing recorded yet
-                self.buffer_rows = min(self.buffer_rows, STATS_BUFFER_ROWS)
+            if self._is_batched and not self._rows_given:  # nothing recorded yet: the arena is not made
+                if self.plan.keeps_stats():
+                    self.buffer_rows = min(self.buffer_rows, STATS_BUFFER_ROWS)
+                elif (t.device.type == "cuda" or self.force_batched) and self._fwd is not None:  # forwards marked
+                    self.buffer_rows, self._adapt = max(self.buffer_rows, CUDA_BUFFER_ROWS), True
+                    self._place_limit()
+                self._limit = min(self._limit, self.buffer_rows)
         return self._is_batched
 
     def _drain(self, ev: Any, segs: list[_Seg], dig: Any, st: Any, vals: Any, tv: Any, ti: Any) -> None:
@@ -610,6 +666,7 @@ class OpRecorder:
         """Write everything still buffered; finalize the file (atomic rename)."""
         if self._closed:
             return
+        self._note_forward()
         try:
             self.flush()
             self._join()

@@ -132,8 +132,9 @@ class HfCapture:
     def set_batch(self, seq_ids: list[int], lengths: list[int], width: int) -> None:
         """The next forward holds ``len(seq_ids)`` rows padded to ``width`` tokens. The previous
         forward is done (its logprobs are on the host): the recorder launches what it queued, so
-        those kernels overlap this forward rather than the previous one's last kernels."""
-        self.rec.launch()
+        those kernels overlap this forward rather than the previous one's last kernels, and places
+        this forward's chunk end (``OpRecorder.start_batch``)."""
+        self.rec.start_batch(len(seq_ids) * width)
         seq = np.full((len(seq_ids), width), -1, np.int64)
         for i, (s, n) in enumerate(zip(seq_ids, lengths, strict=True)):
             seq[i, :n] = s

@@ -293,7 +293,8 @@ def test_writer_process_reuses_its_shared_memory_slots(tmp_path, monkeypatch):
             r.record(f"{i}.out", _rand(torch.bfloat16, 4, 8, i), seq, pos)
         r.close()
         pd.testing.assert_frame_equal(read_table(tmp_path / f"ops{k}.parquet", "ops").to_pandas(), want)
-        assert not child.busy and 1 <= len(child.free) <= r.queue_chunks + 1
+        # up to queue_chunks with the process and queue_chunks staged (WriterProcess.stage), and one more
+        assert not child.busy and 1 <= len(child.free) <= 2 * r.queue_chunks + 1
         assert _mapped_slots(child.proc.pid) == len(child.free)
         slots.append({id(s) for s in child.free})
         assert not _slot_files()
@@ -441,3 +442,40 @@ def test_batched_chunks_are_smaller_where_the_plan_keeps_stats():
         rec.table()
     assert got == {"stats": R.STATS_BUFFER_ROWS, "digest": R.BUFFER_ROWS, "cpu": R.BUFFER_ROWS, "given": 1 << 19}
     assert R.STATS_BUFFER_ROWS < R.BUFFER_ROWS
+
+
+def test_batched_digest_chunk_ends_where_the_forwards_tail_is_left(monkeypatch):
+    """Digest-only batched recorders whose caller marks its forwards (``start_batch``) end a forward's
+    chunk where about _TAIL of its rows are left, from the plan's rows per token of the forward before;
+    the first forward, and the rest after that boundary, cut at BUFFER_ROWS. Same table either way."""
+    from mismatch_probe.probes import recorder as R
+
+    monkeypatch.setattr(R, "BUFFER_ROWS", 40)
+    monkeypatch.setattr(R, "CUDA_BUFFER_ROWS", 400)
+    monkeypatch.setattr(R, "_ROWS_PER_TOKEN", {})
+    tok = 12  # rows per op in a forward; 10 ops: 120 arena rows per forward
+    seq, pos = np.repeat(np.arange(3), 4), np.tile(np.arange(4), 3)
+    xs = [_rand(torch.float32, tok, 8, i) for i in range(10)]
+
+    def run(rec, cuts):
+        orig = rec.flush
+        rec.flush = lambda: (cuts.append(rec._used), orig())[1]
+        for _ in range(3):
+            rec.start_batch(tok)
+            for i, x in enumerate(xs):
+                rec.record_rows(f"{i}.out", x, seq, pos)
+            rec.flush()  # the runner's early flush after the last forward (here after each)
+        return rec.table()
+
+    cuts: list[int] = []
+    got = run(OpRecorder(CapturePlan("digest"), batched=True), cuts)
+    # forward 1: chunks end before an op would cross BUFFER_ROWS (3 ops: 36 rows), its last op at the early
+    # flush; forwards 2 and 3: one end at 0.78 x 120 = 93 rows (7 ops: 84), then BUFFER_ROWS again (the tail)
+    assert [c for c in cuts if c] == [36, 36, 36, 12, 84, 36, 84, 36], cuts
+    assert R._ROWS_PER_TOKEN and next(iter(R._ROWS_PER_TOKEN.values())) == 10.0
+    want = run(OpRecorder(CapturePlan("digest"), batched=True, buffer_rows=1 << 10), [])
+    key = [("op", "ascending"), ("seq_id", "ascending"), ("pos", "ascending")]
+    got, want = got.sort_by(key), want.sort_by(key)
+    assert got.num_rows == want.num_rows == 3 * 10 * tok
+    for c in ("op", "seq_id", "pos", "digest"):
+        assert got.column(c).to_pylist() == want.column(c).to_pylist(), c
