@@ -56,7 +56,7 @@ STATS_BUFFER_ROWS = 1 << 18
 # its rows are left (from the rows per token of the plan's previous forward in this process), so the
 # last forward's last chunk, the rows score() waits for after it, is small; before any forward of the plan,
 # and after that one boundary, chunks end at BUFFER_ROWS as before. H100, 0.6B shape (BENCHMARKS.md, issue
-# 27 round 10): a boundary at 1.5 Mi of 1.96 Mi rows: close() 10.9 -> 6.9 ms, digest 1.67x -> 1.51x of off.
+# 27 round 10): the wait in close() 12.0 -> 7.8 ms on the 0.6B shape (1.96 Mi rows a forward); 8B unchanged.
 CUDA_BUFFER_ROWS = 1 << 21
 _TAIL = 0.22
 _ROWS_PER_TOKEN: dict[str, float] = {}  # plan (its JSON) -> arena rows per token of its last forward
@@ -75,8 +75,8 @@ _HELD_MAX = 4  # side-stream batches in flight before the recording thread waits
 _QUEUE_CHUNKS = 2  # chunks waiting for the writer before recording blocks
 # CUDA + writer process: a chunk's device rows copied straight into the writer process's shared memory
 # (page-locked once per slot), not into pinned buffers the feeder then copies into it (recorder_writer.
-# WriterProcess.stage). H100, 0.6B shape, stats (BENCHMARKS.md, issue 27 round 10): the feeder's work per
-# score() 40.9 -> 6.2 ms, the wait for it in close() 5.3 -> 1.6 ms; False: the pinned path (bench @noslot)
+# WriterProcess.stage). H100, 0.6B shape, stats (BENCHMARKS.md, issue 27 round 10): the feeder's hand-over
+# per score() 29.2 -> 5.0 ms, the wait for it in close() 2.5 -> 1.5 ms; False: the pinned path (bench @noslot)
 _D2H_TO_SLOT = True
 _META = {DIGEST_KEY: b"mp64"}
 _NOROWS = object()
