@@ -104,7 +104,7 @@ class _Slot:
             try:
                 rc = torch.cuda.cudart().cudaHostRegister(self.buf.ctypes.data, self.size, 0)
                 self.registered = int(rc) == 0
-            except (RuntimeError, AttributeError):  # no CUDA runtime binding here: the pinned path
+            except Exception:  # no CUDA runtime binding or context here: the pinned path
                 self.registered = False
         return self.registered
 
@@ -114,7 +114,7 @@ class _Slot:
 
             try:
                 torch.cuda.cudart().cudaHostUnregister(self.buf.ctypes.data)
-            except RuntimeError:  # the CUDA context is gone (interpreter exit): nothing left to unpin
+            except Exception:  # the CUDA context is gone (interpreter exit): nothing left to unpin
                 pass
         self.registered = None
         self.buf = None
