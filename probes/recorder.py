@@ -126,6 +126,7 @@ class OpRecorder:
         self._adapt = False  # the chunk end adapted to the forward (CUDA, digest-only, buffer_rows not given)
         self._flushed = 0  # arena rows of the chunks handed over so far
         self._fwd: tuple[int, int] | None = None  # the current forward's (arena rows before it, its rows per op)
+        self._pkey: str | None = None  # the plan as the key of _ROWS_PER_TOKEN (made at first use)
         self.buffer_bytes = int(buffer_bytes)
         self.rows_written = 0
         self.value_bytes = 0
@@ -408,10 +409,9 @@ class OpRecorder:
     def _plan_key(self) -> str:
         import json
 
-        key = getattr(self, "_pkey", None)
-        if key is None:
-            key = self._pkey = json.dumps(self.plan.to_json(), sort_keys=True, default=str)
-        return key
+        if self._pkey is None:
+            self._pkey = json.dumps(self.plan.to_json(), sort_keys=True, default=str)
+        return self._pkey
 
     def _note_forward(self) -> None:
         """The rows per token of the forward that just ended, for the next forwards of this plan."""
@@ -427,7 +427,7 @@ class OpRecorder:
         if not self._adapt:
             return
         lim = min(self.buffer_rows, BUFFER_ROWS)
-        per = _ROWS_PER_TOKEN.get(self._plan_key()) if self._fwd is not None else None
+        per = _ROWS_PER_TOKEN.get(self._plan_key())
         if per is not None and self._fwd is not None:
             lim = max(lim, self._used + int(per * self._fwd[1] * (1 - _TAIL)))
         self._limit = min(self.buffer_rows, lim)
@@ -509,29 +509,20 @@ class OpRecorder:
             self._limit = min(self.buffer_rows, BUFFER_ROWS)
         if self._is_batched:
             self._launch()
-            job = self._staged_job(u) if _D2H_TO_SLOT and self._proc is not None else None
-            if job is not None:
-                self._reset_chunk()
-                self._submit(job)
-                return
             with self._after_engine():  # the values and top-k were gathered on the engine's stream
-                dig, st = self._arena()
-                vals = self._to_host([v.reshape(-1).view(torch.uint8) for v in self._values])
-                tv = self._to_host([a for a, _ in self._topk])
-                ti = self._to_host([b for _, b in self._topk])
-                # raw digests (8 bytes a row): the packed ops.parquet stores them as they are
-                hd = self._to_host([dig[:u]])
-                # no stats copy for a chunk of digest-only ops (their stats columns are null)
-                # the stats as the file stores them, split on the device: float64 sum, sum_sq, abs_max
-                # and int32 NaN / Inf counts (32 bytes a row over the bus, no host-side pass)
-                hs = (self._to_host([st[:u, :3].contiguous()]), self._to_host([st[:u, 3:].to(torch.int32)])) \
-                    if self._chunk_has_stats() else None  # stream-ordered
+                parts = self._device_parts(u)
+                # on CUDA with the writer process: straight into its shared memory; else (or where a slot
+                # cannot be page-locked) one copy per part into pinned host memory
+                staged = self._proc.stage(parts) if _D2H_TO_SLOT and self._proc is not None else None
+                host = {} if staged is not None else {k: self._to_host([v]) for k, v in parts.items()}
                 ev = None
                 if self._device.type == "cuda":
                     ev = torch.cuda.Event()
                     ev.record()
-            self._hold_until_done([self._values, self._topk])
-            job = (ev, self._segs, hd, hs, vals, tv, ti)
+            self._hold_until_done([self._values, self._topk, list(parts.values())])
+            hs = (host["st"], host["cnt"]) if "st" in host else None
+            job = (ev, self._segs, staged) if staged is not None else \
+                (ev, self._segs, host["dig"], hs, host.get("vals"), host.get("tv"), host.get("ti"))
         else:
             dig, st = self._arena()
             self._arenas.clear()  # the writer owns these arrays now; the next chunk gets new ones
@@ -543,33 +534,25 @@ class OpRecorder:
         self._reset_chunk()
         self._submit(job)
 
-    def _staged_job(self, u: int) -> tuple | None:
-        """The chunk's parts copied by the device straight into the writer process's shared memory
-        (``_D2H_TO_SLOT``; ``WriterProcess.stage``), on the side stream after the chunk's kernels: the job
-        (event, segments, staged chunk), or None where a slot cannot be page-locked (the caller copies
-        through pinned buffers instead)."""
+    def _device_parts(self, u: int) -> dict[str, Any]:
+        """The chunk's parts on the device, as the packed ops.parquet stores them (names of
+        ``recorder_writer.PARTS``): raw digests (8 bytes a row); for a chunk with stats rows the stats
+        split on the device into float64 sum, sum_sq, abs_max and int32 NaN / Inf counts (32 bytes a row
+        over the bus, no host-side pass; none for a chunk of digest-only ops, whose stats columns are null);
+        the kept values and the logits' top-k. Enqueued on the current stream."""
         import torch
 
-        with self._after_engine():  # the values and top-k were gathered on the engine's stream
-            dig, st = self._arena()
-            parts = {"dig": dig[:u]}  # raw digests (8 bytes a row), as the packed ops.parquet stores them
-            if self._chunk_has_stats():  # float64 sum, sum_sq, abs_max and int32 NaN / Inf counts, split on the device
-                parts["st"] = st[:u, :3].contiguous()
-                parts["cnt"] = st[:u, 3:].to(torch.int32)
-            if self._values:
-                parts["vals"] = torch.cat([v.reshape(-1).view(torch.uint8) for v in self._values])
-            if self._topk:
-                parts["tv"] = torch.cat([a for a, _ in self._topk])
-                parts["ti"] = torch.cat([b for _, b in self._topk])
-            staged = self._proc.stage(parts)
-            if staged is None:
-                return None
-            ev = None
-            if self._device.type == "cuda":
-                ev = torch.cuda.Event()
-                ev.record()
-        self._hold_until_done([self._values, self._topk, list(parts.values())])
-        return (ev, self._segs, staged)
+        dig, st = self._arena()
+        parts = {"dig": dig[:u]}
+        if self._chunk_has_stats():
+            parts["st"] = st[:u, :3].contiguous()
+            parts["cnt"] = st[:u, 3:].to(torch.int32)
+        if self._values:
+            parts["vals"] = torch.cat([v.reshape(-1).view(torch.uint8) for v in self._values])
+        if self._topk:
+            parts["tv"] = torch.cat([a for a, _ in self._topk])
+            parts["ti"] = torch.cat([b for _, b in self._topk])
+        return parts
 
     def _chunk_has_stats(self) -> bool:
         return any((g.rows if isinstance(g, _Seg) else g[5]).stats for g in self._segs)
