@@ -20,7 +20,12 @@ Stages (ms, per ``score()``, medians over the rounds):
 ``close``: ``close()``; of it ``drain`` (until the feeder has handed every chunk over), ``acks`` (then
 until the last chunk's ack), ``final`` (then the file's footer and rename);
 ``ev_wait``: the feeder waiting for chunks' device copies (all chunks; ``ev_wait_last``: the last);
-``send``: the feeder's copy into shared memory and the message (all chunks; ``send_last``: the last).
+``send``: the feeder's copy into shared memory and the message (all chunks; ``send_last``: the last);
+``fwd_cpu``: the main thread's CPU time in the forwards (``time.thread_time``: ``fwd`` minus it is time the
+thread waited: the GIL, a blocking call); ``ldesc``: host time in ``digest_triton.launch_desc``;
+``gc`` / ``n_gc2``: the interpreter's garbage collections during the ``score()`` (time, full collections);
+``cmalloc`` / ``hmalloc`` / ``retries``: the CUDA caching allocators' device and host allocations (``cudaMalloc``,
+``cudaHostAlloc``) and allocation retries during the ``score()``.
 """
 
 from __future__ import annotations
@@ -59,6 +64,30 @@ class Trace:
         from mismatch_probe.probes.hf import runner as hfrun
 
         self._wrap(hfrun, "padded_forward", "fwd")
+        orig_fwd = hfrun.padded_forward
+
+        def fwd_cpu(*a: Any, **k: Any) -> Any:  # the main thread's CPU time in the forward
+            t = time.thread_time()
+            try:
+                return orig_fwd(*a, **k)
+            finally:
+                self.ev.append(("fwd_cpu", 0.0, time.thread_time() - t))
+
+        hfrun.padded_forward = fwd_cpu
+        self._undo.append((hfrun, "padded_forward", orig_fwd))
+        from mismatch_probe.probes import digest_triton
+
+        self._wrap(digest_triton, "launch_desc", "ldesc")
+        import gc
+
+        def on_gc(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                self._gc0 = _now()
+            else:
+                self.ev.append(("gc" + str(info.get("generation", 0)), self._gc0, _now() - self._gc0))
+
+        gc.callbacks.append(on_gc)
+        self._gc_cb = on_gc
         self._wrap(recmod.OpRecorder, "_launch", "launch")
         self._wrap(recmod.OpRecorder, "flush", "flush")
         self._wrap(recmod.OpRecorder, "close", "close")
@@ -83,16 +112,36 @@ class Trace:
         return self
 
     def uninstall(self) -> None:
+        import gc
+
+        if getattr(self, "_gc_cb", None) in gc.callbacks:
+            gc.callbacks.remove(self._gc_cb)
         for owner, name, orig in reversed(self._undo):
             setattr(owner, name, orig)
         self._undo.clear()
 
+    @staticmethod
+    def _alloc_counts() -> dict[str, float]:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        d = torch.cuda.memory_stats()
+        out = {"cmalloc": float(d.get("num_device_alloc", 0)), "retries": float(d.get("num_alloc_retries", 0))}
+        try:
+            out["hmalloc"] = float(torch.cuda.host_memory_stats().get("num_host_alloc", 0))
+        except Exception:  # an older torch
+            pass
+        return out
+
     def begin(self) -> None:
         self.ev = []
+        self._a0 = self._alloc_counts()
         self._t0 = _now()
 
     def end(self, mode: str) -> dict[str, float]:
         ev = list(self.ev)
+        a1 = self._alloc_counts()
 
         def of(stage: str) -> list[tuple[float, float]]:
             return [(s, d) for st, s, d in ev if st == stage]
@@ -108,7 +157,10 @@ class Trace:
             "ev_wait": sum(d for _, d in of("ev_wait")) * ms, "send": sum(d for _, d in of("send")) * ms,
             "ev_wait_last": (of("ev_wait")[-1][1] * ms) if of("ev_wait") else 0.0,
             "send_last": (of("send")[-1][1] * ms) if of("send") else 0.0,
+            "fwd_cpu": sum(d for _, d in of("fwd_cpu")) * ms, "ldesc": sum(d for _, d in of("ldesc")) * ms,
+            "gc": sum(d for st, _, d in ev if st.startswith("gc")) * ms, "n_gc2": len(of("gc2")),
         }
+        row.update({k: v - self._a0.get(k, 0.0) for k, v in a1.items()})
         if fwd and close:
             c0, cd = close[-1]
             row["after_fwd"] = (c0 - (fwd[-1][0] + fwd[-1][1])) * ms
@@ -133,7 +185,8 @@ class Trace:
         return out
 
 
-COLUMNS = ("fwd", "n_launch", "launch", "n_flush", "flush", "block", "hold", "after_fwd", "close", "drain", "acks", "final",
+COLUMNS = ("fwd", "fwd_cpu", "gc", "n_gc2", "cmalloc", "hmalloc", "ldesc",
+           "n_launch", "launch", "n_flush", "flush", "block", "hold", "after_fwd", "close", "drain", "acks", "final",
            "ev_wait", "ev_wait_last", "send", "send_last")
 
 

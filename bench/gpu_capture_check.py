@@ -11,7 +11,9 @@
    flight, ``MODE@lateflush``: the last micro-batch's rows handed to the writer at close(), ``MODE@cN``: N
    chunks wait for the writer before recording blocks, ``MODE@slot`` / ``MODE@noslot``: chunks copied by the
    device into the writer's shared memory or through pinned buffers, ``MODE@fixed``: digest chunks end at
-   BUFFER_ROWS only (not where the forward's tail is left); variants combine with ``+``
+   BUFFER_ROWS only (not where the forward's tail is left), ``MODE@norec``: the capture's wrappers run but record
+   nothing (what the wrappers alone cost), ``MODE@gcoff``: the interpreter's garbage collector off during the
+   ``score()``; variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
    ``score()`` waits after its last forward (the recorder's ``close()``).
@@ -32,6 +34,7 @@ Writes ``$OUT/gpu_capture_check.json`` (after each part) and prints the table la
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -104,6 +107,11 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             _CLOSE.append(time.perf_counter() - t)
 
     recmod.OpRecorder.close = timed_close
+    orig_rr = recmod.OpRecorder.record_rows
+
+    def _norec(self: Any, op: str, tensor: Any, seq_ids: Any, pos: Any) -> None:
+        return None
+
     tr = None
     if trace:  # stage timestamps per score() (bench/capture_trace.py)
         from capture_trace import Trace
@@ -132,6 +140,11 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             recmod._D2H_TO_SLOT = True if "slot" in vs else False if "noslot" in vs else defaults[5]
             # MODE@fixed: digest chunks end at BUFFER_ROWS only (no chunk end adapted to the forward's tail)
             recmod.CUDA_BUFFER_ROWS = recmod.BUFFER_ROWS if "fixed" in vs else defaults[6]
+            # MODE@norec: the wrappers run, the recorder records nothing; MODE@gcoff: no garbage collection
+            recmod.OpRecorder.record_rows = _norec if "norec" in vs else orig_rr
+            gc_was = gc.isenabled()
+            if "gcoff" in vs:
+                gc.disable()
             _CLOSE.clear()
             r.capture = plans[base_mode]
             dest = tmp / f"{shape}-{mode}.parquet"
@@ -144,6 +157,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             lp = r.score(seqs, ids)  # returns once the rows are on disk (OpRecorder.close())
             _sync(device)
             dt = time.perf_counter() - t0
+            if gc_was:
+                gc.enable()
             if tr is not None:
                 tr.end(mode)
             if i:
@@ -157,6 +172,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
         tr.uninstall()
         STAGES[shape] = tr.summary()
     recmod.OpRecorder.close = orig_close
+    recmod.OpRecorder.record_rows = orig_rr
     (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX, recmod._QUEUE_CHUNKS,
      recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS) = defaults
     for mode in cprofile:  # after the timed rounds (the profiler slows what it runs): one whole score() each
@@ -190,7 +206,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             row["x_off"] = row["seconds"] / statistics.median(base)
             row["x_off_per_round"] = statistics.median(t / o for t, o in zip(times[mode], base, strict=True))
         plan = plans[mode.partition("@")[0]]
-        if check_tables and plan is not None and ("@" not in mode or "slot" in mode):  # streamed (packed) == in-memory per-row
+        # streamed (packed) == in-memory per-row
+        if check_tables and plan is not None and ("@" not in mode or "slot" in mode) and "norec" not in mode:
             r.capture, r.ops_dest = plan, None
             r.score(seqs, ids)
             mem = r.ops
