@@ -25,7 +25,8 @@ until the last chunk's ack), ``final`` (then the file's footer and rename);
 thread waited: the GIL, a blocking call); ``ldesc``: host time in ``digest_triton.launch_desc``;
 ``gc`` / ``n_gc2``: the interpreter's garbage collections during the ``score()`` (time, full collections);
 ``cmalloc`` / ``hmalloc`` / ``retries``: the CUDA caching allocators' device and host allocations (``cudaMalloc``,
-``cudaHostAlloc``) and allocation retries during the ``score()``.
+``cudaHostAlloc``) and allocation retries during the ``score()``; ``staged`` / ``unstaged``: chunks copied by the
+device into the writer's shared memory / through pinned buffers (the slot could not be page-locked).
 """
 
 from __future__ import annotations
@@ -95,6 +96,15 @@ class Trace:
         self._wrap(rw.WriterProcess, "submit", "block")
         self._wrap(rw.WriterProcess, "_drain", "drain")
         self._wrap(rw.WriterProcess, "_ack", "ack")
+        orig_stage = rw.WriterProcess.stage
+
+        def stage(wp: Any, parts: dict[str, Any]) -> Any:  # None: the slot was not page-locked (the pinned path)
+            got = orig_stage(wp, parts)
+            self.ev.append(("staged" if got is not None else "unstaged", 0.0, 0.0))
+            return got
+
+        rw.WriterProcess.stage = stage
+        self._undo.append((rw.WriterProcess, "stage", orig_stage))
         orig_send = rw.WriterProcess._send
         tr = self
 
@@ -159,6 +169,7 @@ class Trace:
             "send_last": (of("send")[-1][1] * ms) if of("send") else 0.0,
             "fwd_cpu": sum(d for _, d in of("fwd_cpu")) * ms, "ldesc": sum(d for _, d in of("ldesc")) * ms,
             "gc": sum(d for st, _, d in ev if st.startswith("gc")) * ms, "n_gc2": len(of("gc2")),
+            "staged": len(of("staged")), "unstaged": len(of("unstaged")),
         }
         row.update({k: v - self._a0.get(k, 0.0) for k, v in a1.items()})
         if fwd and close:
@@ -185,7 +196,7 @@ class Trace:
         return out
 
 
-COLUMNS = ("fwd", "fwd_cpu", "gc", "n_gc2", "cmalloc", "hmalloc", "ldesc",
+COLUMNS = ("fwd", "fwd_cpu", "gc", "n_gc2", "cmalloc", "hmalloc", "ldesc", "staged", "unstaged",
            "n_launch", "launch", "n_flush", "flush", "block", "hold", "after_fwd", "close", "drain", "acks", "final",
            "ev_wait", "ev_wait_last", "send", "send_last")
 

@@ -13,7 +13,7 @@
    device into the writer's shared memory or through pinned buffers, ``MODE@fixed``: digest chunks end at
    BUFFER_ROWS only (not where the forward's tail is left), ``MODE@norec``: the capture's wrappers run but record
    nothing (what the wrappers alone cost), ``MODE@gcoff``: the interpreter's garbage collector off during the
-   ``score()``; variants combine with ``+``
+   ``score()``, ``MODE@ownstream``: each recorder on a new side stream (before one per device); variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
    ``score()`` waits after its last forward (the recorder's ``close()``).
@@ -140,6 +140,9 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             recmod._D2H_TO_SLOT = True if "slot" in vs else False if "noslot" in vs else defaults[5]
             # MODE@fixed: digest chunks end at BUFFER_ROWS only (no chunk end adapted to the forward's tail)
             recmod.CUDA_BUFFER_ROWS = recmod.BUFFER_ROWS if "fixed" in vs else defaults[6]
+            # MODE@ownstream: a side stream of its own for each recorder (the behaviour before one per device)
+            if "ownstream" in vs:
+                recmod._SIDE_STREAMS.clear()
             # MODE@norec: the wrappers run, the recorder records nothing; MODE@gcoff: no garbage collection
             recmod.OpRecorder.record_rows = _norec if "norec" in vs else orig_rr
             gc_was = gc.isenabled()

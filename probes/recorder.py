@@ -31,6 +31,7 @@ with ``copy_on_record=True``, which queues a device copy taken at the hook, on t
 
 from __future__ import annotations
 
+import array
 import collections
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,7 @@ _QUEUE_CHUNKS = 2  # chunks waiting for the writer before recording blocks
 # per score() 29.2 -> 5.0 ms, the wait for it in close() 2.5 -> 1.5 ms; False: the pinned path (bench @noslot)
 _D2H_TO_SLOT = True
 _META = {DIGEST_KEY: b"mp64"}
+_SIDE_STREAMS: dict[int, Any] = {}  # CUDA device index -> the recorders' side stream (see OpRecorder._side)
 _NOROWS = object()
 
 
@@ -173,8 +175,9 @@ class OpRecorder:
         self._arenas: list[Any] = []
         self._thread: Any = None
         self._error: BaseException | None = None
-        # (dtype, stats) -> (tensors, their descriptor rows flattened: 6 ints per tensor)
-        self._queue: dict[Any, tuple[list[Any], list[int]]] = {}
+        # (dtype, stats) -> (tensors, their descriptor rows flattened: 6 int64 per tensor, an array('q'): the
+        # launch reads it as one numpy array without converting a list of Python ints)
+        self._queue: dict[Any, tuple[list[Any], Any]] = {}
         self._qb = 0  # queue cost: bytes queued (see _enqueue)
         self._stream: Any = False  # not decided yet (see _side)
         self._held: collections.deque = collections.deque()
@@ -257,8 +260,14 @@ class OpRecorder:
                     # appends to flat lists only: no object per op that the garbage collector tracks (each
                     # one kept until the chunk ends makes the interpreter's full collections more frequent)
                     self._fast.extend((op, lay, rows, off))
-                    self._enqueue(tensor, lay.qkeys[rows.stats], (tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0),
-                                  lay.qcost)
+                    # _enqueue, inlined (a call is host time on every op of a host-bound forward)
+                    qk = lay.qkeys[rows.stats]
+                    q = self._queue.get(qk) or self._queue_of(qk)
+                    q[0].append(tensor)
+                    q[1].extend((tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0))
+                    self._qb += lay.qcost
+                    if self._qb >= self._queue_limit:
+                        self._launch()
                     return
         n = len(seq_ids)
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
@@ -371,13 +380,13 @@ class OpRecorder:
         if seg is not None:
             self._segs.append(seg)
 
-    def _queue_of(self, key: tuple[Any, bool]) -> tuple[list[Any], list[int]]:
+    def _queue_of(self, key: tuple[Any, bool]) -> tuple[list[Any], Any]:
         """The queue of ``key`` (dtype, stats; stats False: digests only, for ops whose rows are all
         kept in digest mode): (tensors, their descriptor rows flattened). The lists live as long as
         the recorder (fast-path entries append to them); a launch empties them."""
         q = self._queue.get(key)
         if q is None:
-            q = self._queue[key] = ([], [])
+            q = self._queue[key] = ([], array.array("q"))
         return q
 
     def _enqueue(self, t: Any, key: tuple[Any, bool], desc: tuple[int, ...], cost: int) -> None:
@@ -439,13 +448,22 @@ class OpRecorder:
         kernels (they are integer-ALU-bound, the engine's GEMMs are not); each batch waits for an
         event recorded on the engine's stream after the tensors it reads were produced, and the
         tensors stay referenced until an event after the batch has completed, so the allocator
-        never hands their memory to the engine while they are read."""
+        never hands their memory to the engine while they are read.
+
+        One side stream per device for the whole process (:data:`_SIDE_STREAMS`), not one per
+        recorder: the caching allocator keeps freed blocks per stream, so a recorder per ``score()``
+        on a stream of its own made the arena's blocks anew each time (``cudaMalloc``: 3 per
+        ``score()`` on the 0.6B shape, host time inside the forward) and reserved memory per stream."""
         import torch
 
         if self._stream is False:
             self._stream = None
             if self._device.type == "cuda" and settings.get("MISMATCH_PROBE_CAPTURE_STREAM") != "main":
-                self._stream = torch.cuda.Stream(self._device)
+                idx = self._device.index if self._device.index is not None else torch.cuda.current_device()
+                st = _SIDE_STREAMS.get(idx)
+                if st is None:
+                    st = _SIDE_STREAMS[idx] = torch.cuda.Stream(idx)
+                self._stream = st
         return self._stream
 
     def _after_engine(self) -> Any:
@@ -484,13 +502,13 @@ class OpRecorder:
             for (_, stats), (ts, flat) in self._queue.items():
                 if not ts:
                     continue
-                desc = np.array(flat, np.int64).reshape(-1, 6)
+                desc = np.frombuffer(flat, np.int64).reshape(-1, 6).copy()  # a copy: flat is cleared below
                 for i in range(0, len(ts), 512):
                     part = desc[i : i + 512]
                     digest_triton.launch_desc(part, ts[i], int(part[:, 1].max()), dig, st, stats)
                 refs.append(ts.copy())
                 ts.clear()
-                flat.clear()
+                del flat[:]
         self._hold_until_done(refs)
         self._qb = 0  # queue cost (bytes)
 
@@ -680,7 +698,7 @@ class OpRecorder:
         self._closed = True
         for ts, flat in self._queue.values():
             ts.clear()
-            flat.clear()
+            del flat[:]
         self._qb = 0
         if self._thread is not None:
             self._error = self._error or RuntimeError("aborted")
