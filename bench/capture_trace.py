@@ -114,7 +114,7 @@ class Trace:
                 ev.synchronize()
             t1 = _now()
             tr.ev.append(("ev_wait", t, t1 - t))
-            orig_send(self, None, segs, parts)
+            orig_send(self, ev, segs, parts)  # ev done: its second wait returns at once
             tr.ev.append(("send", t1, _now() - t1))
 
         rw.WriterProcess._send = send

@@ -479,3 +479,18 @@ def test_batched_digest_chunk_ends_where_the_forwards_tail_is_left(monkeypatch):
     assert got.num_rows == want.num_rows == 3 * 10 * tok
     for c in ("op", "seq_id", "pos", "digest"):
         assert got.column(c).to_pylist() == want.column(c).to_pylist(), c
+
+
+@pytest.mark.parametrize("nbytes", [1000, (4 << 20) + 3])
+@pytest.mark.parametrize("threads", [False, True])
+def test_writer_feeders_copy_into_a_slot_is_the_same_bytes(nbytes, threads):
+    """The pinned path's copy into a slot (by torch's threads for a CUDA chunk's large pieces) moves the
+    bytes unchanged and touches nothing beside them."""
+    from mismatch_probe.probes.recorder_writer import _copy_into
+
+    rng = np.random.default_rng(nbytes)
+    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    buf = np.full(nbytes + 16, 7, np.uint8)
+    _copy_into(buf[8 : 8 + nbytes], src, threads=threads)
+    assert np.array_equal(buf[8 : 8 + nbytes], src)
+    assert (buf[:8] == 7).all() and (buf[8 + nbytes :] == 7).all()
