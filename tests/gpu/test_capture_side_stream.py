@@ -47,4 +47,4 @@ def test_recorders_share_the_side_stream_and_reuse_its_memory() -> None:
     torch.cuda.synchronize()
     assert first._stream is not None and first._stream is second._stream
     assert torch.cuda.memory_stats()["num_device_alloc"] == mallocs  # the arena came from the stream's cached blocks
-    assert t1.equals(t2)
+    assert t1.to_pandas().equals(t2.to_pandas())  # the same rows (digest mode: its stats columns NaN in both)
