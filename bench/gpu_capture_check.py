@@ -196,6 +196,9 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             with open(LOGS / f"cprofile_{shape}_{mode}.txt", "w") as f:
                 for key in ("tottime", "cumulative"):
                     pstats.Stats(pr, stream=f).sort_stats(key).print_stats(45)
+                # where the recorder's launches and flushes spend their host time, one level down
+                for fn in ("_launch", "flush", "launch_desc", "_hold_until_done", "stage", "_device_parts", "_submit"):
+                    pstats.Stats(pr, stream=f).sort_stats("cumulative").print_callees(f"\\b{fn}\\b")
     out = []
     base = times.get("off")
     for mode in modes:
