@@ -58,3 +58,12 @@ def package_modules() -> dict[str, Path]:
             parts = [p for p in f.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
             mods[".".join([prefix, *parts])] = f
     return mods
+
+
+def has_cuda() -> bool:
+    """A CUDA GPU that torch can use (the gpu-marked tests skip without one: CI has none)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()

@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mp_testlib import has_cuda
 
 pytestmark = pytest.mark.gpu
 
 
-def _cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
 def test_recorders_share_the_side_stream_and_reuse_its_memory() -> None:
     import torch
 

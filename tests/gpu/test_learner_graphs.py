@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mp_testlib import has_cuda
 
 from mismatch_probe.probes.hf.runner import HfLearner
 from mismatch_probe.probes.models import resolve_model
@@ -14,15 +15,7 @@ from mismatch_probe.probes.models import resolve_model
 pytestmark = pytest.mark.gpu
 
 
-def _cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("recipe", ["engine", "strict", "nvfp4-per-token"])
 def test_graphed_learner_logprobs_equal_the_eager_learner_bitwise(recipe: str) -> None:
     m = resolve_model("tiny-qwen3")
