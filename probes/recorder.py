@@ -133,6 +133,10 @@ class OpRecorder:
         self.rows_written = 0
         self.value_bytes = 0
         self.writer_peak_rss_mb: float | None = None  # the writer process's (the engine's process reports its own)
+        # device chunks copied straight into the writer's shared memory / through pinned buffers (a slot CUDA
+        # would not page-lock, or the writer thread): the manifest says which path this run's rows took
+        self.chunks_staged = 0
+        self.chunks_pinned = 0
         # row sets of the current batch (the seq_ids/pos arrays of _bkey), one per plan rule set
         self._set_batch(None, None)
         self._opkey: dict[str, tuple[int, ...]] = {}  # op -> its plan rule set (the key of _brows)
@@ -533,6 +537,10 @@ class OpRecorder:
                 # cannot be page-locked) one copy per part into pinned host memory
                 staged = self._proc.stage(parts) if _D2H_TO_SLOT and self._proc is not None else None
                 host = {} if staged is not None else {k: self._to_host([v]) for k, v in parts.items()}
+                if staged is not None:
+                    self.chunks_staged += 1
+                else:
+                    self.chunks_pinned += 1
                 ev = None
                 if self._device.type == "cuda":
                     ev = torch.cuda.Event()
@@ -717,7 +725,9 @@ class OpRecorder:
         return {"plan": self.plan.to_json(), "digest": "mp64 (probes/digest.py)", "rows": self.rows_written,
                 "value_bytes": self.value_bytes, "buffer_rows": self.buffer_rows, "buffer_bytes": self.buffer_bytes,
                 "streamed": self._sink is not None, "writer": self.writer_mode,
-                **({"writer_peak_rss_mb": self.writer_peak_rss_mb} if self.writer_peak_rss_mb is not None else {})}
+                **({"writer_peak_rss_mb": self.writer_peak_rss_mb} if self.writer_peak_rss_mb is not None else {}),
+                **({"device_chunks": {"staged": self.chunks_staged, "pinned": self.chunks_pinned}}
+                   if self.chunks_staged or self.chunks_pinned else {})}
 
     def table(self) -> pa.Table:
         """The whole ``ops`` table (in-memory recorders only)."""

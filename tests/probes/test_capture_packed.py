@@ -98,6 +98,9 @@ def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_pa
     assert_same_rows(G.sorted_rows(read_table(dest, "ops")), G.sorted_rows(mem.table()))
     assert rec.rows_written == mem.rows_written
     assert staged and all(s is not None for s in staged) and (len(staged) > 1) == many_chunks
+    # the manifest says which path the chunks took
+    assert rec.summary()["device_chunks"] == {"staged": len(staged), "pinned": 0}
+    assert mem.summary()["device_chunks"] == {"staged": 0, "pinned": mem.chunks_pinned} and mem.chunks_pinned >= 1
 
 
 def test_empty_packed_file_reads_as_an_empty_ops_table(tmp_path):
