@@ -31,7 +31,6 @@ with ``copy_on_record=True``, which queues a device copy taken at the hook, on t
 
 from __future__ import annotations
 
-import array
 import collections
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,9 +178,9 @@ class OpRecorder:
         self._arenas: list[Any] = []
         self._thread: Any = None
         self._error: BaseException | None = None
-        # (dtype, stats) -> (tensors, their descriptor rows flattened: 6 int64 per tensor, an array('q'): the
-        # launch reads it as one numpy array without converting a list of Python ints)
-        self._queue: dict[Any, tuple[list[Any], Any]] = {}
+        # (dtype, stats) -> (tensors, their descriptor rows flattened: 6 ints per tensor; a list: its extend
+        # costs 50 ns an op call, an array('q')'s 270 ns, more than the one conversion per launch it saves)
+        self._queue: dict[Any, tuple[list[Any], list[int]]] = {}
         self._qb = 0  # queue cost: bytes queued (see _enqueue)
         self._stream: Any = False  # not decided yet (see _side)
         self._held: collections.deque = collections.deque()
@@ -264,14 +263,8 @@ class OpRecorder:
                     # appends to flat lists only: no object per op that the garbage collector tracks (each
                     # one kept until the chunk ends makes the interpreter's full collections more frequent)
                     self._fast.extend((op, lay, rows, off))
-                    # _enqueue, inlined (a call is host time on every op of a host-bound forward)
-                    qk = lay.qkeys[rows.stats]
-                    q = self._queue.get(qk) or self._queue_of(qk)
-                    q[0].append(tensor)
-                    q[1].extend((tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0))
-                    self._qb += lay.qcost
-                    if self._qb >= self._queue_limit:
-                        self._launch()
+                    self._enqueue(tensor, lay.qkeys[rows.stats], (tensor.data_ptr(), n, lay.width, lay.row_stride, off, 0),
+                                  lay.qcost)
                     return
         n = len(seq_ids)
         flat = tensor.reshape(n, -1) if tensor.dim() > 1 else tensor.reshape(n)
@@ -384,13 +377,13 @@ class OpRecorder:
         if seg is not None:
             self._segs.append(seg)
 
-    def _queue_of(self, key: tuple[Any, bool]) -> tuple[list[Any], Any]:
+    def _queue_of(self, key: tuple[Any, bool]) -> tuple[list[Any], list[int]]:
         """The queue of ``key`` (dtype, stats; stats False: digests only, for ops whose rows are all
         kept in digest mode): (tensors, their descriptor rows flattened). The lists live as long as
         the recorder (fast-path entries append to them); a launch empties them."""
         q = self._queue.get(key)
         if q is None:
-            q = self._queue[key] = ([], array.array("q"))
+            q = self._queue[key] = ([], [])
         return q
 
     def _enqueue(self, t: Any, key: tuple[Any, bool], desc: tuple[int, ...], cost: int) -> None:
@@ -506,13 +499,13 @@ class OpRecorder:
             for (_, stats), (ts, flat) in self._queue.items():
                 if not ts:
                     continue
-                desc = np.frombuffer(flat, np.int64).reshape(-1, 6).copy()  # a copy: flat is cleared below
+                desc = np.array(flat, np.int64).reshape(-1, 6)
                 for i in range(0, len(ts), 512):
                     part = desc[i : i + 512]
                     digest_triton.launch_desc(part, ts[i], int(part[:, 1].max()), dig, st, stats)
                 refs.append(ts.copy())
                 ts.clear()
-                del flat[:]
+                flat.clear()
         self._hold_until_done(refs)
         self._qb = 0  # queue cost (bytes)
 
@@ -546,9 +539,13 @@ class OpRecorder:
                     ev = torch.cuda.Event()
                     ev.record()
             self._hold_until_done([self._values, self._topk, list(parts.values())])
+            if staged is not None:  # copied into the writer process's memory already: only its message is left
+                segs = self._segs
+                self._reset_chunk()
+                self._proc.submit((ev, segs, staged))
+                return
             hs = (host["st"], host["cnt"]) if "st" in host else None
-            job = (ev, self._segs, staged) if staged is not None else \
-                (ev, self._segs, host["dig"], hs, host.get("vals"), host.get("tv"), host.get("ti"))
+            job = (ev, self._segs, host["dig"], hs, host.get("vals"), host.get("tv"), host.get("ti"))
         else:
             dig, st = self._arena()
             self._arenas.clear()  # the writer owns these arrays now; the next chunk gets new ones
@@ -588,9 +585,6 @@ class OpRecorder:
         import threading
 
         if self.writer_mode == "process":
-            if len(job) == 3:  # (event, segments, staged chunk): copied into the writer's memory already
-                self._proc.submit(job)
-                return
             ev, segs, dig, st, vals, tv, ti = job
             st, cnt = st if isinstance(st, tuple) else (st, None)
             self._proc.submit((ev, segs, {"dig": dig, "st": st, "cnt": cnt, "vals": vals, "tv": tv, "ti": ti}))
@@ -636,7 +630,7 @@ class OpRecorder:
             if self._is_batched and not self._rows_given:  # nothing recorded yet: the arena is not made
                 if self.plan.keeps_stats():
                     self.buffer_rows = min(self.buffer_rows, STATS_BUFFER_ROWS)
-                elif (t.device.type == "cuda" or self.force_batched) and self._fwd is not None:  # forwards marked
+                elif self._fwd is not None:  # digest only, forwards marked (start_batch)
                     self.buffer_rows, self._adapt = max(self.buffer_rows, CUDA_BUFFER_ROWS), True
                     self._place_limit()
                 self._limit = min(self._limit, self.buffer_rows)
@@ -706,7 +700,7 @@ class OpRecorder:
         self._closed = True
         for ts, flat in self._queue.values():
             ts.clear()
-            del flat[:]
+            flat.clear()
         self._qb = 0
         if self._thread is not None:
             self._error = self._error or RuntimeError("aborted")

@@ -315,11 +315,10 @@ def _copy_into(dst: np.ndarray, src: np.ndarray, threads: bool = False) -> None:
 
 @functools.cache
 def _np_dtype(dt: Any) -> str:
-    """The numpy dtype string of a torch dtype of the parts a recorder stages."""
+    """The numpy dtype string of a torch dtype of the parts a recorder stages (torch's own mapping)."""
     import torch
 
-    return np.dtype({torch.int64: np.int64, torch.float64: np.float64, torch.int32: np.int32, torch.uint8: np.uint8,
-                     torch.float32: np.float32}[dt]).str
+    return torch.empty(0, dtype=dt).numpy().dtype.str
 
 
 class WriterProcess:
@@ -346,11 +345,7 @@ class WriterProcess:
             ev.synchronize()  # the chunk's device-to-host copy (GIL released while waiting)
         if isinstance(parts, Staged):  # copied into its slot by the device already: a message, no host copy
             parts.views.clear()
-            while self._inflight >= self.queue_chunks:
-                self._recv_ack()
-            self._send_drops()
-            self._tx(("chunk", parts.slot.path, parts.layout, segs))
-            self._inflight += 1
+            self._hand_over(parts.slot.path, parts.layout, segs)
             return
         pieces: dict[str, list[np.ndarray]] = {}
         for name in PARTS:
@@ -370,10 +365,14 @@ class WriterProcess:
             for x in ps:  # one copy into pages mapped already (the GIL released while it runs)
                 _copy_into(slot.buf[off : off + x.nbytes], x.reshape(-1).view(np.uint8), threads=ev is not None)
                 off += x.nbytes
+        self._hand_over(slot.path, layout, segs)
+
+    def _hand_over(self, path: str, layout: dict[str, Any], segs: list) -> None:
+        """The chunk in the slot at ``path`` to the process, once fewer than ``queue_chunks`` are with it."""
         while self._inflight >= self.queue_chunks:
             self._recv_ack()
         self._send_drops()
-        self._tx(("chunk", slot.path, layout, segs))
+        self._tx(("chunk", path, layout, segs))
         self._inflight += 1
 
     def _send_drops(self) -> None:
