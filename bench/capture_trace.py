@@ -27,11 +27,21 @@ thread waited: the GIL, a blocking call); ``ldesc``: host time in ``digest_trito
 ``cmalloc`` / ``hmalloc`` / ``retries``: the CUDA caching allocators' device and host allocations (``cudaMalloc``,
 ``cudaHostAlloc``) and allocation retries during the ``score()``; ``staged`` / ``unstaged``: chunks copied by the
 device into the writer's shared memory / through pinned buffers (the slot could not be page-locked).
+
+The timeline (ms from the ``score()``'s start; the writer process reports its own times in its
+acknowledgements, on the same clock): ``t_fwd`` the last forward's return (host), ``t_dev`` when the
+device reached the end of that forward (an event recorded on the engine's stream at its return, waited
+for by a helper thread), ``t_w0`` / ``t_wl`` when the writer process received its first / last chunk,
+``t_wd`` when it had written the last one, ``t_end`` when ``close()`` returned; ``w_build`` /
+``w_write`` its time building the chunks' tables / writing their row groups (sums), ``w_idle`` its time
+between chunks (from the first chunk's arrival to the last's, minus its work), ``w_close`` the footer,
+close and rename.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -44,6 +54,8 @@ class Trace:
         self.rows: dict[str, list[dict[str, float]]] = {}
         self._undo: list[tuple[Any, str, Any]] = []
         self._t0 = 0.0
+        self.wtimes: list[tuple[float, ...]] = []
+        self._waiters: list[threading.Thread] = []
 
     def _wrap(self, owner: Any, name: str, stage: str) -> None:
         orig = getattr(owner, name)
@@ -73,6 +85,7 @@ class Trace:
                 return orig_fwd(*a, **k)
             finally:
                 self.ev.append(("fwd_cpu", 0.0, time.thread_time() - t))
+                self._device_end()
 
         hfrun.padded_forward = fwd_cpu
         self._undo.append((hfrun, "padded_forward", orig_fwd))
@@ -107,6 +120,14 @@ class Trace:
         self._undo.append((rw.WriterProcess, "stage", orig_stage))
         orig_send = rw.WriterProcess._send
         tr = self
+        orig_close = rw.WriterProcess.close
+
+        def wclose(wp: Any) -> None:  # the writer process's own times of this file
+            orig_close(wp)
+            tr.wtimes = list(wp.times)
+
+        rw.WriterProcess.close = wclose
+        self._undo.append((rw.WriterProcess, "close", orig_close))
 
         def send(self: Any, ev: Any, segs: list, parts: dict[str, Any]) -> None:  # feeder thread
             t = _now()
@@ -144,12 +165,34 @@ class Trace:
             pass
         return out
 
+    def _device_end(self) -> None:
+        """When the device reaches what the engine's stream has queued now: an event, waited for by a
+        thread (its wait releases the GIL), so the recording thread goes on at once."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+
+        def wait() -> None:
+            ev.synchronize()
+            self.ev.append(("dev", _now(), 0.0))
+
+        th = threading.Thread(target=wait, daemon=True)
+        th.start()
+        self._waiters.append(th)
+
     def begin(self) -> None:
         self.ev = []
+        self.wtimes: list[tuple[float, ...]] = []
+        self._waiters: list[threading.Thread] = []
         self._a0 = self._alloc_counts()
         self._t0 = _now()
 
     def end(self, mode: str) -> dict[str, float]:
+        for th in self._waiters:
+            th.join()
         ev = list(self.ev)
         a1 = self._alloc_counts()
 
@@ -183,6 +226,23 @@ class Trace:
             row["drain"] = (t_drain - c0) * ms
             row["acks"] = (t_acks - t_drain) * ms
             row["final"] = (c0 + cd - t_acks) * ms
+            t0 = self._t0
+            row["t_fwd"] = (fwd[-1][0] + fwd[-1][1] - t0) * ms
+            devs = of("dev")
+            if devs:
+                row["t_dev"] = (devs[-1][0] - t0) * ms
+            row["t_end"] = (c0 + cd - t0) * ms
+            chunks = [w for w in self.wtimes if len(w) == 3]
+            if chunks:
+                row["t_w0"] = (chunks[0][0] - t0) * ms
+                row["t_wl"] = (chunks[-1][0] - t0) * ms
+                row["t_wd"] = (chunks[-1][2] - t0) * ms
+                row["w_build"] = sum(b - r for r, b, _ in chunks) * ms
+                row["w_write"] = sum(w - b for _, b, w in chunks) * ms
+                row["w_idle"] = max(0.0, (chunks[-1][0] - chunks[0][0]) * ms - sum(w - r for r, _, w in chunks[:-1]) * ms)
+            closes = [w for w in self.wtimes if len(w) == 2]
+            if closes:
+                row["w_close"] = (closes[-1][1] - closes[-1][0]) * ms
         self.rows.setdefault(mode, []).append(row)
         return row
 
@@ -199,6 +259,7 @@ class Trace:
 COLUMNS = ("fwd", "fwd_cpu", "gc", "n_gc2", "cmalloc", "hmalloc", "ldesc", "staged", "unstaged",
            "n_launch", "launch", "n_flush", "flush", "block", "hold", "after_fwd", "close", "drain", "acks", "final",
            "ev_wait", "ev_wait_last", "send", "send_last")
+TIMELINE = ("t_fwd", "t_dev", "t_w0", "t_wl", "t_wd", "t_end", "w_build", "w_write", "w_idle", "w_close")
 
 
 def table(summary: dict[str, dict[str, float]]) -> str:
@@ -206,4 +267,8 @@ def table(summary: dict[str, dict[str, float]]) -> str:
     lines = ["stages per score(), ms, medians (bench/capture_trace.py)", head]
     for mode, s in summary.items():
         lines.append(f"{mode:18}" + "".join(f"{s.get(c, 0.0):13.2f}" for c in COLUMNS))
+    lines += ["", "timeline per score(), ms from its start, medians (t_*), and the writer process's work (w_*)",
+              f"{'mode':18}" + "".join(f"{c:>10}" for c in TIMELINE)]
+    for mode, s in summary.items():
+        lines.append(f"{mode:18}" + "".join(f"{s.get(c, 0.0):10.2f}" for c in TIMELINE))
     return "\n".join(lines)

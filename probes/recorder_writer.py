@@ -20,9 +20,11 @@ no file outlives the two processes; the engine's process removes the files it ma
 mapped.
 
 Protocol (pickles over two pipes): ``("open", sink, tmp, meta)``; ``("chunk", slot_path, parts,
-segs)`` -> ``("ack", rows, value_bytes, slot_path)`` (the slot is free again); ``("drop", paths)``
+segs)`` -> ``("ack", rows, value_bytes, slot_path, (received, built, written))`` (the slot is free
+again; the times: ``time.perf_counter`` of this process, the same clock as the engine's process:
+when the message arrived, its table was built, its row group written); ``("drop", paths)``
 (unmap these slots; no reply); ``("close",)`` -> ``("closed", peak RSS MB of this process while it
-wrote the file)`` (file renamed into place); ``("abort",)`` -> ``("aborted",)`` (temp file
+wrote the file, (received, closed))`` (file renamed into place); ``("abort",)`` -> ``("aborted",)`` (temp file
 removed); any failure -> ``("error", text)`` and the process exits. After ``closed``/``aborted`` the
 process waits for the next ``open`` (one process serves the recorders of an engine process one after
 another); it exits when its pipe closes (the engine's process ended), removing a file left open.
@@ -338,6 +340,9 @@ class WriterProcess:
         self.value_bytes = 0
         self.peak_rss_mb: float | None = None
         self._inflight = 0
+        # the process's (received, built, written) times of each chunk and (received, closed) of the
+        # close, in order (bench/capture_trace.py lays them beside the engine's stages)
+        self.times: list[tuple[float, ...]] = []
 
     # ---- feeder thread -----------------------------------------------------------------------
     def _send(self, ev: Any, segs: list, parts: Any) -> None:
@@ -397,6 +402,7 @@ class WriterProcess:
     def _ack(self, msg: tuple) -> None:
         self.rows += msg[1]
         self.value_bytes += msg[2]
+        self.times.append(msg[4])
         self.child.release(msg[3])
         self._inflight -= 1
 
@@ -469,6 +475,7 @@ class WriterProcess:
         if msg[0] != "closed":
             raise RuntimeError("op writer process did not close the file")
         self.peak_rss_mb = msg[1]
+        self.times.append(msg[2])
         self._finish(reuse=True)
 
     def abort(self) -> None:
@@ -548,8 +555,11 @@ def _peak_rss_mb() -> float | None:
 
 
 def main(rfd: int, wfd: int) -> None:
+    import time
+
     from mismatch_probe.probes.ops_table import _build_packed, packed_writer
 
+    now = time.perf_counter
     rx, tx = Connection(rfd, writable=False), Connection(wfd, readable=False)
     writer = None
     slots: dict[str, tuple[mmap.mmap, np.ndarray]] = {}  # path -> mapping, for the life of the process
@@ -557,6 +567,7 @@ def main(rfd: int, wfd: int) -> None:
         while True:
             try:
                 msg = rx.recv()
+                t_recv = now()
             except EOFError:  # the engine's process is gone: leave no half-written file
                 if writer is not None:
                     writer.abort()
@@ -572,13 +583,14 @@ def main(rfd: int, wfd: int) -> None:
                 p = _read_parts(slots[path][1], layout)
                 st = (p["st"], p["cnt"]) if "cnt" in p else p.get("st")
                 table = _build_packed(segs, p["dig"], st, p.get("vals"), p.get("tv"), p.get("ti"))
+                t_built = now()
                 assert writer is not None
                 writer.write(table)
                 vals = p.get("vals")
                 rows = int(np.asarray(table.column("n")).sum())
                 value_bytes = 0 if vals is None else int(vals.size)
                 del p, st, table, vals  # no view of the slot outlives the ack (the engine refills it)
-                tx.send(("ack", rows, value_bytes, path))
+                tx.send(("ack", rows, value_bytes, path, (t_recv, t_built, now())))
             elif msg[0] == "drop":
                 for path in msg[1]:
                     _unmap(slots.pop(path, None))
@@ -586,7 +598,7 @@ def main(rfd: int, wfd: int) -> None:
                 assert writer is not None
                 writer.close()
                 writer = None
-                tx.send(("closed", _peak_rss_mb()))
+                tx.send(("closed", _peak_rss_mb(), (t_recv, now())))
             elif msg[0] == "abort":
                 if writer is not None:
                     writer.abort()

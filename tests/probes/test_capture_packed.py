@@ -86,6 +86,9 @@ def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_pa
     staged = []
     orig = rw.WriterProcess.stage
     monkeypatch.setattr(rw.WriterProcess, "stage", lambda self, parts: staged.append(orig(self, parts)) or staged[-1])
+    times = []
+    orig_close = rw.WriterProcess.close
+    monkeypatch.setattr(rw.WriterProcess, "close", lambda self: (orig_close(self), times.extend(self.times)))
     dest = tmp_path / "ops.parquet"
     # many chunks: slots reused, the feeder bounded by the writer's acks
     rec = OpRecorder(G.plan(), sink=dest, batched=True, buffer_rows=64 if many_chunks else None)
@@ -101,6 +104,12 @@ def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_pa
     # the manifest says which path the chunks took
     assert rec.summary()["device_chunks"] == {"staged": len(staged), "pinned": 0}
     assert mem.summary()["device_chunks"] == {"staged": 0, "pinned": mem.chunks_pinned} and mem.chunks_pinned >= 1
+    # the process's own times (the bench's timeline): per chunk received <= built <= written, in order, then
+    # the close (received, closed) after the last chunk was written
+    chunks, close = times[:-1], times[-1]
+    assert len(chunks) == len(staged) and all(len(t) == 3 and t[0] <= t[1] <= t[2] for t in chunks)
+    assert all(a[2] <= b[0] for a, b in zip(chunks, chunks[1:])) and len(close) == 2
+    assert chunks[-1][2] <= close[0] <= close[1]
 
 
 def test_empty_packed_file_reads_as_an_empty_ops_table(tmp_path):
