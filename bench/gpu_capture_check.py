@@ -13,7 +13,9 @@
    device into the writer's shared memory or through pinned buffers, ``MODE@fixed``: digest chunks end at
    BUFFER_ROWS only (not where the forward's tail is left), ``MODE@norec``: the capture's wrappers run but record
    nothing (what the wrappers alone cost), ``MODE@gcoff``: the interpreter's garbage collector off during the
-   ``score()``, ``MODE@ownstream``: each recorder on a new side stream (before one per device); variants combine with ``+``
+   ``score()``, ``MODE@ownstream``: each recorder on a new side stream (before one per device), ``MODE@nologits``: the
+   logits not recorded;
+   variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
    ``score()`` waits after its last forward (the recorder's ``close()``).
@@ -150,6 +152,10 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
                 gc.disable()
             _CLOSE.clear()
             r.capture = plans[base_mode]
+            if "nologits" in vs:  # MODE@nologits: the logits not recorded (their digests are the forward's last work)
+                from mismatch_probe.probes.capture import CapturePlan, CaptureRule
+
+                r.capture = CapturePlan(base_mode, [CaptureRule("logits", "off")])
             dest = tmp / f"{shape}-{mode}.parquet"
             dest.unlink(missing_ok=True)
             r.ops_dest = dest if r.capture is not None else None

@@ -456,6 +456,18 @@ def section_linear() -> None:
         if "fn" in fp8:
             us8 = graph_us(fp8["fn"])
             res.update(fp8_gemm_us=round(us8, 1))
+        if m <= 64:  # the GEMM as a programmatic dependent launch after the quantizer (native.PDL) vs a plain launch
+            from mismatch_probe.kernels.nvfp4 import native
+
+            y_pdl = lin(x, w)
+            native.PDL = False
+            try:
+                y_plain = lin(x, w)
+                us_plain = graph_us(lambda: lin(x, w))
+            finally:
+                native.PDL = True
+            res.update(nvfp4_linear_nopdl_us=round(us_plain, 1),
+                       pdl_same_bits=bool(torch.equal(y_pdl.view(torch.int16), y_plain.view(torch.int16))))
         if m > 64:  # prefill: the weights decoded in registers (PrefillTuning.decode_weights), no fp16 operand kept
             twd = tw.tuned(tw.tuning.with_(prefill={"decode_weights": True}))
             same = torch.equal(tc_matmul(qa, twd, a_op=op).view(torch.int16), tc_matmul(qa, tw, a_op=op).view(torch.int16))

@@ -205,10 +205,18 @@ class NVFP4Linear:
                        src: torch.Tensor | None = None) -> torch.Tensor:
         from .tc_linear import OP_DTYPE, choose, tc_matmul, use_native
 
+        before = self._tcache.get(key)
         tws = self.prepared(w, key)
+        # the weights were made by the sync kernels just now, unless they came from the cache
+        synced = before is None or before[1] is not tws
         x2 = x2.detach().contiguous()
+        sh = self.shared
+        hits = sh.hits if sh is not None else 0
         qa, op = self._quantized_input(x2 if src is None else src, x2, amax, tws[0])
-        ys = [tc_matmul(qa, tw, a_op=op) for tw in tws]  # the activation is quantized once for all shards
+        quantized = sh is None or sh.hits == hits  # the quantizer ran now: it is the last kernel launched
+        # the activation is quantized once for all shards; each GEMM follows the quantizer or the shard before
+        # it (kernels that write no weight: the GEMM may start streaming its weights before they end)
+        ys = [tc_matmul(qa, tw, a_op=op, after_own_kernel=i > 0 or quantized or not synced) for i, tw in enumerate(tws)]
         path = choose(x2.shape[0], tws[0])
         native = path == "decode" and use_native(tws[0], op if op is not None else x2.new_empty(0, dtype=OP_DTYPE), tws[0].nseg)
         tag = f"{'cuda-native' if native else 'triton'}:{path}"

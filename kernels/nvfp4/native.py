@@ -75,6 +75,9 @@ TOKEN_ROW = 136
 # [8 halves] fp16, NTOK = token_cols(M) (rows >= M zero): a stage's tokens are one contiguous copy, a k16
 # step's wgmma B operand is 2 x NTOK/8 core matrices of 128 contiguous bytes
 TOKEN_CORE = (16, 8, 8)
+# programmatic dependent launch of the wgmma decode GEMM after its tokens' quantizer (decode_gemm's ``pdl``):
+# the weight stream starts while the quantizer runs; False: every launch plain (the bench's A/B switch)
+PDL = True
 _STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s": None}
 
 
@@ -305,9 +308,12 @@ def _variant(cfg: NativeTuning) -> int:
 
 
 def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: int, out: torch.Tensor,
-                part: torch.Tensor) -> None:
+                part: torch.Tensor, pdl: bool = False) -> None:
     """``a_op``: the fp16 token operand, row-major [M, K] or chunk-major (either is converted to what
-    the chosen kernel takes: :func:`token_layout`)."""
+    the chosen kernel takes: :func:`token_layout`). ``pdl``: the wgmma kernel (variant 15) launched as a
+    programmatic dependent launch, its weight stream started while the kernel before it on the stream
+    still runs (the quantizer of its tokens); the caller's promise: that kernel writes none of ``w``'s
+    fields (the tokens, their amax and every output are read and written after it has finished)."""
     mod = load()
     wq, ws, ws16 = w.native_w
     layout = token_layout(m, w)
@@ -317,7 +323,7 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
     if a.data_ptr() % 16 or not a.is_contiguous():
         a = a.clone(memory_format=torch.contiguous_format)
     mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant(w.tuning.native),
-                    fused_segments(m, w, nseg), crowded(w, nseg))
+                    fused_segments(m, w, nseg), crowded(w, nseg), bool(pdl) and PDL)
 
 
 def sm_count() -> int:

@@ -209,7 +209,8 @@ def act_operand(a: NVFP4Tensor) -> torch.Tensor:
 
 
 def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
-         tiles: tuple[torch.Tensor, ...] | None, row_e: torch.Tensor | None, bm: int | None = None) -> torch.Tensor:
+         tiles: tuple[torch.Tensor, ...] | None, row_e: torch.Tensor | None, bm: int | None = None,
+         pdl: bool = False) -> torch.Tensor:
     dev = a_op.device
     n, k = w.n, w.k
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
@@ -230,7 +231,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
         if use_native(w, a_op, nseg):
             from . import native
 
-            native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part)
+            native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part, pdl)
             if nseg > 1 and not native.fused_segments(m, w, nseg):
                 launch(reduce_kernel, (cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16),
                        m, n, nseg, 1024, w.per_row, False, num_warps=4)
@@ -345,16 +346,21 @@ def _check(a: NVFP4Tensor, w: TCWeight) -> None:
         raise ValueError(f"K mismatch: activations have K={a.shape[1]}, weights have K={w.k}")
 
 
-def tc_matmul(a: NVFP4Tensor, w: TCWeight, *, path: str = "auto", a_op: torch.Tensor | None = None) -> torch.Tensor:
+def tc_matmul(a: NVFP4Tensor, w: TCWeight, *, path: str = "auto", a_op: torch.Tensor | None = None,
+              after_own_kernel: bool = False) -> torch.Tensor:
     """``a @ w.T`` -> bf16 [M, N] (``a``: per-token NVFP4 activations; ``a_op``: their fp16 operand
-    if already made, e.g. by the quantizer)."""
+    if already made, e.g. by the quantizer). ``after_own_kernel``: the kernel launched last on the stream
+    writes none of ``w``'s fields (the quantizer of ``a``, or another GEMM): the native decode GEMM may then
+    start streaming ``w`` before that kernel ends (``native.decode_gemm``'s ``pdl``; the same bits)."""
     _check(a, w)
     if w.grouped:
         raise ValueError("expert weights: use tc_grouped")
     m = a.shape[0]
     p = choose(m, w, path)
     amax = a.amax if a.per_token else a.row_amax().contiguous()  # per-tensor amax: one alpha per row
-    return _run(amax, a_op if a_op is not None else act_operand(a), w, m, p, None, None)
+    if a_op is None:  # the operand made here: the last kernel is this conversion
+        a_op, after_own_kernel = act_operand(a), True
+    return _run(amax, a_op, w, m, p, None, None, pdl=after_own_kernel)
 
 
 def tc_linear(x: torch.Tensor, w: TCWeight, *, path: str = "auto") -> torch.Tensor:
@@ -366,7 +372,7 @@ def tc_linear(x: torch.Tensor, w: TCWeight, *, path: str = "auto") -> torch.Tens
     if x.shape[1] <= MAX_K:
         layout = operand_layout(x.shape[0], w, path)
         codes, scales, amax, op = quantize_rows(x, None, True, emit_op=OP_DTYPE, op_layout=layout)
-        return tc_matmul(NVFP4Tensor(codes, scales, amax, True), w, path=path, a_op=op)
+        return tc_matmul(NVFP4Tensor(codes, scales, amax, True), w, path=path, a_op=op, after_own_kernel=True)
     return tc_matmul(nvfp4_quantize(x, per_token=True), w, path=path)
 
 

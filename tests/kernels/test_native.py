@@ -250,6 +250,55 @@ def test_decode_gemm_passes_the_instance_decisions(monkeypatch: pytest.MonkeyPat
         w = _w(8192, 2, n=n, native_w=(t, t, t), amax=t, per_row=True)
         native.decode_gemm(t, torch.zeros(m, 8192, dtype=torch.float16), w, m, 2, t, t)
         rec = native.decode_variant(m, w)
-        assert calls[-1][-2:] == (ks2, crowd) and calls[-1][5].dim() == 5  # the core-matrix operand
+        assert calls[-1][-3:] == (ks2, crowd, False) and calls[-1][5].dim() == 5  # the core-matrix operand
         assert ("both K segments in the CTA" in rec["pipeline"]) == ks2
         assert ("2 CTAs per SM" in rec["pipeline"]) == (crowd and m > 32)
+
+
+def test_decode_gemm_is_a_dependent_launch_only_when_the_caller_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pdl``: passed through to the extension when asked for and native.PDL allows it, never by default."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(native, "load", lambda: SimpleNamespace(decode_gemm=lambda *a: calls.append(a)))
+    monkeypatch.setitem(native._STATE, "hopper", True)
+    monkeypatch.setitem(native._STATE, "sms", 132)
+    t = torch.zeros(1)
+    w = _w(8192, 2, n=8192, native_w=(t, t, t), amax=t, per_row=True)
+    a = torch.zeros(16, 8192, dtype=torch.float16)
+    native.decode_gemm(t, a, w, 16, 2, t, t)
+    native.decode_gemm(t, a, w, 16, 2, t, t, pdl=True)
+    monkeypatch.setattr(native, "PDL", False)
+    native.decode_gemm(t, a, w, 16, 2, t, t, pdl=True)
+    assert [c[-1] for c in calls] == [False, True, False]
+
+
+def test_recipe_gemm_overlaps_only_a_kernel_that_writes_no_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's GEMM of each shard may start while the kernel before it runs (``after_own_kernel``)
+    only where that kernel is the quantizer of its input or the shard before it: not right after the
+    weight sync of this call when the input's quantization was shared (no quantizer ran in between)."""
+    from mismatch_probe.kernels.nvfp4 import linear as L
+    from mismatch_probe.kernels.nvfp4 import tc_linear as T
+
+    lin = L.NVFP4Linear("nvfp4-per-token")
+    got: list[bool] = []
+    monkeypatch.setattr(T, "tc_matmul", lambda qa, tw, a_op=None, after_own_kernel=False: got.append(after_own_kernel)
+                        or torch.zeros(1, 2))
+    monkeypatch.setattr(T, "choose", lambda m, w, path="auto": "prefill")
+    monkeypatch.setattr(T, "operand_layout", lambda m, w, path="decode": 0)
+
+    def prepared(w: object, key: object = None) -> list[str]:  # a new key: "synced" now
+        if key not in lin._tcache:
+            lin._tcache[key] = (None, ["s0", "s1", "s2"])
+        return lin._tcache[key][1]
+
+    monkeypatch.setattr(lin, "prepared", prepared)
+    monkeypatch.setattr(lin, "quantize_input", lambda x2, amax, tw: ("qa", None))
+    x = torch.zeros(1, 4)
+    lin._kernel_matmul(x, None, None, "q")  # weights synced, input quantized now: every shard
+    assert got == [True, True, True]
+    lin.shared = L.SharedInput()
+    lin.shared.open(x)
+    got.clear()
+    lin._kernel_matmul(x, None, None, "k", x)  # quantized now (the scope's first): every shard
+    lin._kernel_matmul(x, None, None, "v", x)  # shared input, weights synced just now: not shard 0
+    lin._kernel_matmul(x, None, None, "k", x)  # shared input, weights cached: every shard
+    assert got == [True, True, True, False, True, True, True, True, True]

@@ -11,6 +11,20 @@ constexpr int W_BYTES = 4096;  // codes per (64 rows, chunk)
 constexpr int S_BYTES = 512;   // scales per (64 rows, chunk)
 constexpr float RCP_ALPHA = 1.3840171675383317e-07f;  // RN(1 / (36 * 448^2))
 
+// programmatic dependent launch (sm_90+; no-ops before sm_90 and in a grid launched without the attribute):
+// pdl_wait() returns once the grid before this one on the stream has completed and its writes are visible;
+// pdl_trigger() lets the next grid (launched with programmatic stream serialization) start its blocks now
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -203,6 +203,9 @@ __global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
     const uint32_t full0 = smem_u32(bars + 2 * S * h), empty0 = full0 + 8 * S;
     if ((MODE < 3 || MODE == 5) && lane == 0) {
       const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
+      // the first ring's weights and scales are requested before the wait for the grid before this one (a
+      // programmatic dependent launch: the quantizer writing the tokens), its tokens after it
+      const int pre = steps < S ? steps : S;
       for (int i = 0; i < steps; ++i) {
         const int slot = i % S;
         if (i >= S) mbar_wait(empty0 + 8 * slot, ((i / S) - 1) & 1);
@@ -213,11 +216,19 @@ __global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
         const size_t c = (size_t)nb * chunks + cl;
         bulk_g2s(st, wq + c * W_BYTES, CPS * W_BYTES, full);
         bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
-        bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
+        if (i >= pre) bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
+        if (i == pre - 1) {
+          pdl_wait();
+          for (int j = 0; j < pre; ++j) {
+            const size_t clj = (size_t)(KS2 ? h : seg) * (chunks / (KS2 ? 2 : nseg)) + j * CPS;
+            bulk_g2s(smem_u32(smem + j * STAGE + h * HALF) + A_OFF, ab + clj * TB, CPS * TB, full0 + 8 * j);
+          }
+        }
       }
     }
     return;
   }
+  pdl_wait();  // the token amax below and every global write after it: the grid before this one is done
   const int wg = warp >> 2, wl = warp & 3;
   // the epilogue's amax values, loaded before the K loop: their latency hides behind it (lab 23:14:
   // M = 16 15.9 -> 15.5 us, KS2 13.8 -> 13.2)

@@ -54,10 +54,13 @@ constexpr int wg_smem(int ntok, int s, int cps, bool ks2 = false) {  // stages, 
          32 * ntok + (ks2 ? 256 * ntok : 0);
 }
 
+// ``pdl``: launched with programmatic stream serialization (the caller's promise: the kernel before it on the
+// stream writes none of the weight's fields; it may be running still while this one streams the weights, see
+// decode_wg_kernel's producer; every read of the tokens and every write waits for it to finish)
 template <int NTOK, int S, int CPS, int R = 2, bool KS2 = false>
 void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch::Tensor& w_amax, bool w_amax_row,
                const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
-               int N, int K, int nseg) {
+               int N, int K, int nseg, bool pdl) {
   constexpr int SMEM = wg_smem(NTOK, S, CPS, KS2);
   auto kern = decode_wg_kernel<NTOK, S, CPS, 0, R, KS2>;
   static bool attr = false;
@@ -65,13 +68,21 @@ void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch:
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     attr = true;
   }
-  dim3 grid((N + 63) / 64, 1, KS2 ? 1 : nseg);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  kern<<<grid, KS2 ? 320 : 160, SMEM, stream>>>(
-      reinterpret_cast<const uint8_t*>(wq.data_ptr()), reinterpret_cast<const uint8_t*>(wsc16.data_ptr()),
-      w_amax.data_ptr<float>(), w_amax_row ? 1 : 0, reinterpret_cast<const __half*>(a.data_ptr()),
-      a_amax.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((N + 63) / 64, 1, KS2 ? 1 : nseg);
+  cfg.blockDim = dim3(KS2 ? 320 : 160);
+  cfg.dynamicSmemBytes = SMEM;
+  cfg.stream = c10::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &cfg, kern, reinterpret_cast<const uint8_t*>(wq.data_ptr()), reinterpret_cast<const uint8_t*>(wsc16.data_ptr()),
+      static_cast<const float*>(w_amax.data_ptr<float>()), w_amax_row ? 1 : 0,
+      reinterpret_cast<const __half*>(a.data_ptr()), static_cast<const float*>(a_amax.data_ptr<float>()),
+      reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg));
 }
 
 template <int BPT>

@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(128) quant_rows_kernel(const uint4* __restrict
                                                          uint2* __restrict__ codes, uint8_t* __restrict__ scales,
                                                          uint4* __restrict__ op, int K, int amax_mode, int rows,
                                                          int groups) {
+  pdl_trigger();  // a decode GEMM launched after this with the PDL attribute may start streaming its weights
   const int row = blockIdx.x;
   const int tid = threadIdx.x;
   const int nblk = K >> 4;
