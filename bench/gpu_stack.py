@@ -258,11 +258,17 @@ def vllm_memory(log: str) -> dict[str, float]:
     return out
 
 
+SPEED_LOGS: list[Path] = []  # where each speed run's whole output goes (set by main: --out)
+
+
 def vllm_speed(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     t = time.time()
     try:
         p = subprocess.run([sys.executable, "-c", SPEED, json.dumps(cfg)], capture_output=True, text=True, timeout=timeout,
                            cwd=tempfile.gettempdir())
+        if SPEED_LOGS:  # the engine's own output: the root cause of a failed start is not in the tail
+            slug = "".join(c if c.isalnum() else "_" for c in name)[:80]
+            (SPEED_LOGS[0] / f"speed_{slug}.log").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SPEED ")), None)
         info = json.loads(line[6:]) if line else {"error": (p.stderr or "")[-600:]}
         info.update(vllm_memory(p.stdout + p.stderr))
@@ -292,6 +298,9 @@ def step_speed(model: Path, timeout: float, mem: float) -> None:
     row(step="speed", name="HF learner forward 4x1024, median of 5", **info)
 
 
+RECIPES_8B = ["engine", "nvfp4-per-token"]  # --speed8b-recipes
+
+
 def step_speed8b(out: Path, timeout: float, mem: float) -> None:
     """Issue 28: a Qwen3-8B-shaped model (vLLM's seeded dummy weights), 16 and 64 sequences x 256
     generated tokens, CUDA graphs on both: vLLM's default bf16 vs nvfp4-per-token (the tool's recipe graphs)."""
@@ -305,7 +314,7 @@ def step_speed8b(out: Path, timeout: float, mem: float) -> None:
         Qwen3Config(**Q8B, torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"]).save_pretrained(model)
         save_tokenizer(model, Q8B["vocab_size"])
     base = {"model": str(model), "mem": mem, "load": "dummy", "batches": [16, 64], "eager": False}
-    for recipe in ("engine", "nvfp4-per-token"):
+    for recipe in RECIPES_8B:
         vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe} cuda graphs", base | {"recipe": recipe}, timeout)
 
 
@@ -328,12 +337,15 @@ def main() -> None:
                     help=f"which 0.6B compare runs: {', '.join(Q06B_RUNS)}")
     ap.add_argument("--tiny-models", default=",".join(TINY))
     ap.add_argument("--mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (lower: two copies side by side)")
+    ap.add_argument("--speed8b-recipes", default=",".join(RECIPES_8B), help="speed8b: which runs (engine, nvfp4-per-token)")
     ap.add_argument("--wait", type=float, default=0.0,
                     help="bisect: wait up to this many seconds for the 0.6B runs (written by another copy of this script)")
     ap.add_argument("--tag", default="gpu_stack", help="name of the JSON written into --out")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--tiny", action="store_true", help="dry run on the CPU: tiny-qwen3 stands in for the 0.6B shape")
     args = ap.parse_args()
+    SPEED_LOGS[:] = [args.out]
+    RECIPES_8B[:] = [r for r in args.speed8b_recipes.split(",") if r]
     args.out = args.out.resolve()
     steps = set(args.only.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
