@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +261,35 @@ def jsonable(d: dict[str, Any]) -> dict[str, Any]:
         except TypeError:
             out[k] = repr(v)
     return out
+
+
+# vLLM refusing to start for want of memory, as its messages say it (vLLM 0.26: the GPU and CPU workers'
+# startup check, the KV cache sizing), or a CUDA out-of-memory error during its profile run
+_MEMORY_WORDS = ("memory utilization", "available memory", "kv cache", "cache blocks", "out of memory")
+# vLLM's engine process failed before it was up (CUDA: the engine core runs in its own process, which has
+# printed its own error above this one)
+_CORE_FAILED = "engine core initialization failed"
+
+
+def start_error(e: BaseException, recipe: str, kwargs: dict[str, Any]) -> str | None:
+    """One line for a vLLM engine that would not start for a reason of the machine, not of the tool: its
+    memory (checked at startup, or the KV cache left after the profile run) or its engine process's failure
+    (its own error is printed above). None for anything else (the traceback stays: it may be a bug)."""
+    text = str(e).strip()
+    # its first sentence: vLLM's messages go on with advice for its own command line, not ours
+    first = re.split(r"(?<=[.)])\s+(?=[A-Z])", text.splitlines()[0])[0] if text else type(e).__name__
+    mem = kwargs.get("gpu_memory_utilization")
+    hint = (f"it ran with gpu_memory_utilization={mem}" if mem is not None else "it ran with vLLM's default memory share") + \
+        "; --sampler-arg gpu_memory_utilization=F sets the share vLLM may take"
+    if recipe.startswith("nvfp4") or "nvfp4" in recipe:
+        hint += (" (the NVFP4 recipe keeps ~5.2 bytes per linear weight against bf16's 2, measured by vLLM as "
+                 "activation memory: docs/gpu.md)")
+    low = text.lower()
+    if type(e).__name__ == "OutOfMemoryError":  # torch's (CUDA): its first line says how much it tried
+        return f"vLLM ran out of device memory while starting: {text.splitlines()[0][:160]} ({hint})"
+    if isinstance(e, (ValueError, RuntimeError, MemoryError)) and any(w in low for w in _MEMORY_WORDS) \
+            and _CORE_FAILED not in low:
+        return f"vLLM did not start: {first[:300]} ({hint})"
+    if isinstance(e, RuntimeError) and _CORE_FAILED in low:
+        return f"vLLM's engine process did not start (its error is printed above; if it ran out of memory: {hint})"
+    return None

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.errors import UsageError
+from mismatch_probe.errors import EngineUnavailable, UsageError
 from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
 
 
@@ -169,8 +169,16 @@ class VllmSampler(SamplerRunner):
         # vLLM's warm-up forwards (profile, dummy runs) come before the calibration pass
         nvfp4_linear.CALIBRATION["warmup"] = recipe.linear == "nvfp4-static"
         try:
-            with _llvmlite_hidden_from_kernel_scan():
-                self.llm = vllm.LLM(**kwargs)
+            try:
+                with _llvmlite_hidden_from_kernel_scan():
+                    self.llm = vllm.LLM(**kwargs)
+            except Exception as e:  # the machine's limits (memory) as one line; anything else keeps its traceback
+                from mismatch_probe.probes.engine_args import start_error
+
+                why = start_error(e, self.recipe or "engine", kwargs)
+                if why is None:
+                    raise
+                raise EngineUnavailable(why) from e
             self.info.settings["recipe"] = self._finish_recipe(recipe)
         finally:
             nvfp4_linear.CALIBRATION["warmup"] = False

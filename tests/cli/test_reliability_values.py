@@ -56,6 +56,32 @@ def test_values_the_engines_refuse_are_caught_before_they_start(tmp_path: Path, 
     assert not list(tmp_path.iterdir())
 
 
+def test_a_sampler_that_cannot_start_for_memory_is_one_line(tmp_path: Path) -> None:
+    # real vLLM (CPU): it reserves this share of RAM at startup and refuses when less is free; the run
+    # stops with its reason and ours, no traceback, and no run folder that reads as complete
+    line = one_line_error(mp("compare", "--sampler-arg", "gpu_memory_utilization=0.99", "--out", tmp_path / "r"),
+                          "vLLM did not start", "memory", "gpu_memory_utilization=0.99", engines=True)
+    assert "To resolve" not in line  # vLLM's advice for its own command line is left out
+    assert not (tmp_path / "r").exists()
+
+
+def test_start_errors_name_the_machines_limit_and_nothing_else() -> None:
+    from mismatch_probe.probes.engine_args import start_error
+
+    kv = ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+                    "initializing the engine.")
+    got = start_error(kv, "nvfp4-per-token", {"gpu_memory_utilization": 0.5})
+    assert got is not None and "No available memory for the cache blocks." in got and "Try increasing" not in got
+    assert "gpu_memory_utilization=0.5" in got and "NVFP4" in got  # the recipe's own memory named
+    assert "NVFP4" not in start_error(kv, "strict", {})  # type: ignore[operator]
+    core = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    assert "printed above" in start_error(core, "engine", {})  # type: ignore[operator]
+    oom = type("OutOfMemoryError", (RuntimeError,), {})("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert "ran out of device memory" in start_error(oom, "engine", {})  # type: ignore[operator]
+    for other in (RuntimeError("shape mismatch in the plugin"), KeyError("layers.0"), ValueError("bad head count")):
+        assert start_error(other, "strict", {}) is None  # a bug keeps its traceback
+
+
 @pytest.mark.parametrize(("sampler", "learner", "topk", "needle"), [
     ({"max_model_len": 16}, {}, 0, "max_model_len"), ({"max_model_len": 10**6}, {}, 0, "context"),
     ({"max_logprobs": 5}, {}, 20, "max_logprobs"), ({"gpu_memory_utilization": 0.0}, {}, 0, "vLLM refuses"),
