@@ -51,14 +51,18 @@ def _jobs(mode: str, tokens: int, ops: int, rows_per_chunk: int) -> list[tuple]:
         if mode == "digest":
             st = None
         else:
-            st = (rng.standard_normal((dig.shape[0], 3)), np.zeros((dig.shape[0], 2), np.int32))
+            # as the device splits them (recorder_writer.STATS_PARTS): sums, abs_max, counts, abs_max's bf16 bits
+            am = np.abs(rng.standard_normal(dig.shape[0])).astype(np.float32)
+            am_b = (am.view(np.uint32) >> 16).astype(np.int16)
+            st = (rng.standard_normal((dig.shape[0], 2)), (am_b.astype(np.uint32) << 16).view(np.float32).astype(np.float64),
+                  np.zeros((dig.shape[0], 2), np.int32), am_b)
         out.append((None, segs, dig, st, None, None, None))
     return out
 
 
 def run(mode: str, dest: Path, repeats: int) -> dict[str, Any]:
     from mismatch_probe.probes.recorder import _META
-    from mismatch_probe.probes.recorder_writer import WriterProcess
+    from mismatch_probe.probes.recorder_writer import STATS_PARTS, WriterProcess
     from mismatch_probe.run.schema import StreamWriter
 
     jobs = _jobs(mode, 4096, 479, 1 << 20 if mode == "digest" else 1 << 17)
@@ -68,9 +72,9 @@ def run(mode: str, dest: Path, repeats: int) -> dict[str, Any]:
         w = WriterProcess(sink, StreamWriter.temp_path(sink), _META, 2)
         t0 = time.perf_counter()
         for ev, segs, dig, st, vals, tv, ti in jobs:
-            st, cnt = st if isinstance(st, tuple) else (st, None)
+            sp = dict(zip(STATS_PARTS, st, strict=True)) if st is not None else {}
             t1 = time.perf_counter()
-            w.submit((ev, segs, {"dig": dig, "st": st, "cnt": cnt, "vals": vals, "tv": tv, "ti": ti}))
+            w.submit((ev, segs, {"dig": dig, **sp, "vals": vals, "tv": tv, "ti": ti}))
         w.close()
         t2 = time.perf_counter()
         if r:

@@ -195,6 +195,26 @@ def _contiguous(segs: list[_Seg], ks: np.ndarray) -> slice | None:
     return slice(segs[0].arena_off, nxt)
 
 
+def _abs_max_blob(segs: list[_Seg], n_stats: np.ndarray, amf: np.ndarray, amb: np.ndarray | None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The abs_max of the chunk's stats rows as the packed-v2 layout stores them, and each segment's bytes
+    per value: the bf16 bits (2 bytes) for a bfloat16 op where the device made them (``amb``: the maximum
+    of a bf16 row is a bf16 value, so its bits are exact), else the float64 (8). No arithmetic here: the
+    writer's host time is the capture's limit; a chunk of bf16 ops only is a view of ``amb``."""
+    w = np.where(np.array([s.dtype == "bfloat16" for s in segs]) & (amb is not None), 2, 8).astype(np.int64)
+    w[n_stats == 0] = 0
+    used = w[n_stats > 0]
+    if (used == 2).all():
+        return np.ascontiguousarray(amb, "<i2"), w
+    if (used == 8).all():
+        return np.ascontiguousarray(amf, "<f8"), w
+    cut = np.zeros(len(segs) + 1, np.int64)
+    np.cumsum(n_stats, out=cut[1:])
+    pieces = [np.ascontiguousarray(amb[cut[i] : cut[i + 1]], "<i2").view(np.uint8) if wi == 2
+              else np.ascontiguousarray(amf[cut[i] : cut[i + 1]], "<f8").view(np.uint8) for i, wi in enumerate(w) if wi]
+    return np.concatenate(pieces), w
+
+
 def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals: np.ndarray | None, tv: Any,
                   ti: Any) -> pa.Table:
     """One chunk's rows in the packed layout (``mismatch_probe.run.ops_packed``): one row per
@@ -219,17 +239,20 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
     some = any(c[2] is not None for c in mc)  # a row set with stats on some rows only
     stats_on = np.concatenate([c[2] if c[2] is not None else np.full(k, c[0] > 0) for c, k in zip(mc, ks, strict=True)]) \
         if some else None
+    am_w = np.zeros(len(segs), np.int64)  # bytes per abs_max of each segment's stats rows (packed-v2)
     if st is not None and n_stats.any():
-        # st: the arena's [rows, 5] float64 (CPU), or (float64 [rows, 3], int32 [rows, 2]) split on the device
-        parts = list(st) if isinstance(st, tuple) else [st[:, :3], st[:, 3:]]
-        parts = [a[arena] for a in parts]  # views where the arena rows are one slice
+        # st: the arena's [rows, 5] float64 (CPU), or split on the device: (float64 [rows, 2] sum and sum_sq,
+        # float64 [rows] abs_max, int32 [rows, 2] counts, int16 [rows] abs_max's bf16 bits or None)
+        parts = list(st) if isinstance(st, tuple) else [st[:, :2], st[:, 2], st[:, 3:], None]
+        parts = [None if a is None else a[arena] for a in parts]  # views where the arena rows are one slice
         if some:
-            parts = [a[stats_on] for a in parts]
+            parts = [None if a is None else a[stats_on] for a in parts]
         elif not (n_stats == ks).all():
-            parts = [a[np.repeat(n_stats > 0, ks)] for a in parts]
-        stats, counts = np.ascontiguousarray(parts[0], "<f8"), np.ascontiguousarray(parts[1], "<i4")
+            parts = [None if a is None else a[np.repeat(n_stats > 0, ks)] for a in parts]
+        stats, counts = np.ascontiguousarray(parts[0], "<f8"), np.ascontiguousarray(parts[2], "<i4")
+        abs_max, am_w = _abs_max_blob(segs, n_stats, parts[1], parts[3])
     else:
-        stats = counts = None
+        stats = counts = abs_max = None
         n_stats = np.zeros(len(segs), np.int64)
     has_topk = np.array([s.has_topk for s in segs], bool)
     if tv is not None and has_topk.any():
@@ -255,7 +278,9 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
         pa.array(ks),
         pa.BinaryArray.from_buffers(pa.binary(), len(segs), [None, pa.py_buffer(roff), pa.py_buffer(np.concatenate(runs))]),
         _blob_col(d, ks * 8),
-        _blob_col(stats, n_stats * 24),
+        _blob_col(stats, n_stats * 16),
+        pa.array(am_w.astype(np.int8)),
+        _blob_col(abs_max, n_stats * am_w),
         _blob_col(counts, n_stats * 8),
         _blob_col(vals, n_full * width * itemsize),
         pa.array(topk_k.astype(np.int32)),

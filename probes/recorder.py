@@ -42,6 +42,7 @@ import pyarrow as pa
 from mismatch_probe import settings
 from mismatch_probe.probes.digest import digest_stats_cpu
 from mismatch_probe.probes.ops_table import FULL, STATS, _build_packed, _build_table, _dtype_name, _ops_schema, _Rows, _Seg
+from mismatch_probe.probes.recorder_writer import STATS_PARTS
 from mismatch_probe.run.schema import DIGEST_KEY
 
 BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, one row group)
@@ -544,7 +545,7 @@ class OpRecorder:
                 self._reset_chunk()
                 self._proc.submit((ev, segs, staged))
                 return
-            hs = (host["st"], host["cnt"]) if "st" in host else None
+            hs = tuple(host.get(k) for k in STATS_PARTS) if "st" in host else None
             job = (ev, self._segs, host["dig"], hs, host.get("vals"), host.get("tv"), host.get("ti"))
         else:
             dig, st = self._arena()
@@ -560,16 +561,21 @@ class OpRecorder:
     def _device_parts(self, u: int) -> dict[str, Any]:
         """The chunk's parts on the device, as the packed ops.parquet stores them (names of
         ``recorder_writer.PARTS``): raw digests (8 bytes a row); for a chunk with stats rows the stats
-        split on the device into float64 sum, sum_sq, abs_max and int32 NaN / Inf counts (32 bytes a row
-        over the bus, no host-side pass; none for a chunk of digest-only ops, whose stats columns are null);
-        the kept values and the logits' top-k. Enqueued on the current stream."""
+        split on the device (``recorder_writer.STATS_PARTS``: float64 sum and sum_sq, float64 abs_max, int32 NaN / Inf
+        counts, abs_max's bf16 bits: 42 bytes a row over the bus, no host-side pass; none for a chunk of
+        digest-only ops, whose stats columns are null); the kept values and the logits' top-k. Enqueued on
+        the current stream."""
         import torch
 
         dig, st = self._arena()
         parts = {"dig": dig[:u]}
         if self._chunk_has_stats():
-            parts["st"] = st[:u, :3].contiguous()
+            parts["st"] = st[:u, :2].contiguous()
+            parts["amf"] = st[:u, 2].contiguous()
             parts["cnt"] = st[:u, 3:].to(torch.int32)
+            # abs_max's bf16 bits (exact for a bf16 op's rows, whose maxima are bf16 values; the writer stores
+            # 2 bytes for them instead of 8: ops_table._abs_max_blob), made here so the writer converts nothing
+            parts["amb"] = (parts["amf"].float().view(torch.int32) >> 16).to(torch.int16)
         if self._values:
             parts["vals"] = torch.cat([v.reshape(-1).view(torch.uint8) for v in self._values])
         if self._topk:
@@ -586,8 +592,8 @@ class OpRecorder:
 
         if self.writer_mode == "process":
             ev, segs, dig, st, vals, tv, ti = job
-            st, cnt = st if isinstance(st, tuple) else (st, None)
-            self._proc.submit((ev, segs, {"dig": dig, "st": st, "cnt": cnt, "vals": vals, "tv": tv, "ti": ti}))
+            sp = dict(zip(STATS_PARTS, st, strict=True)) if isinstance(st, tuple) else {"st": st}
+            self._proc.submit((ev, segs, {"dig": dig, **sp, "vals": vals, "tv": tv, "ti": ti}))
             return
         if self._thread is None:
             self._jobs: queue.Queue = queue.Queue(maxsize=self.queue_chunks)
@@ -643,7 +649,8 @@ class OpRecorder:
             vals = np.concatenate(vals)
         if not isinstance(dig, np.ndarray):
             dig = dig.numpy()  # int64 digests (the uint64 bits)
-            st = None if st is None else (st[0].numpy(), st[1].numpy()) if isinstance(st, tuple) else st.numpy()
+            st = None if st is None else tuple(None if a is None else a.numpy() for a in st) if isinstance(st, tuple) \
+                else st.numpy()
             vals = None if vals is None else vals.numpy()
             tv = None if tv is None else tv.numpy()
             ti = None if ti is None else ti.numpy()
@@ -654,7 +661,7 @@ class OpRecorder:
             self._writer.write(table)
         else:
             if isinstance(st, tuple):  # the in-memory table takes the arena's [rows, 5] float64 layout
-                st = np.concatenate([st[0], st[1].astype(np.float64)], axis=1)
+                st = np.column_stack([st[0], st[1], st[2].astype(np.float64)])
             table = _build_table(segs, dig, st, vals, tv, ti)
             self.rows_written += table.num_rows
             self._tables.append(table)

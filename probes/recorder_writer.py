@@ -52,7 +52,11 @@ from typing import Any
 
 import numpy as np
 
-PARTS = ("dig", "st", "cnt", "vals", "tv", "ti")  # st + cnt: the stats split on the device (recorder.flush)
+# a chunk's stats as the device splits them (recorder._device_parts), in the order of the tuple the writers
+# take (ops_table._build_packed): [rows, 2] float64 sum and sum_sq, [rows] float64 abs_max, [rows, 2] int32
+# n_nan and n_inf, [rows] int16 abs_max's bf16 bits
+STATS_PARTS = ("st", "amf", "cnt", "amb")
+PARTS = ("dig", *STATS_PARTS, "vals", "tv", "ti")
 _SLOT_MIN = 1 << 20  # bytes: slot sizes are rounded up to a multiple of this
 _SLOT_KEEP = 64 << 20  # bytes: a larger slot (a chunk of many kept values) is unmapped after its chunk
 
@@ -581,7 +585,7 @@ def main(rfd: int, wfd: int) -> None:
                 if path not in slots:
                     slots[path] = _map_slot(path)
                 p = _read_parts(slots[path][1], layout)
-                st = (p["st"], p["cnt"]) if "cnt" in p else p.get("st")
+                st = tuple(p.get(k) for k in STATS_PARTS) if "cnt" in p else p.get("st")
                 table = _build_packed(segs, p["dig"], st, p.get("vals"), p.get("tv"), p.get("ti"))
                 t_built = now()
                 assert writer is not None

@@ -15,6 +15,9 @@ History:
   v3  ops.parquet streamed by the recorder may be in the packed layout (run/ops_packed.py: one row
       per op call, per-token blobs); :func:`read_table` unpacks it into the same ``ops`` table.
       Tables of every kind are otherwise unchanged (the v2 -> v3 step is the identity).
+  v4  the packed layout ``packed-v2``: a stats row's abs_max in its own blob, 2 bytes (bf16 bits) for a
+      bfloat16 op, else 8; ``packed-v1`` files (v3) read as before. The unpacked ``ops`` table and every
+      other kind are unchanged (the v3 -> v4 step is the identity).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import pyarrow.parquet as pq
 
 from mismatch_probe.errors import SchemaError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 VERSION_KEY = b"mismatch_probe.schema_version"
 KIND_KEY = b"mismatch_probe.kind"
 DIGEST_KEY = b"mismatch_probe.digest"
@@ -148,7 +151,8 @@ def _v1_to_v2(table: pa.Table, kind: str) -> pa.Table:
 
 
 # version -> function upgrading a table of that version to version + 1
-_UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {1: _v1_to_v2, 2: lambda table, kind: table}
+_UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {1: _v1_to_v2, 2: lambda table, kind: table,
+                                                              3: lambda table, kind: table}
 
 
 def _family(t: pa.DataType) -> str:

@@ -1,4 +1,4 @@
-"""The packed ops.parquet (schema v3, run/ops_packed.py) reads back as the same ops table the
+"""The packed ops.parquet (schema v4, run/ops_packed.py) reads back as the same ops table the
 per-row writer wrote: the frozen golden of the per-row recorder (capture_golden.py, written before
 the packed layout) equals today's streamed table (writer process and writer thread) and today's
 in-memory table, row for row, digests, stats, values and top-k included."""
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import capture_golden as G  # noqa: E402
 
 from mismatch_probe.probes.recorder import OpRecorder  # noqa: E402
-from mismatch_probe.run.ops_packed import LAYOUT_KEY, PACKED, unpack  # noqa: E402
+from mismatch_probe.run.ops_packed import LAYOUT_KEY, PACKED, PACKED_V1, abs_max_values, blob, unpack  # noqa: E402
 from mismatch_probe.run.schema import SCHEMA_VERSION, VERSION_KEY, read_table, validate_file  # noqa: E402
 
 
@@ -100,6 +100,14 @@ def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_pa
     G.record(mem)
     assert_same_rows(G.sorted_rows(read_table(dest, "ops")), G.sorted_rows(mem.table()))
     assert rec.rows_written == mem.rows_written
+    # abs_max at 2 bytes (the device's bf16 bits) for the bf16 ops' stats rows, float64 for the others: read back
+    # bit for bit above
+    packed = pq.read_table(dest)
+    width: dict[str, set[int]] = {}
+    for dt, w in zip(packed.column("dtype").to_pylist(), packed.column("am_width").to_pylist(), strict=True):
+        if w:  # a packed row with stats rows
+            width.setdefault(dt, set()).add(w)
+    assert width["bfloat16"] == {2} and width["float32"] == {8} and width["float16"] == {8}
     assert staged and all(s is not None for s in staged) and (len(staged) > 1) == many_chunks
     # the manifest says which path the chunks took
     assert rec.summary()["device_chunks"] == {"staged": len(staged), "pinned": 0}
@@ -110,6 +118,36 @@ def test_batched_path_staged_into_the_writers_memory_writes_the_same_rows(tmp_pa
     assert len(chunks) == len(staged) and all(len(t) == 3 and t[0] <= t[1] <= t[2] for t in chunks)
     assert all(a[2] <= b[0] for a, b in zip(chunks, chunks[1:])) and len(close) == 2
     assert chunks[-1][2] <= close[0] <= close[1]
+
+
+def _as_packed_v1(t: pa.Table) -> pa.Table:
+    """A packed-v2 table as schema v3 wrote it (packed-v1): abs_max back into ``stats`` [s, 3] float64."""
+    n = np.asarray(t.column("n"), np.int64)
+    has = np.asarray(t.column("stats").is_valid(), bool)
+    st2 = blob(t.column("stats"), "<f8").reshape(-1, 2)
+    # stats rows per packed row: its stats blob's bytes / 16
+    ns = np.array([0 if v is None else len(v) // 16 for v in t.column("stats").to_pylist()], np.int64)
+    st3 = np.column_stack([st2, abs_max_values(t, ns)]) if st2.size else np.zeros((0, 3))
+    off = np.zeros(len(n) + 1, np.int64)
+    np.cumsum(ns * 24, out=off[1:])
+    col = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(n), [pa.py_buffer(np.packbits(has, bitorder="little")),
+                                                                      pa.py_buffer(off), pa.py_buffer(st3.tobytes())])
+    t = t.set_column(t.schema.get_field_index("stats"), "stats", col).drop_columns(["am_width", "abs_max"])
+    return t.replace_schema_metadata({**t.schema.metadata, LAYOUT_KEY: PACKED_V1, VERSION_KEY: b"3"})
+
+
+def test_packed_v1_file_of_schema_v3_reads_unchanged(tmp_path):
+    # an ops.parquet written before abs_max had its own blob (schema v3, packed-v1) reads as the same table
+    pytest.importorskip("triton")
+    dest = tmp_path / "ops.parquet"
+    rec = OpRecorder(G.plan(), sink=dest, batched=True)
+    G.record(rec)
+    rec.close()
+    old = tmp_path / "old.parquet"
+    pq.write_table(_as_packed_v1(pq.read_table(dest)), old)
+    assert pq.read_schema(old).metadata[LAYOUT_KEY] == PACKED_V1
+    assert_same_rows(G.sorted_rows(read_table(old, "ops")), G.sorted_rows(read_table(dest, "ops")))
+    validate_file(old, "ops")
 
 
 def test_empty_packed_file_reads_as_an_empty_ops_table(tmp_path):
