@@ -271,25 +271,25 @@ _MEMORY_WORDS = ("memory utilization", "available memory", "kv cache", "cache bl
 _CORE_FAILED = "engine core initialization failed"
 
 
-def start_error(e: BaseException, recipe: str, kwargs: dict[str, Any]) -> str | None:
+def start_error(e: BaseException, nvfp4: bool, kwargs: dict[str, Any]) -> str | None:
     """One line for a vLLM engine that would not start for a reason of the machine, not of the tool: its
     memory (checked at startup, or the KV cache left after the profile run) or its engine process's failure
-    (its own error is printed above). None for anything else (the traceback stays: it may be a bug)."""
+    (its own error is printed above). ``nvfp4``: the sampler's recipe has NVFP4 linears (their layouts'
+    memory is named). None for anything else (the traceback stays: it may be a bug)."""
     text = str(e).strip()
-    # its first sentence: vLLM's messages go on with advice for its own command line, not ours
-    first = re.split(r"(?<=[.)])\s+(?=[A-Z])", text.splitlines()[0])[0] if text else type(e).__name__
-    mem = kwargs.get("gpu_memory_utilization")
-    hint = (f"it ran with gpu_memory_utilization={mem}" if mem is not None else "it ran with vLLM's default memory share") + \
+    low = text.lower()
+    hint = (f"it ran with gpu_memory_utilization={kwargs['gpu_memory_utilization']}"
+            if "gpu_memory_utilization" in kwargs else "it ran with vLLM's default memory share") + \
         "; --sampler-arg gpu_memory_utilization=F sets the share vLLM may take"
-    if recipe.startswith("nvfp4") or "nvfp4" in recipe:
+    if nvfp4:
         hint += (" (the NVFP4 recipe keeps ~5.2 bytes per linear weight against bf16's 2, measured by vLLM as "
                  "activation memory: docs/gpu.md)")
-    low = text.lower()
-    if type(e).__name__ == "OutOfMemoryError":  # torch's (CUDA): its first line says how much it tried
-        return f"vLLM ran out of device memory while starting: {text.splitlines()[0][:160]} ({hint})"
-    if isinstance(e, (ValueError, RuntimeError, MemoryError)) and any(w in low for w in _MEMORY_WORDS) \
-            and _CORE_FAILED not in low:
-        return f"vLLM did not start: {first[:300]} ({hint})"
     if isinstance(e, RuntimeError) and _CORE_FAILED in low:
         return f"vLLM's engine process did not start (its error is printed above; if it ran out of memory: {hint})"
+    if type(e).__name__ == "OutOfMemoryError":  # torch's (CUDA): its first line says how much it tried
+        return f"vLLM ran out of device memory while starting: {text.splitlines()[0][:160]} ({hint})"
+    if isinstance(e, (ValueError, RuntimeError, MemoryError)) and any(w in low for w in _MEMORY_WORDS):
+        # its first sentence: vLLM's messages go on with advice for its own command line, not ours
+        first = re.split(r"(?<=[.)])\s+(?=[A-Z])", text.splitlines()[0])[0]
+        return f"vLLM did not start: {first[:300]} ({hint})"
     return None

@@ -175,7 +175,7 @@ class VllmSampler(SamplerRunner):
             except Exception as e:  # the machine's limits (memory) as one line; anything else keeps its traceback
                 from mismatch_probe.probes.engine_args import start_error
 
-                why = start_error(e, self.recipe or "engine", kwargs)
+                why = start_error(e, str(recipe.linear).startswith("nvfp4"), kwargs)
                 if why is None:
                     raise
                 raise EngineUnavailable(why) from e

@@ -70,16 +70,16 @@ def test_start_errors_name_the_machines_limit_and_nothing_else() -> None:
 
     kv = ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
                     "initializing the engine.")
-    got = start_error(kv, "nvfp4-per-token", {"gpu_memory_utilization": 0.5})
+    got = start_error(kv, True, {"gpu_memory_utilization": 0.5})
     assert got is not None and "No available memory for the cache blocks." in got and "Try increasing" not in got
     assert "gpu_memory_utilization=0.5" in got and "NVFP4" in got  # the recipe's own memory named
-    assert "NVFP4" not in start_error(kv, "strict", {})  # type: ignore[operator]
+    assert "NVFP4" not in start_error(kv, False, {})  # type: ignore[operator]
     core = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
-    assert "printed above" in start_error(core, "engine", {})  # type: ignore[operator]
+    assert "printed above" in start_error(core, False, {})  # type: ignore[operator]
     oom = type("OutOfMemoryError", (RuntimeError,), {})("CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert "ran out of device memory" in start_error(oom, "engine", {})  # type: ignore[operator]
+    assert "ran out of device memory" in start_error(oom, False, {})  # type: ignore[operator]
     for other in (RuntimeError("shape mismatch in the plugin"), KeyError("layers.0"), ValueError("bad head count")):
-        assert start_error(other, "strict", {}) is None  # a bug keeps its traceback
+        assert start_error(other, False, {}) is None  # a bug keeps its traceback
 
 
 @pytest.mark.parametrize(("sampler", "learner", "topk", "needle"), [
