@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}")
     ap.add_argument("--kernels", action="store_true", help="a torch.profiler table of one linear call per shape")
     ARGS = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("prefill_split.py: needs a CUDA GPU (it times CUDA graphs of the GPU kernels)")
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
