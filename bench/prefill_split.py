@@ -17,40 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-
-def graph_us(fn: Any, target_ms: float = 30.0, repeats: int = 5) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    g.replay()
-    torch.cuda.synchronize()
-    reps = int(max(3, min(200, target_ms / 1e3 / max(time.perf_counter() - t, 1e-6))))
-    per = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        per.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(per)
+from gpu_nvfp4_check import graph_us  # bench/ is on sys.path when this runs as a script
 
 
 def kernels_of(fn: Any) -> list[tuple[str, float]]:
