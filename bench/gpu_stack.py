@@ -258,7 +258,7 @@ def vllm_memory(log: str) -> dict[str, float]:
     return out
 
 
-SPEED_LOGS: list[Path] = []  # where each speed run's whole output goes (set by main: --out)
+SPEED_LOG_DIR: Path | None = None  # where each speed run's whole output goes (main: --out)
 
 
 def vllm_speed(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -266,9 +266,9 @@ def vllm_speed(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]
     try:
         p = subprocess.run([sys.executable, "-c", SPEED, json.dumps(cfg)], capture_output=True, text=True, timeout=timeout,
                            cwd=tempfile.gettempdir())
-        if SPEED_LOGS:  # the engine's own output: the root cause of a failed start is not in the tail
+        if SPEED_LOG_DIR is not None:  # the engine's own output: the root cause of a failed start is not in the tail
             slug = "".join(c if c.isalnum() else "_" for c in name)[:80]
-            (SPEED_LOGS[0] / f"speed_{slug}.log").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
+            (SPEED_LOG_DIR / f"speed_{slug}.log").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SPEED ")), None)
         info = json.loads(line[6:]) if line else {"error": (p.stderr or "")[-600:]}
         info.update(vllm_memory(p.stdout + p.stderr))
@@ -298,10 +298,10 @@ def step_speed(model: Path, timeout: float, mem: float) -> None:
     row(step="speed", name="HF learner forward 4x1024, median of 5", **info)
 
 
-RECIPES_8B = ["engine", "nvfp4-per-token"]  # --speed8b-recipes
+RECIPES_8B = ("engine", "nvfp4-per-token")  # --speed8b-recipes' default
 
 
-def step_speed8b(out: Path, timeout: float, mem: float) -> None:
+def step_speed8b(out: Path, timeout: float, mem: float, recipes: tuple[str, ...] = RECIPES_8B) -> None:
     """Issue 28: a Qwen3-8B-shaped model (vLLM's seeded dummy weights), 16 and 64 sequences x 256
     generated tokens, CUDA graphs on both: vLLM's default bf16 vs nvfp4-per-token (the tool's recipe graphs)."""
     model = out / "q8b"
@@ -314,7 +314,7 @@ def step_speed8b(out: Path, timeout: float, mem: float) -> None:
         Qwen3Config(**Q8B, torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"]).save_pretrained(model)
         save_tokenizer(model, Q8B["vocab_size"])
     base = {"model": str(model), "mem": mem, "load": "dummy", "batches": [16, 64], "eager": False}
-    for recipe in RECIPES_8B:
+    for recipe in recipes:
         vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe} cuda graphs", base | {"recipe": recipe}, timeout)
 
 
@@ -344,11 +344,11 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--tiny", action="store_true", help="dry run on the CPU: tiny-qwen3 stands in for the 0.6B shape")
     args = ap.parse_args()
-    SPEED_LOGS[:] = [args.out]
-    RECIPES_8B[:] = [r for r in args.speed8b_recipes.split(",") if r]
+    global SPEED_LOG_DIR
     args.out = args.out.resolve()
     steps = set(args.only.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
+    SPEED_LOG_DIR = args.out
     runs = args.out / "runs"
     runs.mkdir(exist_ok=True)
     mem = [] if args.mem == 0.5 else ["--sampler-arg", f"gpu_memory_utilization={args.mem}"]
@@ -392,7 +392,7 @@ def main() -> None:
     if go("speed") and not args.tiny:
         step_speed(Path(model), min(200, left()), args.mem)
     if go("speed8b") and not args.tiny:
-        step_speed8b(args.out, min(300, left()), args.mem)
+        step_speed8b(args.out, min(300, left()), args.mem, tuple(r for r in args.speed8b_recipes.split(",") if r))
     if go("q8b") and not args.tiny:  # issue 28: the sampler's NVFP4 logprobs == the learner's on the 8B shape
         m8 = build_model(args.out / "q8b-ckpt", Q8B)
         step_compare("q8b-nvfp4-graphs", str(m8), ["--n", "1", "--max-tokens", "256", "--prompts",

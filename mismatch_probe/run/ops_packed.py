@@ -208,20 +208,22 @@ def abs_max_values(table: pa.Table, n_stats: np.ndarray) -> np.ndarray:
     each packed row's values are ``am_width`` bytes wide (2: bf16 bits, widened exactly; 8: float64)."""
     raw = blob(table.column("abs_max"), np.uint8)
     w = np.repeat(np.asarray(table.column("am_width"), np.int64), n_stats)
-    if not w.size:
-        return np.zeros(0)
-    if (w == 2).all():
-        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if (w == 2).all():  # a table of bf16 ops only (none: an empty array)
+        return _bf16_bits_to_f64(raw.view("<u2"))
     if (w == 8).all():
         return raw.view("<f8").astype(np.float64)
     off = np.zeros(w.size, np.int64)
     np.cumsum(w[:-1], out=off[1:])
     out = np.empty(w.size)
     two = w == 2
-    b = raw[off[two][:, None] + np.arange(2)].reshape(-1).view("<u2")
-    out[two] = (b.astype(np.uint32) << 16).view(np.float32)
+    out[two] = _bf16_bits_to_f64(raw[off[two][:, None] + np.arange(2)].reshape(-1).view("<u2"))
     out[~two] = raw[off[~two][:, None] + np.arange(8)].reshape(-1).view("<f8")
     return out
+
+
+def _bf16_bits_to_f64(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns -> their float64 values (exact: a bf16 is the high half of a float32)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def unpack_values(table: pa.Table, k: dict[str, np.ndarray]) -> pa.Array:

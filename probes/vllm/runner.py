@@ -15,6 +15,21 @@ from mismatch_probe.errors import EngineUnavailable, UsageError
 from mismatch_probe.probes.base import GenerateParams, Rollout, SamplerRunner
 
 
+def _start_llm(vllm: Any, kwargs: dict[str, Any], nvfp4: bool) -> Any:
+    """``vllm.LLM(**kwargs)``; a start the machine's limits (memory) refuse is one line (EngineUnavailable,
+    ``engine_args.start_error``; ``nvfp4``: the recipe has NVFP4 linears), anything else keeps its traceback."""
+    try:
+        with _llvmlite_hidden_from_kernel_scan():
+            return vllm.LLM(**kwargs)
+    except Exception as e:
+        from mismatch_probe.probes.engine_args import start_error
+
+        why = start_error(e, nvfp4, kwargs)
+        if why is None:
+            raise
+        raise EngineUnavailable(why) from e
+
+
 @contextlib.contextmanager
 def _llvmlite_hidden_from_kernel_scan() -> Iterator[None]:
     """vLLM (0.32's ``triton_utils.dispatcher``) scans every loaded module's globals at engine start
@@ -169,16 +184,7 @@ class VllmSampler(SamplerRunner):
         # vLLM's warm-up forwards (profile, dummy runs) come before the calibration pass
         nvfp4_linear.CALIBRATION["warmup"] = recipe.linear == "nvfp4-static"
         try:
-            try:
-                with _llvmlite_hidden_from_kernel_scan():
-                    self.llm = vllm.LLM(**kwargs)
-            except Exception as e:  # the machine's limits (memory) as one line; anything else keeps its traceback
-                from mismatch_probe.probes.engine_args import start_error
-
-                why = start_error(e, str(recipe.linear).startswith("nvfp4"), kwargs)
-                if why is None:
-                    raise
-                raise EngineUnavailable(why) from e
+            self.llm = _start_llm(vllm, kwargs, recipe.nvfp4)
             self.info.settings["recipe"] = self._finish_recipe(recipe)
         finally:
             nvfp4_linear.CALIBRATION["warmup"] = False
