@@ -8,11 +8,12 @@ Cost model (what keeps capture cheap at scale):
   launched at each new micro-batch of the HF learner: see _QUEUE_BYTES);
   queued tensors of one dtype are digested and reduced by ONE Triton launch (``digest_triton``)
   into a device arena of ``buffer_rows`` rows. When the arena fills, or the run ends, it is
-  copied with one asynchronous copy per part (digests; stats split on the device into the file's
-  float64 sums and int32 counts) straight into the writer process's shared memory (page-locked once
-  per slot; pinned host buffers where that is refused, or with the writer thread); the writer waits
-  for that copy's event, builds the Arrow rows per op call (never per row) and writes them. No copy per op, no
-  synchronization inside the forward, nothing per row in Python.
+  copied with one asynchronous copy per part (digests; the stats as the kernel wrote them, the file's
+  float64 sums, float64 abs_max, int32 counts and abs_max's bf16 bits) straight into the writer
+  process's shared memory (page-locked once per slot; pinned host buffers where that is refused, or
+  with the writer thread); the writer waits for that copy's event, builds the Arrow rows per op call
+  (never per row) and writes them. No copy per op, no synchronization inside the forward, nothing per
+  row in Python.
 - CPU: a numba kernel (one pass over each row) writes straight into the host arena.
 - ``full`` rows are gathered on the device (``index_select``) and copied with the arena;
   ``logits`` rows keep the top-k (values and ids) unless the plan keeps them ``full``.
@@ -355,13 +356,17 @@ class OpRecorder:
         self._used = 0
 
     def _arena(self) -> tuple[Any, Any]:
-        """(digests, stats) of the current chunk: numpy arrays (CPU) or CUDA tensors."""
+        """(digests, stats) of the current chunk: numpy arrays (CPU: stats float64 [rows, 5]) or device
+        tensors (the batched path: stats as the tuple of ``digest_triton.split_arena``)."""
         import torch
 
         if not self._arenas:
             if self._is_batched:
+                from mismatch_probe.probes.digest_triton import split_arena
+
+                # stats as the file's parts (STATS_PARTS), written so by the kernel: a chunk's copy slices them
                 self._arenas.append((torch.empty(self.buffer_rows, dtype=torch.int64, device=self._device),
-                                     torch.empty(self.buffer_rows, 5, dtype=torch.float64, device=self._device)))
+                                     split_arena(self.buffer_rows, self._device)))
             else:
                 self._arenas.append((np.empty(self.buffer_rows, np.uint64), np.empty((self.buffer_rows, 5))))
         return self._arenas[0]
@@ -560,8 +565,8 @@ class OpRecorder:
 
     def _device_parts(self, u: int) -> dict[str, Any]:
         """The chunk's parts on the device, as the packed ops.parquet stores them (names of
-        ``recorder_writer.PARTS``): raw digests (8 bytes a row); for a chunk with stats rows the stats
-        split on the device (``recorder_writer.STATS_PARTS``: float64 sum and sum_sq, float64 abs_max, int32 NaN / Inf
+        ``recorder_writer.PARTS``): raw digests (8 bytes a row); for a chunk with stats rows the stats as the
+        kernel wrote them (``recorder_writer.STATS_PARTS``: float64 sum and sum_sq, float64 abs_max, int32 NaN / Inf
         counts, abs_max's bf16 bits: 42 bytes a row over the bus, no host-side pass; none for a chunk of
         digest-only ops, whose stats columns are null); the kept values and the logits' top-k. Enqueued on
         the current stream."""
@@ -570,12 +575,10 @@ class OpRecorder:
         dig, st = self._arena()
         parts = {"dig": dig[:u]}
         if self._chunk_has_stats():
-            parts["st"] = st[:u, :2].contiguous()
-            parts["amf"] = st[:u, 2].contiguous()
-            parts["cnt"] = st[:u, 3:].to(torch.int32)
-            # abs_max's bf16 bits (exact for a bf16 op's rows, whose maxima are bf16 values; the writer stores
-            # 2 bytes for them instead of 8: ops_table._abs_max_blob), made here so the writer converts nothing
-            parts["amb"] = (parts["amf"].float().view(torch.int32) >> 16).to(torch.int16)
+            # the kernel wrote the stats as these parts (digest_triton.split_arena): slices, no kernel here;
+            # abs_max's bf16 bits are exact for a bf16 op's rows (whose maxima are bf16 values), and the writer
+            # stores 2 bytes for them instead of 8 (ops_table._abs_max_blob) without converting anything
+            parts.update((name, a[:u]) for name, a in zip(STATS_PARTS, st, strict=True))
         if self._values:
             parts["vals"] = torch.cat([v.reshape(-1).view(torch.uint8) for v in self._values])
         if self._topk:
