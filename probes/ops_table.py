@@ -195,9 +195,26 @@ def _contiguous(segs: list[_Seg], ks: np.ndarray) -> slice | None:
     return slice(segs[0].arena_off, nxt)
 
 
+def _counts_blob(counts: np.ndarray, n_stats: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """The NaN / Inf counts of the chunk's stats rows as the packed-v3 layout stores them: only for the
+    segments with a non-finite element in some row (null for the others: read as zeros), and each segment's
+    stats rows kept. Nearly every chunk has none: one pass over the counts (as int64 pairs), no blob written
+    (0.4 ms of the writer's 2.4 ms per 256 Ki stats rows: the Parquet writer copies a blob of zeros as fast as
+    any other, and compressing it costs as much)."""
+    nz = counts.view("<i8").reshape(-1) != 0
+    if not nz.any():
+        return None, np.zeros(n_stats.size, np.int64)
+    cut = np.zeros(n_stats.size + 1, np.int64)
+    np.cumsum(n_stats, out=cut[1:])
+    some = np.add.reduceat(nz.astype(np.int64), np.minimum(cut[:-1], nz.size - 1)) > 0
+    some &= n_stats > 0  # reduceat reads one row for an empty segment
+    keep = np.repeat(some, n_stats)
+    return counts[keep], np.where(some, n_stats, 0)
+
+
 def _abs_max_blob(segs: list[_Seg], n_stats: np.ndarray, amf: np.ndarray, amb: np.ndarray | None
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """The abs_max of the chunk's stats rows as the packed-v2 layout stores them, and each segment's bytes
+    """The abs_max of the chunk's stats rows as the packed-v2 (and v3) layout stores them, and each segment's bytes
     per value: the bf16 bits (2 bytes) for a bfloat16 op where the device made them (``amb``: the maximum
     of a bf16 row is a bf16 value, so its bits are exact), else the float64 (8). No arithmetic here: the
     writer's host time is the capture's limit; a chunk of bf16 ops only is a view of ``amb``."""
@@ -251,9 +268,10 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
             parts = [None if a is None else a[np.repeat(n_stats > 0, ks)] for a in parts]
         stats, counts = np.ascontiguousarray(parts[0], "<f8"), np.ascontiguousarray(parts[2], "<i4")
         abs_max, am_w = _abs_max_blob(segs, n_stats, parts[1], parts[3])
+        counts, c_rows = _counts_blob(counts, n_stats)
     else:
         stats = counts = abs_max = None
-        n_stats = np.zeros(len(segs), np.int64)
+        n_stats = c_rows = np.zeros(len(segs), np.int64)
     has_topk = np.array([s.has_topk for s in segs], bool)
     if tv is not None and has_topk.any():
         kk = int(tv.shape[1])
@@ -281,7 +299,7 @@ def _build_packed(segs: list[Any], dig: np.ndarray, st: np.ndarray | None, vals:
         _blob_col(stats, n_stats * 16),
         pa.array(am_w.astype(np.int8)),
         _blob_col(abs_max, n_stats * am_w),
-        _blob_col(counts, n_stats * 8),
+        _blob_col(counts, c_rows * 8),
         _blob_col(vals, n_full * width * itemsize),
         pa.array(topk_k.astype(np.int32)),
         _blob_col(t_ids, t_rows * topk_k * 4),

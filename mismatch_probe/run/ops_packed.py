@@ -15,13 +15,16 @@ Columns of a packed row (``n`` = its tokens, ``s`` = those of them kept in ``sta
 - ``digest``: uint64 [n], the ``mp64`` digest of each row;
 - ``stats``: float64 [s, 2] (``sum, sum_sq``), ``abs_max``: [s] values of ``am_width`` bytes each (2: the
   bits of a bfloat16, the op's dtype, whose rows' maxima are bf16 values; 8: float64), and ``counts``:
-  int32 [s, 2] (``n_nan, n_inf``; compressed: nearly all zeros), null when s = 0;
+  int32 [s, 2] (``n_nan, n_inf``), null when s = 0 or (packed-v3) when none of the row's stats rows has a
+  NaN or an Inf: read as zeros;
 - ``values``: the raw bytes of the ``full`` rows, concatenated in row order, null when none;
 - ``topk_ids`` / ``topk_values``: int32 / float32 [s, topk_k] of ``logits`` rows, null when none.
 
-Layouts: ``packed-v2`` (schema v4, written now); ``packed-v1`` (schema v3, read as before): ``stats``
+Layouts: ``packed-v3`` (schema v5, written now); ``packed-v2`` (schema v4, read as before): ``counts`` of
+every stats row (8 bytes of zeros nearly always); ``packed-v1`` (schema v3, read as before): ``stats``
 float64 [s, 3] with ``abs_max`` as its third column, no ``am_width`` / ``abs_max`` columns. v2 writes 6
-fewer bytes per stats row of a bf16 op (26 instead of 32 with the digest).
+fewer bytes per stats row of a bf16 op (26 instead of 32 with the digest); v3 skips the 8 bytes of counts
+where they are all zero (the writer's time per stats row, not only the file's size: BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 LAYOUT_KEY = b"mismatch_probe.ops_layout"
-PACKED = b"packed-v2"  # the layout written
+PACKED = b"packed-v3"  # the layout written
+PACKED_V2 = b"packed-v2"  # schema v4's: counts of every stats row
 PACKED_V1 = b"packed-v1"  # schema v3's: stats [s, 3] float64
-_LAYOUTS = (PACKED, PACKED_V1)
+_LAYOUTS = (PACKED, PACKED_V2, PACKED_V1)
 FULL, STATS = 3, 2
 
 PACKED_SCHEMA = pa.schema([
@@ -178,7 +183,7 @@ def unpack(table: pa.Table) -> pa.Table:
             if st2.size else st2
     if st.size:
         s5[stats_on, :3] = st
-        s5[stats_on, 3:] = blob(table.column("counts"), "<i4").reshape(-1, 2)
+        s5[stats_on, 3:] = _counts(table, row[stats_on])
     nan = np.where(stats_on[:, None], s5, np.nan)
     values = unpack_values(table, k)
     # shape: the packed row's list, once per token
@@ -201,6 +206,19 @@ def unpack(table: pa.Table) -> pa.Table:
     }
     cols["topk_ids"], cols["topk_values"] = _topk(table, row, stats_on)
     return pa.table(cols)
+
+
+def _counts(table: pa.Table, stats_row: np.ndarray) -> np.ndarray:
+    """int32 [s, 2] NaN / Inf counts of every stats row (``stats_row``: each one's packed row): packed-v3
+    leaves a packed row's counts null where all are zero."""
+    c = blob(table.column("counts"), "<i4").reshape(-1, 2)
+    if c.shape[0] == stats_row.size:  # every stats row's counts stored (v1, v2; v3 with a NaN in each)
+        return c
+    out = np.zeros((stats_row.size, 2), np.int32)
+    if c.size:
+        has = pc.is_valid(table.column("counts")).to_numpy(zero_copy_only=False)
+        out[has[stats_row]] = c
+    return out
 
 
 def abs_max_values(table: pa.Table, n_stats: np.ndarray) -> np.ndarray:

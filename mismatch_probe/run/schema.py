@@ -18,6 +18,9 @@ History:
   v4  the packed layout ``packed-v2``: a stats row's abs_max in its own blob, 2 bytes (bf16 bits) for a
       bfloat16 op, else 8; ``packed-v1`` files (v3) read as before. The unpacked ``ops`` table and every
       other kind are unchanged (the v3 -> v4 step is the identity).
+  v5  the packed layout ``packed-v3``: a packed row's NaN / Inf ``counts`` null where they are all zero
+      (read as zeros); ``packed-v2`` and ``packed-v1`` files read as before. The unpacked ``ops`` table
+      and every other kind are unchanged (the v4 -> v5 step is the identity).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import pyarrow.parquet as pq
 
 from mismatch_probe.errors import SchemaError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 VERSION_KEY = b"mismatch_probe.schema_version"
 KIND_KEY = b"mismatch_probe.kind"
 DIGEST_KEY = b"mismatch_probe.digest"
@@ -152,7 +155,7 @@ def _v1_to_v2(table: pa.Table, kind: str) -> pa.Table:
 
 # version -> function upgrading a table of that version to version + 1
 _UPGRADES: dict[int, Callable[[pa.Table, str], pa.Table]] = {1: _v1_to_v2, 2: lambda table, kind: table,
-                                                              3: lambda table, kind: table}
+                                                              3: lambda table, kind: table, 4: lambda table, kind: table}
 
 
 def _family(t: pa.DataType) -> str:

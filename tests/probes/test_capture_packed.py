@@ -1,4 +1,4 @@
-"""The packed ops.parquet (schema v4, run/ops_packed.py) reads back as the same ops table the
+"""The packed ops.parquet (schema v5, run/ops_packed.py) reads back as the same ops table the
 per-row writer wrote: the frozen golden of the per-row recorder (capture_golden.py, written before
 the packed layout) equals today's streamed table (writer process and writer thread) and today's
 in-memory table, row for row, digests, stats, values and top-k included."""
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import capture_golden as G  # noqa: E402
 
 from mismatch_probe.probes.recorder import OpRecorder  # noqa: E402
-from mismatch_probe.run.ops_packed import LAYOUT_KEY, PACKED, PACKED_V1, abs_max_values, blob, unpack  # noqa: E402
+from mismatch_probe.run.ops_packed import LAYOUT_KEY, PACKED, PACKED_V1, PACKED_V2, abs_max_values, blob, unpack  # noqa: E402
 from mismatch_probe.run.schema import SCHEMA_VERSION, VERSION_KEY, read_table, validate_file  # noqa: E402
 
 
@@ -147,6 +147,45 @@ def test_packed_v1_file_of_schema_v3_reads_unchanged(tmp_path):
     pq.write_table(_as_packed_v1(pq.read_table(dest)), old)
     assert pq.read_schema(old).metadata[LAYOUT_KEY] == PACKED_V1
     assert_same_rows(G.sorted_rows(read_table(old, "ops")), G.sorted_rows(read_table(dest, "ops")))
+    validate_file(old, "ops")
+
+
+def _as_packed_v2(t: pa.Table) -> pa.Table:
+    """A packed-v3 table as schema v4 wrote it (packed-v2): the counts of every stats row, zeros included."""
+    ns = np.array([0 if v is None else len(v) // 16 for v in t.column("stats").to_pylist()], np.int64)
+    old = t.column("counts").to_pylist()
+    vals = [None if k == 0 else (c if c is not None else bytes(8 * k)) for k, c in zip(ns, old, strict=True)]
+    t = t.set_column(t.schema.get_field_index("counts"), "counts", pa.array(vals, pa.large_binary()))
+    return t.replace_schema_metadata({**t.schema.metadata, LAYOUT_KEY: PACKED_V2, VERSION_KEY: b"4"})
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_counts_stored_only_where_a_row_is_not_finite_and_v2_reads_unchanged(tmp_path, batched):
+    # packed-v3: a packed row's NaN / Inf counts are stored only where one of its stats rows has one (the
+    # golden's embeddings of two micro-batches do); every other stats row reads 0, as a packed-v2 file (the
+    # counts of every stats row) still does
+    if batched:
+        pytest.importorskip("triton")
+    dest = tmp_path / "ops.parquet"
+    rec = OpRecorder(G.plan(), sink=dest, batched=batched, buffer_rows=64)
+    G.record(rec)
+    rec.close()
+    packed = pq.read_table(dest)
+    ns = np.array([0 if v is None else len(v) // 16 for v in packed.column("stats").to_pylist()], np.int64)
+    counts = packed.column("counts").to_pylist()
+    stored = [c is not None for c in counts]
+    nonzero = [c is not None and any(np.frombuffer(c, "<i4")) for c in counts]
+    assert stored == nonzero and any(stored) and sum(ns > 0) > sum(stored)
+    assert all(len(c) == 8 * k for c, k in zip(counts, ns, strict=True) if c is not None)
+    got = G.sorted_rows(read_table(dest, "ops"))
+    want = pq.read_table(G.GOLDEN)
+    for c in ("n_nan", "n_inf"):
+        assert got.column(c).to_pylist() == want.column(c).to_pylist(), c
+    assert sum(got.column("n_nan").to_pylist()) >= 1
+    old = tmp_path / "old.parquet"
+    pq.write_table(_as_packed_v2(packed), old)
+    assert pq.read_schema(old).metadata[LAYOUT_KEY] == PACKED_V2
+    assert_same_rows(G.sorted_rows(read_table(old, "ops")), got)
     validate_file(old, "ops")
 
 

@@ -49,8 +49,9 @@ def test_version_without_upgrade_is_rejected(tmp_path):
     """An older version with no upgrade step is a one-line SchemaError, not a KeyError."""
     from mismatch_probe.run import schema
 
-    # the README: v1 -> v2, v2 -> v3 (ops.parquet's packed layout), v3 -> v4 (its packed-v2 layout)
-    assert sorted(schema._UPGRADES) == [1, 2, 3]
+    # the README: v1 -> v2, v2 -> v3 (ops.parquet's packed layout), v3 -> v4 (its packed-v2 layout), v4 -> v5
+    # (packed-v3)
+    assert sorted(schema._UPGRADES) == [1, 2, 3, 4]
     p = tmp_path / "t.parquet"
     pq.write_table(_tokens().replace_schema_metadata({VERSION_KEY: b"0"}), p)
     with pytest.raises(SchemaError, match="cannot read or upgrade"):
