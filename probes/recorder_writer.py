@@ -558,6 +558,52 @@ def _peak_rss_mb() -> float | None:
     return None
 
 
+class _RowGroups:
+    """Writes the built tables on a thread of this process, in order, and acks each chunk when its row group is
+    written (its slot is free again then), so the next chunk's table is built while this one is written: the
+    Parquet write releases the GIL. H100 host, 0.6B shape, stats: build ~1 ms and write ~3-4 ms per 256 Ki
+    rows, one after the other before. At most one table waits (the slots bound the rest)."""
+
+    def __init__(self, tx: Connection) -> None:
+        self.tx = tx
+        self.error: BaseException | None = None
+        self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._t = threading.Thread(target=self._run, name="mp-rowgroups", daemon=True)
+        self._t.start()
+
+    def put(self, job: tuple) -> None:
+        self.check()
+        self._q.put(job)
+
+    def wait(self, check: bool = True) -> None:
+        """Every table put so far written and acked (before close, abort, drop or another file); ``check``:
+        raise the thread's error, if any."""
+        self._q.join()
+        if check:
+            self.check()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        import time
+
+        while True:
+            job = self._q.get()
+            try:
+                if self.error is None:
+                    writer, table, path, rows, value_bytes, t_recv, t_built = job
+                    writer.write(table)
+                    del table, job  # no view of the slot outlives the ack (the engine refills it)
+                    self.tx.send(("ack", rows, value_bytes, path, (t_recv, t_built, time.perf_counter())))
+            except BaseException as e:  # reported now (the engine may be waiting for this ack), raised by main
+                self.error = e
+                self.tx.send(("error", traceback.format_exc()))
+            finally:
+                self._q.task_done()
+
+
 def main(rfd: int, wfd: int) -> None:
     import time
 
@@ -566,6 +612,7 @@ def main(rfd: int, wfd: int) -> None:
     now = time.perf_counter
     rx, tx = Connection(rfd, writable=False), Connection(wfd, readable=False)
     writer = None
+    groups = _RowGroups(tx)
     slots: dict[str, tuple[mmap.mmap, np.ndarray]] = {}  # path -> mapping, for the life of the process
     try:
         while True:
@@ -573,28 +620,30 @@ def main(rfd: int, wfd: int) -> None:
                 msg = rx.recv()
                 t_recv = now()
             except EOFError:  # the engine's process is gone: leave no half-written file
+                groups.wait(check=False)
                 if writer is not None:
                     writer.abort()
                 return
-            if msg[0] == "open":
-                _peak_rss_reset()
-                _, sink, tmp, meta = msg
-                writer = packed_writer(Path(sink), meta, tmp=tmp)
-            elif msg[0] == "chunk":
+            if msg[0] == "chunk":
                 _, path, layout, segs = msg
                 if path not in slots:
                     slots[path] = _map_slot(path)
                 p = _read_parts(slots[path][1], layout)
                 st = tuple(p.get(k) for k in STATS_PARTS) if "cnt" in p else p.get("st")
                 table = _build_packed(segs, p["dig"], st, p.get("vals"), p.get("tv"), p.get("ti"))
-                t_built = now()
                 assert writer is not None
-                writer.write(table)
                 vals = p.get("vals")
                 rows = int(np.asarray(table.column("n")).sum())
                 value_bytes = 0 if vals is None else int(vals.size)
-                del p, st, table, vals  # no view of the slot outlives the ack (the engine refills it)
-                tx.send(("ack", rows, value_bytes, path, (t_recv, t_built, now())))
+                del p, st, vals
+                groups.put((writer, table, path, rows, value_bytes, t_recv, now()))
+                del table
+                continue
+            groups.wait(check=msg[0] != "abort")  # every other message after the row groups before it
+            if msg[0] == "open":
+                _peak_rss_reset()
+                _, sink, tmp, meta = msg
+                writer = packed_writer(Path(sink), meta, tmp=tmp)
             elif msg[0] == "drop":
                 for path in msg[1]:
                     _unmap(slots.pop(path, None))
@@ -609,12 +658,14 @@ def main(rfd: int, wfd: int) -> None:
                 writer = None
                 tx.send(("aborted",))
     except BaseException:
+        groups.wait(check=False)  # the thread is not writing while the file is removed
         if writer is not None:
             writer.abort()
-        try:
-            tx.send(("error", traceback.format_exc()))
-        except Exception:
-            pass
+        if groups.error is None:  # the thread's own error was reported by it
+            try:
+                tx.send(("error", traceback.format_exc()))
+            except Exception:
+                pass
         raise SystemExit(1) from None
 
 

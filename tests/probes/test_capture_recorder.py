@@ -502,3 +502,37 @@ def test_writer_feeders_copy_into_a_slot_is_the_same_bytes(nbytes, threads):
     _copy_into(buf[8 : 8 + nbytes], src, threads=threads)
     assert np.array_equal(buf[8 : 8 + nbytes], src)
     assert (buf[:8] == 7).all() and (buf[8 + nbytes :] == 7).all()
+
+
+def test_writer_row_groups_thread_acks_in_order_and_reports_a_failed_write():
+    """The writer process writes row groups on a thread while it builds the next table: acks come in order,
+    after each write; a failed write is reported at once (the engine may be waiting for that ack) and raised
+    by the receiving loop, and nothing after it is written."""
+    from multiprocessing import Pipe
+
+    from mismatch_probe.probes.recorder_writer import _RowGroups
+
+    class Sink:
+        def __init__(self) -> None:
+            self.written: list[str] = []
+
+        def write(self, table: str) -> None:
+            if table == "bad":
+                raise OSError("disk full")
+            self.written.append(table)
+
+    rx, tx = Pipe(duplex=False)
+    groups, sink = _RowGroups(tx), Sink()
+    for i, t in enumerate(["a", "b"]):
+        groups.put((sink, t, f"slot{i}", 1, 0, 0.0, 0.0))
+    groups.wait()
+    assert [rx.recv()[3] for _ in range(2)] == ["slot0", "slot1"] and sink.written == ["a", "b"]
+    groups.put((sink, "bad", "slot2", 1, 0, 0.0, 0.0))
+    msg = rx.recv()
+    assert msg[0] == "error" and "disk full" in msg[1]
+    with pytest.raises(OSError, match="disk full"):
+        groups.wait()
+    groups.wait(check=False)
+    with pytest.raises(OSError):
+        groups.put((sink, "c", "slot3", 1, 0, 0.0, 0.0))
+    assert sink.written == ["a", "b"]
