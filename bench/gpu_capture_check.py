@@ -13,7 +13,8 @@
    device into the writer's shared memory or through pinned buffers, ``MODE@fixed``: digest chunks end at
    BUFFER_ROWS only (not where the forward's tail is left), ``MODE@norec``: the capture's wrappers run but record
    nothing (what the wrappers alone cost), ``MODE@gcoff``: the interpreter's garbage collector off during the
-   ``score()``, ``MODE@ownstream``: each recorder on a new side stream (before one per device), ``MODE@nologits``: the
+   ``score()``, ``MODE@lpfirst``: the engine's stream does not wait for the last chunk's digests before the
+   logprobs, ``MODE@ownstream``: each recorder on a new side stream (before one per device), ``MODE@nologits``: the
    logits not recorded;
    variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
@@ -139,6 +140,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             recmod._QUEUE_BYTES = qm[0] if qm else defaults[1]
             # MODE@lateflush: the last micro-batch's rows handed to the writer at close(), after the logprobs
             hfrun.EARLY_FLUSH = "lateflush" not in vs
+            # MODE@lpfirst: the logprobs' kernels before the last chunk's digests (the engine does not wait for them)
+            hfrun.CAPTURE_FIRST = "lpfirst" not in vs
             # MODE@hN: at most N side-stream batches in flight before the recording thread waits
             hn = [int(v[1:]) for v in vs if v[:1] == "h" and v[1:].isdigit()]
             recmod._HELD_MAX = hn[0] if hn else defaults[3]

@@ -516,10 +516,19 @@ class OpRecorder:
         self._qb = 0  # queue cost (bytes)
 
     # ---- chunks: device -> host -> Arrow -> sink ---------------------------------------------
-    def flush(self) -> None:
+    def flush(self, engine_waits: bool = False) -> None:
         """End the current chunk: start its copy to the host and hand it to the writer thread,
-        which waits for the copy, builds the Arrow rows and writes a row group."""
+        which waits for the copy, builds the Arrow rows and writes a row group. ``engine_waits``: the
+        engine's current stream waits for this chunk's device work (its kernels and copy) before its next
+        kernels: for the forward's last chunk, whose rows the writer then writes while the engine computes
+        the logprobs (on the high-priority engine stream the logprobs' kernels came first and the writer
+        got the chunk only after them: see ``probes/hf/runner.py`` CAPTURE_FIRST)."""
         import torch
+
+        if engine_waits and self._is_batched and self._side() is not None:
+            self.flush()
+            torch.cuda.current_stream(self._device).wait_stream(self._stream)
+            return
 
         self._seg()
         if not self._segs:
