@@ -52,8 +52,11 @@ BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, on
 # whole cost (BENCHMARKS.md, issue 27): stats 1.87x -> 1.38x of capture off on the 8B shape, 2.35x -> 1.95x
 # on the 0.6B shape; digest-only chunks stay large (on the host-bound 0.6B forward each chunk's host work
 # costs more than the shorter wait saves: 1.36x -> 1.71x with 128 Ki rows). With the writer's shared-memory
-# slots (round 7, 2026-12-05, 0.6B shape, stats): 128 Ki rows 2.03x, 256 Ki 1.75x, 512 Ki 1.76x -> 256 Ki
-STATS_BUFFER_ROWS = 1 << 18
+# slots (round 7, 2026-12-05, 0.6B shape, stats): 128 Ki rows 2.03x, 256 Ki 1.75x, 512 Ki 1.76x -> 256 Ki.
+# With the writer's row groups written while it builds the next (round 14, H100, two processes, medians of
+# the per-round ratios): 256 Ki 1.63x / 1.56x, 384 Ki 1.53x / 1.49x, 512 Ki 1.52x / 1.71x -> 384 Ki (a flush
+# costs ~0.7 ms of host time in the forward; fewer of them now that the writer keeps up with larger chunks)
+STATS_BUFFER_ROWS = 3 << 17
 # CUDA, digest-only plans: the arena holds up to 2 Mi rows, and a forward's chunk ends where about _TAIL of
 # its rows are left (from the rows per token of the plan's previous forward in this process), so the
 # last forward's last chunk, the rows score() waits for after it, is small; before any forward of the plan,
