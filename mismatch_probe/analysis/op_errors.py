@@ -122,10 +122,14 @@ class _Side:
         return mask[idx]
 
     def values_at(self, idx: np.ndarray) -> Any:
-        """The kept bytes of rows ``idx`` (each one kept in ``full``)."""
+        """The kept bytes of rows ``idx`` (each one kept in ``full``): the side's own array where ``idx``
+        is every full row in its order (the usual case: no copy of the window's bytes), else a take."""
         import pyarrow as pa
 
-        return self.full_vals.take(pa.array(np.searchsorted(self.full_idx, idx)))
+        at = np.searchsorted(self.full_idx, idx)
+        if at.size == len(self.full_vals) and (at[1:] > at[:-1]).all():  # all of them, ascending: in order
+            return self.full_vals
+        return self.full_vals.take(pa.array(at))
 
 
 class _RowSide(_Side):
@@ -213,6 +217,8 @@ class _PackedSide(_Side):
         return np.repeat(base, r[:, 2]) + np.arange(self.total, dtype=np.int64)
 
     def dtype_at(self, idx: np.ndarray) -> np.ndarray:
+        if self.dtc.size and (self.dtc == self.dtc[0]).all():  # one dtype (the usual case): no per-row lookup
+            return np.full(idx.size, self.dtc[0], np.int64)
         return self.dtc[np.searchsorted(self.row_start, idx, side="right") - 1]
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -269,8 +275,9 @@ def _match(ka: np.ndarray, kb: np.ndarray, space: int) -> tuple[np.ndarray, np.n
     if space <= _DENSE_MAX:  # one scatter, one gather, no sort
         where = np.full(space, -1, np.int32 if max(ka.size, kb.size) < 1 << 31 else np.int64)
         for k in (ka, kb):
-            where[k] = np.arange(k.size)
-            if (where[k] != np.arange(k.size)).any():
+            ar = np.arange(k.size, dtype=where.dtype)
+            where[k] = ar
+            if (where[k] != ar).any():
                 raise ValueError(dup)
             if k is ka:
                 where[k] = -1
