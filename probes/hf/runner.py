@@ -342,7 +342,8 @@ class HfLearner(HfModelRunner):
             with torch.inference_mode(), cap if cap is not None else contextlib.nullcontext(), \
                     engine_stream(self.device) if rec is not None else contextlib.nullcontext() as stream_note:
                 if stream_note is not None:
-                    self.info.settings["capture_engine_stream"] = stream_note
+                    self.info.settings["capture_engine_stream"] = stream_note + (
+                        "; the logprobs after the last chunk's digests and copy" if EARLY_FLUSH and CAPTURE_FIRST else "")
                 for start in range(0, len(seqs), mb):
                     chunk = seqs[start : start + mb]
                     if cap is not None:
