@@ -288,15 +288,15 @@ def cuda_digest_check() -> dict[str, Any]:
         if dt.is_floating_point:
             x[0, 1], x[1, 2], x[2, 3] = float("nan"), float("inf"), float("-inf")
         dig = torch.zeros(257, dtype=torch.int64, device="cuda")
-        st = torch.zeros(257, 5, dtype=torch.float64, device="cuda")
+        st = digest_triton.split_arena(257, "cuda")
         digest_triton.launch([(x, 0, 0)], dig, st)
         dig2 = torch.zeros(257, dtype=torch.int64, device="cuda")
-        digest_triton.launch([(x, 0, 0)], dig2, st.clone(), stats=False)  # the digest-only kernel
+        digest_triton.launch([(x, 0, 0)], dig2, digest_triton.split_arena(257, "cuda"), stats=False)  # digest only
         xc = x.cpu()
         raw = D.word_view(xc).numpy().view(np.uint8).reshape(257, -1)
         ref = D.digest_bytes_ref(raw, xc.element_size())
         sref = D.stats_ref(xc.double().numpy() if dt != torch.bool else xc.numpy().astype(float))
-        stc = st.cpu().numpy()
+        stc = digest_triton.stats_rows(st).cpu().numpy()
         res[str(dt).removeprefix("torch.")] = {
             "digest_equal": bool(np.array_equal(dig.cpu().numpy().view(np.uint64), ref)),
             "digest_only_equal": bool(np.array_equal(dig2.cpu().numpy().view(np.uint64), ref)),
@@ -327,7 +327,7 @@ def kernel_bench(shape: str, tokens: int = 4096) -> list[dict[str, Any]]:
     ts = [pool[w] for w in widths]
     n_el = sum(t.numel() for t in ts)
     dig = torch.empty(len(ts) * tokens, dtype=torch.int64, device="cuda")
-    st = torch.empty(len(ts) * tokens, 5, dtype=torch.float64, device="cuda")
+    st = digest_triton.split_arena(len(ts) * tokens, "cuda")
     out = []
     saved = digest_triton.BLOCK, digest_triton.WARPS
     # (BLOCK, WARPS, stats, tensors per launch): 64 as the queue launched before 2026-12-01 18:00, 256 about

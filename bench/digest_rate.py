@@ -54,7 +54,7 @@ def main() -> None:
     dev = torch.device("cuda")
     cap = 1 << 16
     dig = torch.empty(cap, dtype=torch.int64, device=dev)
-    st = torch.empty(cap, 5, dtype=torch.float64, device=dev)
+    st = digest_triton.split_arena(cap, dev)
     for name, shape in (("logits [4096, 151936] bf16", (4096, 151936)), ("mlp act [4096, 3072] bf16", (4096, 3072)),
                         ("hidden [4096, 1024] bf16", (4096, 1024))):
         x = torch.randn(*shape, device=dev).to(torch.bfloat16)

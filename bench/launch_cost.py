@@ -46,7 +46,7 @@ def main() -> None:
     n_ops = 479
     xs = [torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16) for _ in range(16)]
     dig = torch.empty(1 << 21, dtype=torch.int64, device=dev)
-    st = torch.empty(1 << 21, 5, dtype=torch.float64, device=dev)
+    st = D.split_arena(1 << 21, dev)
     flat: list[int] = []
     for i in range(n_ops):
         x = xs[i % 16]

@@ -156,7 +156,7 @@ def _abs_max(a, KIND: tl.constexpr):
 
 @_jit
 def _rows_kernel(x_ptr, desc_ptr, dig_ptr, st_ptr, amf_ptr, cnt_ptr, amb_ptr, KIND: tl.constexpr, BLOCK: tl.constexpr,
-                 VEC: tl.constexpr, STATS: tl.constexpr, SPLIT: tl.constexpr):
+                 VEC: tl.constexpr, STATS: tl.constexpr):
     row = tl.program_id(0)
     d = desc_ptr + tl.program_id(1) * 6
     n_rows = tl.load(d + 1)
@@ -185,27 +185,20 @@ def _rows_kernel(x_ptr, desc_ptr, dig_ptr, st_ptr, amf_ptr, cnt_ptr, amb_ptr, KI
                 acc, s, ss, am, nn, ni = _row(base, n_cols, coff, lane, lane_key, KIND=KIND, BLOCK=BLOCK,
                                               STATS=True, FINITE=False)
                 amax = _abs_max(_rmax(am), KIND)
-        if SPLIT:  # the file's parts (recorder_writer.STATS_PARTS), so a chunk's copy needs no split kernels
-            tl.store(st_ptr + out * 2, _rsum(s))
-            tl.store(st_ptr + out * 2 + 1, _rsum(ss))
-            tl.store(amf_ptr + out, amax)
-            tl.store(cnt_ptr + out * 2, _rsum(nn))
-            tl.store(cnt_ptr + out * 2 + 1, _rsum(ni))
-            # abs_max's bf16 bits: the float32 nearest abs_max, its high half (exact for a bf16 op's rows)
-            tl.store(amb_ptr + out, (amax.to(tl.float32).to(tl.int32, bitcast=True) >> 16).to(tl.int16))
-        else:
-            st = st_ptr + out * 5
-            tl.store(st, _rsum(s))
-            tl.store(st + 1, _rsum(ss))
-            tl.store(st + 2, amax)
-            tl.store(st + 3, _rsum(nn).to(tl.float64))
-            tl.store(st + 4, _rsum(ni).to(tl.float64))
+        # the file's parts (recorder_writer.STATS_PARTS, split_arena), so a chunk's copy needs no split kernels
+        tl.store(st_ptr + out * 2, _rsum(s))
+        tl.store(st_ptr + out * 2 + 1, _rsum(ss))
+        tl.store(amf_ptr + out, amax)
+        tl.store(cnt_ptr + out * 2, _rsum(nn))
+        tl.store(cnt_ptr + out * 2 + 1, _rsum(ni))
+        # abs_max's bf16 bits: the float32 nearest abs_max, its high half (exact for a bf16 op's rows)
+        tl.store(amb_ptr + out, (amax.to(tl.float32).to(tl.int32, bitcast=True) >> 16).to(tl.int16))
 
 
 def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any, stats: bool = True) -> None:
     """``items``: (2-D tensor with unit inner stride, output row, column offset), all of one dtype;
-    writes ``dig`` (int64 [cap], the uint64 bits) and, if ``stats``, ``st`` at the output rows: float64
-    [cap, 5] (sum, sum_sq, abs_max, n_nan, n_inf), or the tuple of the file's parts (:func:`split_arena`)."""
+    writes ``dig`` (int64 [cap], the uint64 bits) and, if ``stats``, the stats parts ``st`` (the tuple of
+    :func:`split_arena`) at the output rows."""
     t0 = items[0][0]
     desc = [[t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), out, coff] for t, out, coff in items]
     launch_desc(desc, t0, max(t.shape[0] for t, _, _ in items), dig, st, stats)
@@ -214,8 +207,8 @@ def launch(items: list[tuple[Any, int, int]], dig: Any, st: Any, stats: bool = T
 def launch_desc(desc: Any, x: Any, max_rows: int, dig: Any, st: Any, stats: bool = True) -> None:
     """The launch over a ready descriptor table (rows of [address, rows, cols, row stride, out, col
     offset]: a list of rows or an int64 array [n, 6]) of tensors of ``x``'s dtype (any one of them);
-    ``stats`` False: digests only (the stats rows are left as they are). ``st``: float64 [cap, 5], or the
-    tuple of :func:`split_arena` (the kernel writes the parts a chunk's copy takes as they are)."""
+    ``stats`` False: digests only (the stats rows are left as they are). ``st``: the tuple of
+    :func:`split_arena` (the kernel writes the parts a chunk's copy takes as they are)."""
     size = 1 if x.dtype == torch.bool else x.dtype.itemsize
     base = x.data_ptr()
     d = np.array(desc, dtype=np.int64).reshape(-1, 6)
@@ -225,14 +218,12 @@ def launch_desc(desc: Any, x: Any, max_rows: int, dig: Any, st: Any, stats: bool
     aligned = base % 16 == 0 and not ((d[:, [0, 2, 3]] * size) % 16).any()
     xi = x.view(torch.uint8).view(torch.int8) if x.dtype == torch.bool else x.view(_ITORCH[size])
     grid = (max_rows, len(desc))
-    split = isinstance(st, tuple)
-    sts = st if split else (st, st, st, st)
-    args = dict(KIND=_KIND[x.dtype], BLOCK=BLOCK, VEC=vec if aligned else 1, STATS=bool(stats), SPLIT=split)
+    args = dict(KIND=_KIND[x.dtype], BLOCK=BLOCK, VEC=vec if aligned else 1, STATS=bool(stats))
     if INTERPRET:
-        _rows_kernel[grid](xi, torch.from_numpy(d), dig, *sts, **args)
+        _rows_kernel[grid](xi, torch.from_numpy(d), dig, *st, **args)
     else:
         dt = torch.from_numpy(d).pin_memory().to(x.device, non_blocking=True)
-        _rows_kernel[grid](xi, dt, dig, *sts, num_warps=WARPS, **args)
+        _rows_kernel[grid](xi, dt, dig, *st, num_warps=WARPS, **args)
 
 
 def split_arena(rows: int, device: Any) -> tuple[Any, Any, Any, Any]:
@@ -240,3 +231,10 @@ def split_arena(rows: int, device: Any) -> tuple[Any, Any, Any, Any]:
     float64 [rows] abs_max, int32 [rows, 2] NaN / Inf counts, int16 [rows] abs_max's bf16 bits."""
     return (torch.empty(rows, 2, dtype=torch.float64, device=device), torch.empty(rows, dtype=torch.float64, device=device),
             torch.empty(rows, 2, dtype=torch.int32, device=device), torch.empty(rows, dtype=torch.int16, device=device))
+
+
+def stats_rows(st: tuple[Any, Any, Any, Any]) -> Any:
+    """The parts of :func:`split_arena` as float64 [rows, 5] (sum, sum_sq, abs_max, n_nan, n_inf): the layout
+    of the CPU arena and ``digest.stats_ref``, for checks against them."""
+    s2, amf, cnt, _ = st
+    return torch.cat([s2, amf[:, None], cnt.to(torch.float64)], dim=1)
