@@ -528,10 +528,12 @@ class OpRecorder:
         got the chunk only after them: see ``probes/hf/runner.py`` CAPTURE_FIRST)."""
         import torch
 
+        self._flush()
         if engine_waits and self._is_batched and self._side() is not None:
-            self.flush()
             torch.cuda.current_stream(self._device).wait_stream(self._stream)
-            return
+
+    def _flush(self) -> None:
+        import torch
 
         self._seg()
         if not self._segs:
