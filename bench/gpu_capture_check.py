@@ -15,7 +15,8 @@
    nothing (what the wrappers alone cost), ``MODE@gcoff``: the interpreter's garbage collector off during the
    ``score()``, ``MODE@lpfirst``: the engine's stream does not wait for the last chunk's digests before the
    logprobs, ``MODE@ownstream``: each recorder on a new side stream (before one per device), ``MODE@nologits``: the
-   logits not recorded;
+   logits not recorded, ``MODE@nokernel``: no digest kernel launched (rows garbage: the device time the kernels
+   take from the forward, against the recording's host time);
    variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
@@ -122,6 +123,13 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     def _norec(self: Any, op: str, tensor: Any, seq_ids: Any, pos: Any) -> None:
         return None
 
+    from mismatch_probe.probes import digest_triton as dtk
+
+    orig_ld = dtk.launch_desc
+
+    def _nokernel(*_a: Any, **_k: Any) -> None:
+        return None
+
     tr = None
     if trace:  # stage timestamps per score() (bench/capture_trace.py)
         from capture_trace import Trace
@@ -157,6 +165,9 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
                 recmod._SIDE_STREAMS.clear()
             # MODE@norec: the wrappers run, the recorder records nothing; MODE@gcoff: no garbage collection
             recmod.OpRecorder.record_rows = _norec if "norec" in vs else orig_rr
+            # MODE@nokernel: everything but the digest kernels (their rows garbage): the device time they take
+            # from the forward, against the host time of recording (a diagnostic)
+            dtk.launch_desc = _nokernel if "nokernel" in vs else orig_ld
             gc_was = gc.isenabled()
             if "gcoff" in vs:
                 gc.disable()
@@ -194,6 +205,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
         STAGES[shape] = tr.summary()
     recmod.OpRecorder.close = orig_close
     recmod.OpRecorder.record_rows = orig_rr
+    dtk.launch_desc = orig_ld
     recmod.OpRecorder._device_parts = orig_parts
     (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX, recmod._QUEUE_CHUNKS,
      recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS) = defaults
