@@ -15,8 +15,9 @@
    nothing (what the wrappers alone cost), ``MODE@gcoff``: the interpreter's garbage collector off during the
    ``score()``, ``MODE@lpfirst``: the engine's stream does not wait for the last chunk's digests before the
    logprobs, ``MODE@ownstream``: each recorder on a new side stream (before one per device), ``MODE@nologits``: the
-   logits not recorded, ``MODE@nokernel``: no digest kernel launched (rows garbage: the device time the kernels
-   take from the forward, against the recording's host time);
+   logits not recorded, ``MODE@tN``: stats chunks spread over all but
+   the forward's last N% of rows (``t0``: cut at STATS_BUFFER_ROWS only), ``MODE@nokernel``: no digest kernel
+   launched (rows garbage: the device time the kernels take from the forward, against the recording's host time);
    variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
@@ -99,7 +100,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     from mismatch_probe.probes.hf import runner as hfrun
 
     defaults = (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX,
-                recmod._QUEUE_CHUNKS, recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS)
+                recmod._QUEUE_CHUNKS, recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS, recmod._STATS_TAIL)
     closes: dict[str, list[float]] = {m: [] for m in modes}
     orig_parts = recmod.OpRecorder._device_parts
 
@@ -160,6 +161,9 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             recmod._D2H_TO_SLOT = True if "slot" in vs else False if "noslot" in vs else defaults[5]
             # MODE@fixed: digest chunks end at BUFFER_ROWS only (no chunk end adapted to the forward's tail)
             recmod.CUDA_BUFFER_ROWS = recmod.BUFFER_ROWS if "fixed" in vs else defaults[6]
+            # MODE@tN: stats chunks spread over all but the forward's last N% of rows (t0: cut at STATS_BUFFER_ROWS)
+            tn = [int(v[1:]) for v in vs if v[:1] == "t" and v[1:].isdigit()]
+            recmod._STATS_TAIL = tn[0] / 100 if tn else defaults[7]
             # MODE@ownstream: a side stream of its own for each recorder (the behaviour before one per device)
             if "ownstream" in vs:
                 recmod._SIDE_STREAMS.clear()
@@ -208,7 +212,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     dtk.launch_desc = orig_ld
     recmod.OpRecorder._device_parts = orig_parts
     (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX, recmod._QUEUE_CHUNKS,
-     recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS) = defaults
+     recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS, recmod._STATS_TAIL) = defaults
     for mode in cprofile:  # after the timed rounds (the profiler slows what it runs): one whole score() each
         import cProfile
         import pstats

@@ -57,6 +57,11 @@ BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, on
 # the per-round ratios): 256 Ki 1.63x / 1.56x, 384 Ki 1.53x / 1.49x, 512 Ki 1.52x / 1.71x -> 384 Ki (a flush
 # costs ~0.7 ms of host time in the forward; fewer of them now that the writer keeps up with larger chunks)
 STATS_BUFFER_ROWS = 3 << 17
+# CUDA, stats plans, forwards marked (start_batch): the forward's chunk ends are spread evenly over all but its
+# last _STATS_TAIL of rows (each chunk at most STATS_BUFFER_ROWS), so its last chunk, which the writer writes
+# after the forward while score() waits, is that small tail rather than whatever was left of the 384 Ki cut
+# (0.6B shape: 1.96 Mi rows a forward, 4 chunks of 384 Ki and a last one of 380 Ki); 0: fixed cuts
+_STATS_TAIL = 0.1
 # CUDA, digest-only plans: the arena holds up to 2 Mi rows, and a forward's chunk ends where about _TAIL of
 # its rows are left (from the rows per token of the plan's previous forward in this process), so the
 # last forward's last chunk, the rows score() waits for after it, is small; before any forward of the plan,
@@ -130,6 +135,7 @@ class OpRecorder:
         self._rows_given = buffer_rows is not None
         self._limit = self.buffer_rows  # rows at which the current chunk ends (see CUDA_BUFFER_ROWS)
         self._adapt = False  # the chunk end adapted to the forward (CUDA, digest-only, buffer_rows not given)
+        self._spread = False  # the chunk ends spread over the forward (CUDA, stats, buffer_rows not given)
         self._flushed = 0  # arena rows of the chunks handed over so far
         self._fwd: tuple[int, int] | None = None  # the current forward's (arena rows before it, its rows per op)
         self._pkey: str | None = None  # the plan as the key of _ROWS_PER_TOKEN (made at first use)
@@ -430,7 +436,7 @@ class OpRecorder:
 
     def _note_forward(self) -> None:
         """The rows per token of the forward that just ended, for the next forwards of this plan."""
-        if self._fwd is not None and self._adapt:
+        if self._fwd is not None and (self._adapt or self._spread):
             start, rows = self._fwd
             done = self._flushed + self._used - start
             if done > 0 and rows > 0:
@@ -438,7 +444,10 @@ class OpRecorder:
 
     def _place_limit(self) -> None:
         """Where the current chunk ends: about ``_TAIL`` of the forward's rows before its end, when
-        that is past BUFFER_ROWS and fits the arena; else at BUFFER_ROWS."""
+        that is past BUFFER_ROWS and fits the arena; else at BUFFER_ROWS. Stats plans: see
+        :meth:`_spread_limit`."""
+        if self._spread:
+            self._spread_limit()
         if not self._adapt:
             return
         lim = min(self.buffer_rows, BUFFER_ROWS)
@@ -446,6 +455,20 @@ class OpRecorder:
         if per is not None and self._fwd is not None:
             lim = max(lim, self._used + int(per * self._fwd[1] * (1 - _TAIL)))
         self._limit = min(self.buffer_rows, lim)
+
+    def _spread_limit(self) -> None:
+        """Stats plans (``_STATS_TAIL``): the rows of the forward still to come before its tail, cut into the
+        fewest chunks of at most ``buffer_rows`` rows, of even size; the tail (and anything beyond the
+        expected rows) in chunks of ``buffer_rows``. Placed at each forward's start and after each flush."""
+        lim = self.buffer_rows
+        per = _ROWS_PER_TOKEN.get(self._plan_key())
+        if per is not None and self._fwd is not None:
+            start, rows = self._fwd
+            body = int(per * rows * (1 - _STATS_TAIL)) - (self._flushed + self._used - start)
+            if body > 0:
+                m = -(-body // self.buffer_rows)
+                lim = min(lim, self._used + -(-body // m))
+        self._limit = lim
 
     def _side(self) -> Any:
         """The CUDA stream the recorder's device work runs on (None: the engine's own stream).
@@ -529,6 +552,8 @@ class OpRecorder:
         import torch
 
         self._flush()
+        if self._spread:
+            self._spread_limit()
         if engine_waits and self._is_batched and self._side() is not None:
             torch.cuda.current_stream(self._device).wait_stream(self._stream)
 
@@ -653,6 +678,10 @@ class OpRecorder:
             if self._is_batched and not self._rows_given:  # nothing recorded yet: the arena is not made
                 if self.plan.keeps_stats():
                     self.buffer_rows = min(self.buffer_rows, STATS_BUFFER_ROWS)
+                    if self._fwd is not None and _STATS_TAIL > 0:  # forwards marked (start_batch)
+                        self._spread = True
+                        self._limit = self.buffer_rows
+                        self._spread_limit()
                 elif self._fwd is not None:  # digest only, forwards marked (start_batch)
                     self.buffer_rows, self._adapt = max(self.buffer_rows, CUDA_BUFFER_ROWS), True
                     self._place_limit()

@@ -484,6 +484,48 @@ def test_batched_digest_chunk_ends_where_the_forwards_tail_is_left(monkeypatch):
         assert got.column(c).to_pylist() == want.column(c).to_pylist(), c
 
 
+def test_batched_stats_chunk_ends_spread_over_the_forward_before_a_small_tail(monkeypatch):
+    """Stats batched recorders whose caller marks its forwards cut a forward's rows before its last
+    _STATS_TAIL into the fewest even chunks of at most STATS_BUFFER_ROWS (from the plan's rows per token
+    of the forward before), so its last chunk is the tail; the first forward cuts at STATS_BUFFER_ROWS.
+    The same table as one chunk per forward; _STATS_TAIL = 0 cuts at STATS_BUFFER_ROWS only."""
+    from mismatch_probe.probes import recorder as R
+
+    monkeypatch.setattr(R, "STATS_BUFFER_ROWS", 40)
+    monkeypatch.setattr(R, "_ROWS_PER_TOKEN", {})
+    monkeypatch.setattr(R, "_STATS_TAIL", 0.3)
+    tok = 12  # rows per op in a forward; 10 ops: 120 arena rows per forward
+    seq, pos = np.repeat(np.arange(3), 4), np.tile(np.arange(4), 3)
+    xs = [_rand(torch.float32, tok, 8, i) for i in range(10)]
+
+    def run(rec, cuts):
+        orig = rec.flush
+        rec.flush = lambda: (cuts.append(rec._used), orig())[1]
+        for _ in range(3):
+            rec.start_batch(tok)
+            for i, x in enumerate(xs):
+                rec.record_rows(f"{i}.out", x, seq, pos)
+            rec.flush()  # the runner's early flush after the last forward (here after each)
+        return rec.table()
+
+    cuts: list[int] = []
+    got = run(OpRecorder(CapturePlan("stats"), batched=True), cuts)
+    # forward 1: cut before an op would cross 40 rows (3 ops: 36), its last op at the early flush; forwards 2
+    # and 3: 84 rows before the tail (0.7 x 120) in 3 chunks of at most 28 (2 ops), 60 in 2 of 30 (2 ops), 36
+    # in 1 (3 ops), then the tail of 3 ops at the early flush
+    assert [c for c in cuts if c] == [36, 36, 36, 12] + [24, 24, 36, 36] * 2, cuts
+    monkeypatch.setattr(R, "_STATS_TAIL", 0.0)
+    fixed: list[int] = []
+    run(OpRecorder(CapturePlan("stats"), batched=True), fixed)
+    assert [c for c in fixed if c] == [36, 36, 36, 12] * 3, fixed
+    want = run(OpRecorder(CapturePlan("stats"), batched=True, buffer_rows=1 << 10), [])
+    key = [("op", "ascending"), ("seq_id", "ascending"), ("pos", "ascending")]
+    got, want = got.sort_by(key), want.sort_by(key)
+    assert got.num_rows == want.num_rows == 3 * 10 * tok
+    for c in got.column_names:
+        assert got.column(c).to_pylist() == want.column(c).to_pylist(), c
+
+
 @pytest.mark.parametrize("nbytes", [1000, (4 << 20) + 3])
 @pytest.mark.parametrize("threads", [False, True])
 def test_writer_feeders_copy_into_a_slot_is_the_same_bytes(nbytes, threads):
