@@ -126,8 +126,6 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
 
     from mismatch_probe.probes import digest_triton as dtk
 
-    orig_ld = dtk.launch_desc
-
     def _nokernel(*_a: Any, **_k: Any) -> None:
         return None
 
@@ -136,6 +134,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
         from capture_trace import Trace
 
         tr = Trace().install()
+    orig_ld = dtk.launch_desc  # the trace's wrapper of it, where --trace: MODE@nokernel replaces it for its rounds
     for i in range(rounds + 1):
         for mode in modes:
             base_mode, _, variant = mode.partition("@")  # MODE@thread: the writer thread, not the writer process
@@ -204,12 +203,12 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             if r.capture is not None:
                 sizes[mode] = dest.stat().st_size
                 rows[mode] = int((r.info.settings.get("capture") or {}).get("rows", 0))
+    dtk.launch_desc = orig_ld
     if tr is not None:
         tr.uninstall()
         STAGES[shape] = tr.summary()
     recmod.OpRecorder.close = orig_close
     recmod.OpRecorder.record_rows = orig_rr
-    dtk.launch_desc = orig_ld
     recmod.OpRecorder._device_parts = orig_parts
     (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX, recmod._QUEUE_CHUNKS,
      recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS, recmod._STATS_TAIL) = defaults
