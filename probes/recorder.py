@@ -459,13 +459,16 @@ class OpRecorder:
     def _spread_limit(self) -> None:
         """Stats plans (``_STATS_TAIL``): the rows of the forward still to come before its tail, cut into the
         fewest chunks of at most ``buffer_rows`` rows, of even size; the tail (and anything beyond the
-        expected rows) in chunks of ``buffer_rows``. Placed at each forward's start and after each flush."""
+        expected rows) in chunks of ``buffer_rows``. Placed at each forward's start and after each flush.
+        Chunks end between op calls, so the last chunk before the tail may stop short of it: a remainder
+        under one op call's rows (or an eighth of a chunk) joins the tail instead of making a chunk of one
+        op call (the 0.6B shape: 4 Ki rows)."""
         lim = self.buffer_rows
         per = _ROWS_PER_TOKEN.get(self._plan_key())
         if per is not None and self._fwd is not None:
             start, rows = self._fwd
             body = int(per * rows * (1 - _STATS_TAIL)) - (self._flushed + self._used - start)
-            if body > 0:
+            if body > max(rows, self.buffer_rows // 8):
                 m = -(-body // self.buffer_rows)
                 lim = min(lim, self._used + -(-body // m))
         self._limit = lim

@@ -514,6 +514,12 @@ def test_batched_stats_chunk_ends_spread_over_the_forward_before_a_small_tail(mo
     # and 3: 84 rows before the tail (0.7 x 120) in 3 chunks of at most 28 (2 ops), 60 in 2 of 30 (2 ops), 36
     # in 1 (3 ops), then the tail of 3 ops at the early flush
     assert [c for c in cuts if c] == [36, 36, 36, 12] + [24, 24, 36, 36] * 2, cuts
+    # 0.15: 102 rows before the tail; after 96 of them (24, 36, 12, 24) the 6 left, under one op call's 12 rows,
+    # join the tail (24 rows), not a chunk of one op of their own (the plan's rows per token known from the start)
+    monkeypatch.setattr(R, "_STATS_TAIL", 0.15)
+    rem: list[int] = []
+    run(OpRecorder(CapturePlan("stats"), batched=True), rem)
+    assert [c for c in rem if c] == [24, 36, 12, 24, 24] * 3, rem
     monkeypatch.setattr(R, "_STATS_TAIL", 0.0)
     fixed: list[int] = []
     run(OpRecorder(CapturePlan("stats"), batched=True), fixed)
