@@ -59,8 +59,10 @@ BUFFER_ROWS = 1 << 20  # default rows per chunk (device arena, one host copy, on
 STATS_BUFFER_ROWS = 3 << 17
 # CUDA, stats plans, forwards marked (start_batch): the forward's chunk ends are spread evenly over all but its
 # last _STATS_TAIL of rows (each chunk at most STATS_BUFFER_ROWS), so its last chunk, which the writer writes
-# after the forward while score() waits, is that small tail rather than whatever was left of the 384 Ki cut
-# (0.6B shape: 1.96 Mi rows a forward, 4 chunks of 384 Ki and a last one of 380 Ki); 0: fixed cuts
+# after the forward while score() waits, is that small tail rather than whatever was left of the 384 Ki cuts
+# (0.6B shape: 1.87 Mi rows a forward, 4 chunks of 384 Ki and a last one of 380 Ki; 8B: the last of 3 x 384 Ki
+# and 78 Ki). H100, round 15 (BENCHMARKS.md): the 8B stats score() 2-4% faster in four calls, the 0.6B within
+# 0.01-0.03x either way; 0: the fixed cuts (bench stats@t0)
 _STATS_TAIL = 0.1
 # CUDA, digest-only plans: the arena holds up to 2 Mi rows, and a forward's chunk ends where about _TAIL of
 # its rows are left (from the rows per token of the plan's previous forward in this process), so the
