@@ -447,6 +447,24 @@ def test_batched_chunks_are_smaller_where_the_plan_keeps_stats():
     assert R.STATS_BUFFER_ROWS < R.BUFFER_ROWS
 
 
+_TOK = 12  # the chunk-end tests' forwards: rows per op; 10 ops: 120 arena rows per forward
+
+
+def _forwards(rec, cuts):
+    """Three forwards of 10 ops of ``_TOK`` rows through ``rec`` (marked with ``start_batch``, the runner's early
+    flush after each), the rows of the current chunk at every flush appended to ``cuts``; returns the table."""
+    seq, pos = np.repeat(np.arange(3), 4), np.tile(np.arange(4), 3)
+    xs = [_rand(torch.float32, _TOK, 8, i) for i in range(10)]
+    orig = rec.flush
+    rec.flush = lambda: (cuts.append(rec._used), orig())[1]
+    for _ in range(3):
+        rec.start_batch(_TOK)
+        for i, x in enumerate(xs):
+            rec.record_rows(f"{i}.out", x, seq, pos)
+        rec.flush()
+    return rec.table()
+
+
 def test_batched_digest_chunk_ends_where_the_forwards_tail_is_left(monkeypatch):
     """Digest-only batched recorders whose caller marks its forwards (``start_batch``) end a forward's
     chunk where about _TAIL of its rows are left, from the plan's rows per token of the forward before;
@@ -456,20 +474,7 @@ def test_batched_digest_chunk_ends_where_the_forwards_tail_is_left(monkeypatch):
     monkeypatch.setattr(R, "BUFFER_ROWS", 40)
     monkeypatch.setattr(R, "CUDA_BUFFER_ROWS", 400)
     monkeypatch.setattr(R, "_ROWS_PER_TOKEN", {})
-    tok = 12  # rows per op in a forward; 10 ops: 120 arena rows per forward
-    seq, pos = np.repeat(np.arange(3), 4), np.tile(np.arange(4), 3)
-    xs = [_rand(torch.float32, tok, 8, i) for i in range(10)]
-
-    def run(rec, cuts):
-        orig = rec.flush
-        rec.flush = lambda: (cuts.append(rec._used), orig())[1]
-        for _ in range(3):
-            rec.start_batch(tok)
-            for i, x in enumerate(xs):
-                rec.record_rows(f"{i}.out", x, seq, pos)
-            rec.flush()  # the runner's early flush after the last forward (here after each)
-        return rec.table()
-
+    run, tok = _forwards, _TOK
     cuts: list[int] = []
     got = run(OpRecorder(CapturePlan("digest"), batched=True), cuts)
     # forward 1: chunks end before an op would cross BUFFER_ROWS (3 ops: 36 rows), its last op at the early
@@ -494,20 +499,7 @@ def test_batched_stats_chunk_ends_spread_over_the_forward_before_a_small_tail(mo
     monkeypatch.setattr(R, "STATS_BUFFER_ROWS", 40)
     monkeypatch.setattr(R, "_ROWS_PER_TOKEN", {})
     monkeypatch.setattr(R, "_STATS_TAIL", 0.3)
-    tok = 12  # rows per op in a forward; 10 ops: 120 arena rows per forward
-    seq, pos = np.repeat(np.arange(3), 4), np.tile(np.arange(4), 3)
-    xs = [_rand(torch.float32, tok, 8, i) for i in range(10)]
-
-    def run(rec, cuts):
-        orig = rec.flush
-        rec.flush = lambda: (cuts.append(rec._used), orig())[1]
-        for _ in range(3):
-            rec.start_batch(tok)
-            for i, x in enumerate(xs):
-                rec.record_rows(f"{i}.out", x, seq, pos)
-            rec.flush()  # the runner's early flush after the last forward (here after each)
-        return rec.table()
-
+    run, tok = _forwards, _TOK
     cuts: list[int] = []
     got = run(OpRecorder(CapturePlan("stats"), batched=True), cuts)
     # forward 1: cut before an op would cross 40 rows (3 ops: 36), its last op at the early flush; forwards 2
