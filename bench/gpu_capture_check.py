@@ -17,7 +17,9 @@
    logprobs, ``MODE@ownstream``: each recorder on a new side stream (before one per device), ``MODE@nologits``: the
    logits not recorded, ``MODE@tN``: stats chunks spread over all but
    the forward's last N% of rows (``t0``: cut at STATS_BUFFER_ROWS only), ``MODE@nokernel``: no digest kernel
-   launched (rows garbage: the device time the kernels take from the forward, against the recording's host time);
+   launched (rows garbage: the device time the kernels take from the forward, against the recording's host time),
+   ``MODE@pin``: the engine's thread alone on one core (its SMT siblings idle), every other thread and the writer
+   processes on the other CPUs (``off@pin`` is its baseline);
    variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
@@ -66,6 +68,38 @@ def _sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def _pin(on: bool) -> str:
+    """MODE@pin (a diagnostic): the engine's thread alone on the first CPU it may use, that core's SMT siblings
+    left to nothing else; every other thread of this process and of the idle writer processes on the other
+    CPUs. ``on`` False: every one of them on all CPUs again. Returns what it did, for the log."""
+    import threading
+
+    from mismatch_probe.probes import recorder_writer as rw
+
+    cpus = set(os.sched_getaffinity(0)) | set(range(os.cpu_count() or 1))
+    me = min(cpus)
+    try:
+        sib_txt = Path(f"/sys/devices/system/cpu/cpu{me}/topology/thread_siblings_list").read_text().strip()
+        sib = set()
+        for part in sib_txt.split(","):
+            lo, _, hi = part.partition("-")
+            sib |= set(range(int(lo), int(hi or lo) + 1))
+    except OSError:
+        sib = {me}
+    rest = cpus - sib if on else cpus
+    main = {me} if on else cpus
+    tids = [(int(t), rest) for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
+    for c in list(rw._IDLE):
+        tids += [(int(t), rest) for t in os.listdir(f"/proc/{c.proc.pid}/task")]
+    for tid, want in tids:
+        try:
+            os.sched_setaffinity(tid, want)
+        except OSError:
+            pass
+    os.sched_setaffinity(0, main)
+    return f"engine thread on {sorted(main)}, {len(tids)} other threads on {len(rest)} CPUs (siblings {sorted(sib)})"
 
 
 def _plans() -> dict[str, Any]:
@@ -182,6 +216,10 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
                 from mismatch_probe.probes.capture import CapturePlan, CaptureRule
 
                 r.capture = CapturePlan(base_mode, [CaptureRule("logits", "off")])
+            # MODE@pin: the engine's thread on a core of its own, the writer's and every other thread elsewhere
+            pinned = _pin("pin" in vs)
+            if i == 0 and "pin" in vs:
+                print(f"{mode}: {pinned}", flush=True)
             dest = tmp / f"{shape}-{mode}.parquet"
             dest.unlink(missing_ok=True)
             r.ops_dest = dest if r.capture is not None else None
@@ -204,6 +242,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
                 sizes[mode] = dest.stat().st_size
                 rows[mode] = int((r.info.settings.get("capture") or {}).get("rows", 0))
     dtk.launch_desc = orig_ld
+    _pin(False)
     if tr is not None:
         tr.uninstall()
         STAGES[shape] = tr.summary()
