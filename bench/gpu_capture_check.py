@@ -70,6 +70,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_ALL_CPUS = set(os.sched_getaffinity(0))  # the CPUs this bench may use (MODE@pin restores them)
+
+
 def _pin(on: bool) -> str:
     """MODE@pin (a diagnostic): the engine's thread alone on the first CPU it may use, that core's SMT siblings
     left to nothing else; every other thread of this process and of the idle writer processes on the other
@@ -78,7 +81,7 @@ def _pin(on: bool) -> str:
 
     from mismatch_probe.probes import recorder_writer as rw
 
-    cpus = set(os.sched_getaffinity(0)) | set(range(os.cpu_count() or 1))
+    cpus = _ALL_CPUS
     me = min(cpus)
     try:
         sib_txt = Path(f"/sys/devices/system/cpu/cpu{me}/topology/thread_siblings_list").read_text().strip()
@@ -92,7 +95,10 @@ def _pin(on: bool) -> str:
     main = {me} if on else cpus
     tids = [(int(t), rest) for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
     for c in list(rw._IDLE):
-        tids += [(int(t), rest) for t in os.listdir(f"/proc/{c.proc.pid}/task")]
+        try:
+            tids += [(int(t), rest) for t in os.listdir(f"/proc/{c.proc.pid}/task")]
+        except OSError:  # that process is gone
+            pass
     for tid, want in tids:
         try:
             os.sched_setaffinity(tid, want)
@@ -168,6 +174,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
         from capture_trace import Trace
 
         tr = Trace().install()
+    use_pin = any("pin" in m.partition("@")[2].split("+") for m in modes)
     orig_ld = dtk.launch_desc  # the trace's wrapper of it, where --trace: MODE@nokernel replaces it for its rounds
     for i in range(rounds + 1):
         for mode in modes:
@@ -217,9 +224,10 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
 
                 r.capture = CapturePlan(base_mode, [CaptureRule("logits", "off")])
             # MODE@pin: the engine's thread on a core of its own, the writer's and every other thread elsewhere
-            pinned = _pin("pin" in vs)
-            if i == 0 and "pin" in vs:
-                print(f"{mode}: {pinned}", flush=True)
+            if use_pin:
+                pinned = _pin("pin" in vs)
+                if i == 0 and "pin" in vs:
+                    print(f"{mode}: {pinned}", flush=True)
             dest = tmp / f"{shape}-{mode}.parquet"
             dest.unlink(missing_ok=True)
             r.ops_dest = dest if r.capture is not None else None
@@ -242,7 +250,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
                 sizes[mode] = dest.stat().st_size
                 rows[mode] = int((r.info.settings.get("capture") or {}).get("rows", 0))
     dtk.launch_desc = orig_ld
-    _pin(False)
+    if use_pin:
+        _pin(False)
     if tr is not None:
         tr.uninstall()
         STAGES[shape] = tr.summary()
