@@ -92,7 +92,10 @@ def test_digest_and_stats_capture_through_compare(runs: dict[str, Path]) -> None
     errs = pd.read_parquet(run / "compare/op_errors.parquet")
     assert len(errs) > 20
     eq = errs.set_index("op").bitwise_equal_frac
-    assert eq["embed"] == 1.0 and eq["0.attn.rope_q"] < 1.0  # digests still find the first divergent op
+    # digests still find where the engines' fp32 forwards part (the logprobs differ: an op before them does);
+    # which op that is depends on the host's CPU kernels (rotary on some, a later op where rotary agrees)
+    assert eq["embed"] == 1.0 and (eq < 1.0).any(), eq[eq < 1.0].head()
+    assert _pairs(run)["learner_vs_prefill"]["max_abs_dlogp"] > 0
 
 
 def test_moe_engine_mode_compare_and_bisect(runs: dict[str, Path]) -> None:

@@ -98,10 +98,11 @@ def test_strict_bitwise_learner_equals_sampler_prefill_and_decode(runs: Runs, mo
         assert m["engines"][side]["recipe"]["name"] == "strict"
         assert m["engines"][side]["recipe"]["ops"]["attention"] == "strict"
     assert any("CPUAttentionBackendImpl.forward" in o for o in m["engines"]["sampler"]["recipe"]["plugin_overrides"])
-    # vLLM's CPU backend repacks its linear weights and drops them: the recipes keep the loaded tensors
-    # (no copy made; on CUDA they are aliases of vLLM's own: tests/gpu)
+    # where vLLM's CPU backend repacks its linear weights and drops them (its oneDNN path, on hosts whose ISA it
+    # packs for), the recipes keep the loaded tensors ("own": no copy made); where it keeps them as loaded, the
+    # recipes alias vLLM's own (as on CUDA: tests/gpu). Either way every linear has its weight, counted once
     w = m["engines"]["sampler"]["recipe"]["weights"]
-    assert w["aliased"] == 0 and w["own"] > 4 and w["own_bytes"] > 0, w
+    assert w["aliased"] + w["own"] > 4 and (w["own"] > 0) == (w["own_bytes"] > 0), w
 
 
 @pytest.mark.parametrize("model", STRICT_MODELS)
