@@ -116,6 +116,26 @@ class _Layout:
     qcost: int = 0  # what it adds to the queue (_queue_cost of nbytes)
 
 
+@dataclass(frozen=True, slots=True)
+class _Cuts:
+    """Where a forward's chunks end on CUDA when its caller marks it (``start_batch``) and ``buffer_rows`` was
+    not given (:meth:`OpRecorder._place_limit`): the rows before the forward's last ``tail`` (a fraction) in the
+    fewest even chunks of at most the arena's rows, none shorter than ``least``; the tail in chunks of ``base``.
+    Digest-only plans: a 2 Mi-row arena, one chunk of at least BUFFER_ROWS before a tail of _TAIL; plans that
+    keep stats: chunks of at most STATS_BUFFER_ROWS before a tail of _STATS_TAIL. A tail of 0: no placement
+    (chunks of ``buffer_rows``)."""
+
+    base: int
+    tail: float
+    least: int
+
+    @staticmethod
+    def of(stats: bool) -> _Cuts:
+        if stats:
+            return _Cuts(STATS_BUFFER_ROWS, _STATS_TAIL, 0)
+        return _Cuts(BUFFER_ROWS, _TAIL, BUFFER_ROWS)
+
+
 # (op, dtype, shape, strides) -> _Layout, shared by all recorders of the process: a recorder's
 # first forward takes the fast path too (the bench scores 3 micro-batches per recorder)
 _LAYOUTS: dict[tuple[Any, ...], _Layout] = {}
@@ -136,8 +156,7 @@ class OpRecorder:
         self.buffer_rows = int(buffer_rows or BUFFER_ROWS)
         self._rows_given = buffer_rows is not None
         self._limit = self.buffer_rows  # rows at which the current chunk ends (see CUDA_BUFFER_ROWS)
-        self._adapt = False  # the chunk end adapted to the forward (CUDA, digest-only, buffer_rows not given)
-        self._spread = False  # the chunk ends spread over the forward (CUDA, stats, buffer_rows not given)
+        self._cuts: _Cuts | None = None  # where a marked forward's chunks end (CUDA, buffer_rows not given)
         self._flushed = 0  # arena rows of the chunks handed over so far
         self._fwd: tuple[int, int] | None = None  # the current forward's (arena rows before it, its rows per op)
         self._pkey: str | None = None  # the plan as the key of _ROWS_PER_TOKEN (made at first use)
@@ -438,42 +457,33 @@ class OpRecorder:
 
     def _note_forward(self) -> None:
         """The rows per token of the forward that just ended, for the next forwards of this plan."""
-        if self._fwd is not None and (self._adapt or self._spread):
+        if self._fwd is not None and self._cuts is not None:
             start, rows = self._fwd
             done = self._flushed + self._used - start
             if done > 0 and rows > 0:
                 _ROWS_PER_TOKEN[self._plan_key()] = done / rows
 
     def _place_limit(self) -> None:
-        """Where the current chunk ends: about ``_TAIL`` of the forward's rows before its end, when
-        that is past BUFFER_ROWS and fits the arena; else at BUFFER_ROWS. Stats plans: see
-        :meth:`_spread_limit`."""
-        if self._spread:
-            self._spread_limit()
-        if not self._adapt:
+        """Where the current chunk ends (at each forward's start and after each flush): without ``_cuts``,
+        at ``buffer_rows``; with them (see :class:`_Cuts`), the rows of the forward still to come before its
+        tail, from the plan's rows per token of its previous forward, cut into the fewest even chunks of at
+        most ``buffer_rows`` (none shorter than ``least``); the tail, and a forward before the rows per token
+        are known, in chunks of ``base``. Chunks end between op calls, so the last chunk before the tail may
+        stop short of it: a remainder under one op call's rows (or an eighth of ``base``) joins the tail
+        instead of making a chunk of one op call (the 0.6B shape: 4 Ki rows)."""
+        c = self._cuts
+        if c is None:
+            self._limit = self.buffer_rows
             return
-        lim = min(self.buffer_rows, BUFFER_ROWS)
-        per = _ROWS_PER_TOKEN.get(self._plan_key())
-        if per is not None and self._fwd is not None:
-            lim = max(lim, self._used + int(per * self._fwd[1] * (1 - _TAIL)))
-        self._limit = min(self.buffer_rows, lim)
-
-    def _spread_limit(self) -> None:
-        """Stats plans (``_STATS_TAIL``): the rows of the forward still to come before its tail, cut into the
-        fewest chunks of at most ``buffer_rows`` rows, of even size; the tail (and anything beyond the
-        expected rows) in chunks of ``buffer_rows``. Placed at each forward's start and after each flush.
-        Chunks end between op calls, so the last chunk before the tail may stop short of it: a remainder
-        under one op call's rows (or an eighth of a chunk) joins the tail instead of making a chunk of one
-        op call (the 0.6B shape: 4 Ki rows)."""
-        lim = self.buffer_rows
+        lim = c.base
         per = _ROWS_PER_TOKEN.get(self._plan_key())
         if per is not None and self._fwd is not None:
             start, rows = self._fwd
-            body = int(per * rows * (1 - _STATS_TAIL)) - (self._flushed + self._used - start)
-            if body > max(rows, self.buffer_rows // 8):
+            body = int(per * rows * (1 - c.tail)) - (self._flushed + self._used - start)
+            if body > max(rows, c.base // 8):
                 m = -(-body // self.buffer_rows)
-                lim = min(lim, self._used + -(-body // m))
-        self._limit = lim
+                lim = max(c.least, self._used + -(-body // m))
+        self._limit = min(self.buffer_rows, lim)
 
     def _side(self) -> Any:
         """The CUDA stream the recorder's device work runs on (None: the engine's own stream).
@@ -557,8 +567,7 @@ class OpRecorder:
         import torch
 
         self._flush()
-        if self._spread:
-            self._spread_limit()
+        self._place_limit()
         if engine_waits and self._is_batched and self._side() is not None:
             torch.cuda.current_stream(self._device).wait_stream(self._stream)
 
@@ -570,8 +579,6 @@ class OpRecorder:
             return
         u = self._used
         self._flushed += u
-        if self._adapt:  # the forward's one adapted chunk end is behind: BUFFER_ROWS again
-            self._limit = min(self.buffer_rows, BUFFER_ROWS)
         if self._is_batched:
             self._launch()
             with self._after_engine():  # the values and top-k were gathered on the engine's stream
@@ -681,16 +688,15 @@ class OpRecorder:
         if self._is_batched is None:
             self._is_batched = t.device.type == "cuda" or self.force_batched
             if self._is_batched and not self._rows_given:  # nothing recorded yet: the arena is not made
-                if self.plan.keeps_stats():
+                stats = self.plan.keeps_stats()
+                if stats:
                     self.buffer_rows = min(self.buffer_rows, STATS_BUFFER_ROWS)
-                    if self._fwd is not None and _STATS_TAIL > 0:  # forwards marked (start_batch)
-                        self._spread = True
-                        self._limit = self.buffer_rows
-                        self._spread_limit()
-                elif self._fwd is not None:  # digest only, forwards marked (start_batch)
-                    self.buffer_rows, self._adapt = max(self.buffer_rows, CUDA_BUFFER_ROWS), True
-                    self._place_limit()
-                self._limit = min(self._limit, self.buffer_rows)
+                cuts = _Cuts.of(stats)
+                if self._fwd is not None and cuts.tail > 0:  # forwards marked (start_batch)
+                    self._cuts = cuts
+                    if not stats:
+                        self.buffer_rows = max(self.buffer_rows, CUDA_BUFFER_ROWS)
+                self._place_limit()
         return self._is_batched
 
     def _drain(self, ev: Any, segs: list[_Seg], dig: Any, st: Any, vals: Any, tv: Any, ti: Any) -> None:

@@ -467,8 +467,9 @@ def _forwards(rec, cuts):
 
 def test_batched_digest_chunk_ends_where_the_forwards_tail_is_left(monkeypatch):
     """Digest-only batched recorders whose caller marks its forwards (``start_batch``) end a forward's
-    chunk where about _TAIL of its rows are left, from the plan's rows per token of the forward before;
-    the first forward, and the rest after that boundary, cut at BUFFER_ROWS. Same table either way."""
+    chunk where about _TAIL of its rows are left (that chunk at least BUFFER_ROWS), from the plan's rows per
+    token of the forward before; the first forward, and the rest after that boundary, cut at BUFFER_ROWS.
+    Same table either way."""
     from mismatch_probe.probes import recorder as R
 
     monkeypatch.setattr(R, "BUFFER_ROWS", 40)
@@ -481,6 +482,12 @@ def test_batched_digest_chunk_ends_where_the_forwards_tail_is_left(monkeypatch):
     # flush; forwards 2 and 3: one end at 0.78 x 120 = 93 rows (7 ops: 84), then BUFFER_ROWS again (the tail)
     assert [c for c in cuts if c] == [36, 36, 36, 12, 84, 36, 84, 36], cuts
     assert R._ROWS_PER_TOKEN and next(iter(R._ROWS_PER_TOKEN.values())) == 10.0
+    # a chunk before the tail is never shorter than BUFFER_ROWS (_Cuts.least): 93 rows before the tail, 100 a
+    # chunk: the first chunk ends at 100 (8 ops: 96), the tail of 2 ops at the early flush
+    monkeypatch.setattr(R, "BUFFER_ROWS", 100)
+    least: list[int] = []
+    run(OpRecorder(CapturePlan("digest"), batched=True), least)
+    assert [c for c in least if c] == [96, 24] * 3, least
     want = run(OpRecorder(CapturePlan("digest"), batched=True, buffer_rows=1 << 10), [])
     key = [("op", "ascending"), ("seq_id", "ascending"), ("pos", "ascending")]
     got, want = got.sort_by(key), want.sort_by(key)
