@@ -466,16 +466,8 @@ def section_linear() -> None:
                 us_plain = graph_us(lambda: lin(x, w))
             finally:
                 native.PDL = True
-            native.QUANT_ROWS_PER_CTA = 1  # the quantizer one row per CTA (before 2026-12-06 round 16)
-            try:
-                y_rpb1 = lin(x, w)
-                us_rpb1 = graph_us(lambda: lin(x, w))
-            finally:
-                native.QUANT_ROWS_PER_CTA = 4
             res.update(nvfp4_linear_nopdl_us=round(us_plain, 1),
-                       pdl_same_bits=bool(torch.equal(y_pdl.view(torch.int16), y_plain.view(torch.int16))),
-                       nvfp4_linear_rpb1_us=round(us_rpb1, 1),
-                       rpb_same_bits=bool(torch.equal(y_pdl.view(torch.int16), y_rpb1.view(torch.int16))))
+                       pdl_same_bits=bool(torch.equal(y_pdl.view(torch.int16), y_plain.view(torch.int16))))
         if m > 64:  # prefill: the weights decoded in registers (PrefillTuning.decode_weights), no fp16 operand kept
             twd = tw.tuned(tw.tuning.with_(prefill={"decode_weights": True}))
             same = torch.equal(tc_matmul(qa, twd, a_op=op).view(torch.int16), tc_matmul(qa, tw, a_op=op).view(torch.int16))

@@ -78,9 +78,6 @@ TOKEN_CORE = (16, 8, 8)
 # programmatic dependent launch of the wgmma decode GEMM after its tokens' quantizer (decode_gemm's ``pdl``):
 # the weight stream starts while the quantizer runs; False: every launch plain (the bench's A/B switch)
 PDL = True
-# rows per CTA of the quantizer writing the core-matrix operand (4: the decode GEMM after it, launched as above,
-# finds every SM it needs free of quantizer CTAs; 1: one row per CTA, the bench's A/B switch; the same bits)
-QUANT_ROWS_PER_CTA = 4
 _STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s": None}
 
 
@@ -394,6 +391,5 @@ def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,
             raise ValueError("op_layout needs emit_op and K % 128 == 0 (core-matrix: at most 64 rows)")
         shape = (-(-rows // 16), k // 128, 16, TOKEN_ROW) if layout == 1 else (k // 128, 16, token_cols(rows) // 8, 8, 8)
         op = torch.empty(shape, dtype=torch.float16, device=x.device)
-    load().quantize_rows(x, amax_t, codes, scales, codes if op is None else op, op is not None, mode, layout,
-                         QUANT_ROWS_PER_CTA if layout == 2 else 1)
+    load().quantize_rows(x, amax_t, codes, scales, codes if op is None else op, op is not None, mode, layout)
     return codes, scales, amax_t, op

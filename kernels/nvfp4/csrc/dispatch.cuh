@@ -117,7 +117,7 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
 }
 
 void quantize_rows(torch::Tensor x, torch::Tensor amax, torch::Tensor codes, torch::Tensor scales, torch::Tensor op,
-                   bool emit_op, int64_t amax_mode, int64_t op_cm, int64_t rows_per_cta) {
+                   bool emit_op, int64_t amax_mode, int64_t op_cm) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2, "quantize_rows: bf16 [rows, K]");
   const int64_t k = x.size(1);
   TORCH_CHECK(k % 16 == 0 && k <= 16384, "quantize_rows: K % 16 == 0 and K <= 16384");
@@ -128,16 +128,14 @@ void quantize_rows(torch::Tensor x, torch::Tensor amax, torch::Tensor codes, tor
                              op.size(1) == 16 && op.size(2) * 8 >= x.size(0) && op.size(3) == 8 && op.size(4) == 8),
               "quantize_rows: core-matrix operand [K/128, 16, G, 8, 8] with 8 G >= rows");
   TORCH_CHECK(op_cm >= 0 && op_cm <= 2, "quantize_rows: op_cm 0, 1 or 2");
-  TORCH_CHECK(rows_per_cta == 1 || (rows_per_cta == 4 && op_cm == 2), "quantize_rows: rows_per_cta 1, or 4 with op_cm 2");
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t nblk = k / 16;
   const int mode = static_cast<int>(amax_mode);
-  const int rpb = static_cast<int>(rows_per_cta);
-  if (nblk <= 128) launch_quant<1>(x, amax, codes, scales, op, emit_op, mode, op_cm, rpb);
-  else if (nblk <= 256) launch_quant<2>(x, amax, codes, scales, op, emit_op, mode, op_cm, rpb);
-  else if (nblk <= 512) launch_quant<4>(x, amax, codes, scales, op, emit_op, mode, op_cm, rpb);
-  else launch_quant<8>(x, amax, codes, scales, op, emit_op, mode, op_cm, rpb);
+  if (nblk <= 128) launch_quant<1>(x, amax, codes, scales, op, emit_op, mode, op_cm);
+  else if (nblk <= 256) launch_quant<2>(x, amax, codes, scales, op, emit_op, mode, op_cm);
+  else if (nblk <= 512) launch_quant<4>(x, amax, codes, scales, op, emit_op, mode, op_cm);
+  else launch_quant<8>(x, amax, codes, scales, op, emit_op, mode, op_cm);
 }
 
 // the weight sync (kernels/nvfp4/sync.py, sync.cuh): ``x_base`` the lowest-addressed bf16 weight (the

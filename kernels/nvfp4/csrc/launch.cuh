@@ -87,7 +87,7 @@ void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch:
 
 template <int BPT>
 void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& codes, torch::Tensor& scales,
-                  torch::Tensor& op, bool emit_op, int amax_mode, int op_cm, int rpb) {
+                  torch::Tensor& op, bool emit_op, int amax_mode, int op_cm) {
   const int rows = x.size(0), K = x.size(1);
   const int groups = op_cm == 2 ? op.size(2) : 0;
   const int grid = op_cm == 1 ? (rows + 15) / 16 * 16 : op_cm == 2 ? groups * 8 : rows;
@@ -97,9 +97,7 @@ void launch_quant(const torch::Tensor& x, torch::Tensor& amax, torch::Tensor& co
   uint8_t* sp = scales.data_ptr<uint8_t>();
   uint4* opp = reinterpret_cast<uint4*>(op.data_ptr());
   float* ap = amax.data_ptr<float>();
-  if (op_cm == 2 && rpb == 4)  // grid (8 G rows) a multiple of 4: see quant_rows_kernel
-    quant_rows_kernel<BPT, true, 2, 4><<<grid / 4, 512, 0, stream>>>(xp, ap, cp, sp, opp, K, amax_mode, rows, groups);
-  else if (op_cm == 2)
+  if (op_cm == 2)
     quant_rows_kernel<BPT, true, 2><<<grid, 128, 0, stream>>>(xp, ap, cp, sp, opp, K, amax_mode, rows, groups);
   else if (op_cm == 1)
     quant_rows_kernel<BPT, true, 1><<<grid, 128, 0, stream>>>(xp, ap, cp, sp, opp, K, amax_mode, rows, 0);

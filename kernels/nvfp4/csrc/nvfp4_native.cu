@@ -22,8 +22,8 @@
 //    mul.f16x2 by sf * 2^7 (fp16 bits (b << 7) = sf * 2^-8 for every E4M3 byte b, times 2^15)
 //    gives E2M1 * sf * 2^-7 exactly. On sm_90a variant 15 (decode_wg.cuh, included below) runs the
 //    same fragments through wgmma.mma_async with the tokens on its N side (core-matrix operand).
-// 2. quantize_rows: the per-token (or given-amax) NVFP4 quantizer of ref.py, bit for bit; 128
-//    threads per row (one row per CTA, four for the core-matrix operand of a decode step), whole 16-value blocks per thread held in registers, 16-byte loads,
+// 2. quantize_rows: the per-token (or given-amax) NVFP4 quantizer of ref.py, bit for bit; one CTA
+//    of 128 threads per row, whole 16-value blocks per thread held in registers, 16-byte loads,
 //    integer E2M1 rounding, hardware E4M3 conversion, packed 8-byte code stores; the fp16 operand
 //    row-major, chunk-major or core-matrix ordered (CM 0, 1, 2) for the decode kernel that takes it.
 //

@@ -49,35 +49,20 @@ __device__ __forceinline__ float e4m3_value(uint32_t b) {  // exact
   return __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu)));
 }
 
-// 128 threads per row, RPB rows per CTA (RPB > 1: each row's 128 threads synchronize on a named barrier
-// of their own; the same arithmetic per row, so the same bits for any RPB); thread t of a row holds blocks
-// t, t+128, ... (BPT of them) in registers. RPB 4 for the core-matrix operand (a decode step's <= 64 rows):
-// its GEMM (decode_wg_kernel, one CTA per SM, N = 8192: 128 of the 132 SMs) starts as a programmatic
-// dependent launch while this grid runs, and a CTA of it finds no room on an SM where a quantizer CTA still
-// runs: 16 one-row CTAs held 12 of its CTAs back until they finished; 4 four-row CTAs leave 128 SMs free
+// one CTA (128 threads) per row; thread t holds blocks t, t+128, ... (BPT of them) in registers
 // CM: the fp16 operand (EMIT_OP) in the decode kernel's chunk-major token layout (TROW / TCH above):
 // [ceil(rows/16)][K/128][16][136]; the grid then covers ceil(rows/16)*16 rows, the rows past ``rows``
 // writing zero operand rows only (a separate instance: the row-major kernels are the measured ones)
 // CM 2: the core-matrix layout of decode_wg_kernel, [K/128][16][G][8][8] fp16 (G row groups of 8, the
 // grid covering 8 G rows, rows past ``rows`` zero); a block's two 8-value halves are G * 8 uint4 apart
-template <int RPB>
-__device__ __forceinline__ void row_sync(int grp) {  // the 128 threads of this CTA's row ``grp``
-  if constexpr (RPB == 1) {
-    __syncthreads();
-  } else {
-    asm volatile("bar.sync %0, 128;" ::"r"(grp + 1) : "memory");
-  }
-}
-
-template <int BPT, bool EMIT_OP, int CM = 0, int RPB = 1>
-__global__ void __launch_bounds__(128 * RPB) quant_rows_kernel(const uint4* __restrict__ x, float* __restrict__ amax_p,
-                                                               uint2* __restrict__ codes, uint8_t* __restrict__ scales,
-                                                               uint4* __restrict__ op, int K, int amax_mode, int rows,
-                                                               int groups) {
+template <int BPT, bool EMIT_OP, int CM = 0>
+__global__ void __launch_bounds__(128) quant_rows_kernel(const uint4* __restrict__ x, float* __restrict__ amax_p,
+                                                         uint2* __restrict__ codes, uint8_t* __restrict__ scales,
+                                                         uint4* __restrict__ op, int K, int amax_mode, int rows,
+                                                         int groups) {
   pdl_trigger();  // a decode GEMM launched after this with the PDL attribute may start streaming its weights
-  const int grp = RPB > 1 ? static_cast<int>(threadIdx.x >> 7) : 0;
-  const int row = blockIdx.x * RPB + grp;
-  const int tid = threadIdx.x & 127;
+  const int row = blockIdx.x;
+  const int tid = threadIdx.x;
   const int nblk = K >> 4;
   const int o2 = CM == 2 ? groups * 8 : 1;  // uint4 from a block's first 8 operand halves to its last 8
   auto op_at = [&](int b) -> uint4* {  // the first 8 operand halves of block b of this row
@@ -114,19 +99,10 @@ __global__ void __launch_bounds__(128 * RPB) quant_rows_kernel(const uint4* __re
     vmax[j] = m;
     anybad |= !(m <= FLT_MAX_F);  // NaN or Inf in the block
   }
-  __shared__ float red[RPB][4];
+  __shared__ float red[4];
   float amax;
   if (amax_mode == 0) {
-    bool rowbad;
-    if constexpr (RPB == 1) {
-      rowbad = __syncthreads_or(anybad);
-    } else {
-      __shared__ int badw[RPB][4];
-      const int wb = __any_sync(0xFFFFFFFFu, anybad);
-      if ((tid & 31) == 0) badw[grp][tid >> 5] = wb;
-      row_sync<RPB>(grp);
-      rowbad = (badw[grp][0] | badw[grp][1] | badw[grp][2] | badw[grp][3]) != 0;
-    }
+    const bool rowbad = __syncthreads_or(anybad);
     float m = 0.0f;
     if (!rowbad) {
 #pragma unroll
@@ -148,9 +124,9 @@ __global__ void __launch_bounds__(128 * RPB) quant_rows_kernel(const uint4* __re
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if ((tid & 31) == 0) red[grp][tid >> 5] = m;
-    row_sync<RPB>(grp);
-    amax = fmaxf(fmaxf(red[grp][0], red[grp][1]), fmaxf(red[grp][2], red[grp][3]));
+    if ((tid & 31) == 0) red[tid >> 5] = m;
+    __syncthreads();
+    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
     if (tid == 0) amax_p[row] = amax;
   } else {
     amax = amax_p[amax_mode == 1 ? row : 0];
