@@ -95,7 +95,7 @@ static LaunchFn wg_kernel(Bufs& b, int nseg = 1, int kk = K) {
   const int ns = KS2 ? 2 : nseg;
   return [=](cudaStream_t s, int m, int w) {
     kern<<<dim3(N / 64, 1, KS2 ? 1 : ns), KS2 ? 320 : 160, smem, s>>>(b.wq[w], b.ws16[w], b.w_amax, 1, b.acore[li],
-                                                                       b.a_amax, b.out, b.part, m, N, kk, ns, 0);
+                                                                       b.a_amax, b.out, b.part, m, N, kk, ns);
   };
 }
 

@@ -468,15 +468,6 @@ def section_linear() -> None:
                 native.PDL = True
             res.update(nvfp4_linear_nopdl_us=round(us_plain, 1),
                        pdl_same_bits=bool(torch.equal(y_pdl.view(torch.int16), y_plain.view(torch.int16))))
-            pf = native.L2_PREFETCH  # the weight stages prefetched into the L2 before the wait (PDL launches)
-            for n_pf in ARGS.l2pf:
-                native.L2_PREFETCH = n_pf
-                try:
-                    y_pf = lin(x, w)
-                    res[f"nvfp4_linear_l2pf{n_pf}_us"] = round(graph_us(lambda: lin(x, w)), 1)
-                finally:
-                    native.L2_PREFETCH = pf
-                res[f"l2pf{n_pf}_same_bits"] = bool(torch.equal(y_pdl.view(torch.int16), y_pf.view(torch.int16)))
         if m > 64:  # prefill: the weights decoded in registers (PrefillTuning.decode_weights), no fp16 operand kept
             twd = tw.tuned(tw.tuning.with_(prefill={"decode_weights": True}))
             same = torch.equal(tc_matmul(qa, twd, a_op=op).view(torch.int16), tc_matmul(qa, tw, a_op=op).view(torch.int16))
@@ -742,8 +733,6 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (dry run of the script's Python)")
     ap.add_argument("--only", default="bac", help="sections to run, in this order (letters of a, b, c)")
-    ap.add_argument("--l2pf", type=lambda v: [int(x) for x in v.split(",") if x], default=[0],
-                    help="a: the decode linears also with native.L2_PREFETCH at each of these (comma list; A/B)")
     ap.add_argument("--tune", action="store_true", help="b: try the sync's launch configurations, keep the best")
     ap.add_argument("--profile", action="store_true", help="c: one forward of each recipe under torch.profiler "
                     "(wall vs device time, kernel count, top kernels), after the timed runs")

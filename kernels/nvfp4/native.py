@@ -78,9 +78,6 @@ TOKEN_CORE = (16, 8, 8)
 # programmatic dependent launch of the wgmma decode GEMM after its tokens' quantizer (decode_gemm's ``pdl``):
 # the weight stream starts while the quantizer runs; False: every launch plain (the bench's A/B switch)
 PDL = True
-# the weight stages after the first ring that the PDL-launched wgmma kernel's producers prefetch into the L2 before
-# they wait for the quantizer (0: none; the bench's A/B switch; the same bits either way)
-L2_PREFETCH = 8
 _STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s": None}
 
 
@@ -326,7 +323,7 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
     if a.data_ptr() % 16 or not a.is_contiguous():
         a = a.clone(memory_format=torch.contiguous_format)
     mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant(w.tuning.native),
-                    fused_segments(m, w, nseg), crowded(w, nseg), bool(pdl) and PDL, L2_PREFETCH)
+                    fused_segments(m, w, nseg), crowded(w, nseg), bool(pdl) and PDL)
 
 
 def sm_count() -> int:

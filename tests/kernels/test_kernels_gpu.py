@@ -52,36 +52,6 @@ def test_nvfp4_recipe_linear_runs_the_tensor_core_kernels_batch_invariant():
 
 
 @needs_cuda
-@pytest.mark.parametrize(("n", "k"), [(8192, 8192), (4096, 12288), (24576, 4096)])
-def test_decode_linear_same_bits_with_the_weights_prefetched_into_the_l2(n, k):
-    """The PDL-launched decode GEMM's producers prefetch the stages after their first ring into the L2
-    (native.L2_PREFETCH) before they wait for the quantizer: the same rows as without the prefetch and
-    as a plain launch, on shapes whose segments have more stages than the ring (in-CTA K segments,
-    segments across CTAs, one segment)."""
-    from mismatch_probe.kernels.nvfp4 import native
-    from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
-
-    if not (native.available() and native.default_variant() == native.HOPPER_VARIANT):
-        pytest.skip("the wgmma decode kernel runs on sm_90 only")
-    g = torch.Generator(device="cuda").manual_seed(n + k)
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    x = torch.randn(16, k, device="cuda", generator=g).to(torch.bfloat16)
-    lin = NVFP4Linear("nvfp4-per-token")
-    pf, pdl = native.L2_PREFETCH, native.PDL
-    outs = {}
-    try:
-        for name, (n_pf, on) in {"default": (pf, True), "no prefetch": (0, True), "plain": (pf, False)}.items():
-            native.L2_PREFETCH, native.PDL = n_pf, on
-            outs[name] = lin(x, w).view(torch.int16)
-    finally:
-        native.L2_PREFETCH, native.PDL = pf, pdl
-    assert pf > 0 and set(lin.kernel_summary()["paths_used"]) == {"cuda-native:decode"}
-    assert torch.equal(outs["default"], outs["no prefetch"]) and torch.equal(outs["default"], outs["plain"])
-    big = lin(torch.cat([x, torch.randn(300, k, device="cuda", generator=g).to(torch.bfloat16)]), w)
-    assert torch.equal(outs["default"], big[:16].view(torch.int16))  # the prefill's rows: the contract
-
-
-@needs_cuda
 @pytest.mark.parametrize("k", [4096, 8192, 12288, 16384])
 def test_native_quantizer_few_rows_equal_many_rows(k):
     """The native quantizer's rows do not depend on how many rows it runs: every field of a row of a

@@ -250,14 +250,13 @@ def test_decode_gemm_passes_the_instance_decisions(monkeypatch: pytest.MonkeyPat
         w = _w(8192, 2, n=n, native_w=(t, t, t), amax=t, per_row=True)
         native.decode_gemm(t, torch.zeros(m, 8192, dtype=torch.float16), w, m, 2, t, t)
         rec = native.decode_variant(m, w)
-        assert calls[-1][-4:-1] == (ks2, crowd, False) and calls[-1][5].dim() == 5  # the core-matrix operand
+        assert calls[-1][-3:] == (ks2, crowd, False) and calls[-1][5].dim() == 5  # the core-matrix operand
         assert ("both K segments in the CTA" in rec["pipeline"]) == ks2
         assert ("2 CTAs per SM" in rec["pipeline"]) == (crowd and m > 32)
 
 
 def test_decode_gemm_is_a_dependent_launch_only_when_the_caller_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``pdl``: passed through to the extension when asked for and native.PDL allows it, never by default;
-    native.L2_PREFETCH with it (the extension prefetches only in PDL launches)."""
+    """``pdl``: passed through to the extension when asked for and native.PDL allows it, never by default."""
     calls: list[tuple] = []
     monkeypatch.setattr(native, "load", lambda: SimpleNamespace(decode_gemm=lambda *a: calls.append(a)))
     monkeypatch.setitem(native._STATE, "hopper", True)
@@ -269,8 +268,7 @@ def test_decode_gemm_is_a_dependent_launch_only_when_the_caller_says_so(monkeypa
     native.decode_gemm(t, a, w, 16, 2, t, t, pdl=True)
     monkeypatch.setattr(native, "PDL", False)
     native.decode_gemm(t, a, w, 16, 2, t, t, pdl=True)
-    assert [c[-2] for c in calls] == [False, True, False]
-    assert [c[-1] for c in calls] == [native.L2_PREFETCH] * 3 and native.L2_PREFETCH > 0
+    assert [c[-1] for c in calls] == [False, True, False]
 
 
 def test_recipe_gemm_overlaps_only_a_kernel_that_writes_no_weight(monkeypatch: pytest.MonkeyPatch) -> None:

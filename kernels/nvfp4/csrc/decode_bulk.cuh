@@ -41,9 +41,6 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {  // 16-byte multiples
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
 // Token operand in the chunk-major layout (TOKC 1): [ceil(M/16) blocks][K/128 chunks][16 rows][136]
 // fp16 (rows padded by 8 halves: 272 B, 16 mod 128, conflict-free ldmatrix), so one stage's token tile
 // of a 16-row block is one contiguous copy of CPS * 4352 bytes; rows >= M of the last block are zero.

@@ -167,7 +167,7 @@ template <int NTOK, int S, int CPS, int MODE = 0, int R = 2, bool KS2 = false>
 __global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
     const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
     const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
-    float* __restrict__ part, int M, int N, int K, int nseg, int l2pf) {
+    float* __restrict__ part, int M, int N, int K, int nseg) {
   static_assert(CPS % R == 0 && R >= 2 && R - 2 < CPS, "register sets alternate over the chunks of a stage");
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int SB = 2 * S_BYTES;                  // fp16 scales per chunk
@@ -218,14 +218,6 @@ __global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
         bulk_g2s(st + CPS * W_BYTES, wsc + c * SB, CPS * SB, full);
         if (i >= pre) bulk_g2s(st + A_OFF, ab + cl * TB, CPS * TB, full);
         if (i == pre - 1) {
-          // l2pf: the weights and scales of the stages after this ring into the L2 while the quantizer runs (a
-          // tile's chunks are contiguous, so two bulk prefetches); their copies into the ring then read the L2
-          const int np = l2pf < steps - pre ? l2pf : steps - pre;
-          if (np > 0) {
-            const size_t c0 = (size_t)nb * chunks + (size_t)(KS2 ? h : seg) * (chunks / (KS2 ? 2 : nseg)) + pre * CPS;
-            bulk_prefetch_l2(wq + c0 * W_BYTES, np * CPS * W_BYTES);
-            bulk_prefetch_l2(wsc + c0 * SB, np * CPS * SB);
-          }
           pdl_wait();
           for (int j = 0; j < pre; ++j) {
             const size_t clj = (size_t)(KS2 ? h : seg) * (chunks / (KS2 ? 2 : nseg)) + j * CPS;

@@ -6,11 +6,10 @@
 
 void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch::Tensor w_amax, bool w_amax_row,
                  torch::Tensor a, torch::Tensor a_amax, torch::Tensor out, torch::Tensor part, int64_t M, int64_t N,
-                 int64_t K, int64_t nseg, int64_t variant, bool ks2, bool crowded, bool pdl, int64_t l2pf) {
+                 int64_t K, int64_t nseg, int64_t variant, bool ks2, bool crowded, bool pdl) {
   TORCH_CHECK(K % KC == 0 && (K / KC) % nseg == 0, "decode_gemm: K must be a multiple of 128 * nseg");
   TORCH_CHECK(a.scalar_type() == at::kHalf && a.is_contiguous(), "decode_gemm: fp16 contiguous activations");
   TORCH_CHECK(M >= 1, "decode_gemm: M >= 1");
-  TORCH_CHECK(l2pf >= 0 && l2pf <= 64, "decode_gemm: l2pf in 0..64");
   const c10::cuda::CUDAGuard guard(a.device());
   const int m = M, n = N, k = K, s = nseg;
   // variants 6-11: the bulk-copy pipeline (6: E4M3 scale bytes + byte-permute decode, 7: fp16 scales +
@@ -29,8 +28,7 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
   // fp16, G = NTOK / 8 row groups, NTOK = 8, 16, 32 or 64: the least >= M); 4 stages x 4 chunks where
   // the segment's chunk count allows it (M <= 16: 4 register sets), else 2 chunks per stage (the lab's
   // fastest, 2026-12-01 20:33-20:47). Same conditions as 6-14. ``pdl`` (variant 15 only; the others ignore it):
-  // a programmatic dependent launch (launch_wg), for a call right after the quantizer of its tokens; ``l2pf``:
-  // the weight stages after the first ring that its producers prefetch into the L2 before they wait for it.
+  // a programmatic dependent launch (launch_wg), for a call right after the quantizer of its tokens.
   if (variant == 15 && two && M <= 64) {
     const int ntok = M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     TORCH_CHECK(wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
@@ -38,8 +36,7 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
                     a.size(4) == 8 && a.is_contiguous(),
                 "decode_gemm: variant 15 takes the core-matrix token operand [K/128, 16, NTOK/8, 8, 8]");
     const bool four = (K / KC / nseg) % 4 == 0;
-#define MP_WG(...) launch_wg<__VA_ARGS__>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s, pdl, \
-                                                 static_cast<int>(l2pf))
+#define MP_WG(...) launch_wg<__VA_ARGS__>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s, pdl)
     if (ks2) {  // both K segments in one CTA: the bf16 rows, no partials (native.fused_segments)
       TORCH_CHECK(nseg == 2 && ntok <= 32, "decode_gemm: in-CTA K segments need nseg == 2 and M <= 32");
       if (ntok == 8) MP_WG(8, 4, 2, 2, true);

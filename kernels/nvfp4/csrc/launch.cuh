@@ -60,7 +60,7 @@ constexpr int wg_smem(int ntok, int s, int cps, bool ks2 = false) {  // stages, 
 template <int NTOK, int S, int CPS, int R = 2, bool KS2 = false>
 void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch::Tensor& w_amax, bool w_amax_row,
                const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
-               int N, int K, int nseg, bool pdl, int l2pf) {
+               int N, int K, int nseg, bool pdl) {
   constexpr int SMEM = wg_smem(NTOK, S, CPS, KS2);
   auto kern = decode_wg_kernel<NTOK, S, CPS, 0, R, KS2>;
   static bool attr = false;
@@ -82,7 +82,7 @@ void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch:
       &cfg, kern, reinterpret_cast<const uint8_t*>(wq.data_ptr()), reinterpret_cast<const uint8_t*>(wsc16.data_ptr()),
       static_cast<const float*>(w_amax.data_ptr<float>()), w_amax_row ? 1 : 0,
       reinterpret_cast<const __half*>(a.data_ptr()), static_cast<const float*>(a_amax.data_ptr<float>()),
-      reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg, pdl ? l2pf : 0));
+      reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg));
 }
 
 template <int BPT>
