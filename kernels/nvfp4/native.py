@@ -76,7 +76,11 @@ TOKEN_ROW = 136
 # step's wgmma B operand is 2 x NTOK/8 core matrices of 128 contiguous bytes
 TOKEN_CORE = (16, 8, 8)
 # programmatic dependent launch of the wgmma decode GEMM after its tokens' quantizer (decode_gemm's ``pdl``):
-# the weight stream starts while the quantizer runs; False: every launch plain (the bench's A/B switch)
+# the weight stream starts while the quantizer runs; False: every launch plain (the bench's A/B switch). The
+# quantizer stays on the path all the same (M = 16, N = K = 8192: the linear 3.6-4.1 us over its GEMM alone); tried
+# and taken out (H100, BENCHMARKS.md "Issue 28, round 16"): the quantizer with 4 rows per CTA (so no GEMM CTA waits
+# for an SM: slower on every shape) and the first stages after the ring prefetched into the L2 before the wait
+# (nothing gained)
 PDL = True
 _STATE: dict[str, Any] = {"mod": None, "reason": None, "tried": False, "build_s": None}
 
