@@ -107,6 +107,17 @@ def _store_rows(total, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb
 
 
 @kjit
+def _add_store_half(acc_h, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0, eb, N, BH: tl.constexpr,
+                    W_AMAX_ROW: tl.constexpr):
+    """PHASE 2's epilogue on columns [c0, c0 + BH) of the tile: segment 0's sums read from ``p_ptr``
+    plus this half of segment 1's (``acc_h``), then :func:`_store_rows` (the same elementwise p0 + p1)."""
+    rn = (c0 + tl.arange(0, BH)).to(tl.int64)
+    nmask = rn < N
+    p0 = tl.load(p_ptr + rm[:, None] * N + rn[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
+    _store_rows(p0 + acc_h, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb, N, W_AMAX_ROW)
+
+
+@kjit
 def _w_dec(cp, sp, k, nmask, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     """The [BK, BN] weight operand ``E2M1 * sf * 2^-7`` of K columns [k, k + BK) decoded in registers
     from the standard codes [N, K/2] and E4M3 scale bytes [N, K/16] (``cp`` / ``sp``: the tile's
@@ -304,6 +315,7 @@ def prefill_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NSEG: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPED: tl.constexpr, W_AMAX_ROW: tl.constexpr, F32: tl.constexpr, FLAT: tl.constexpr = True,
     p_ptr=None, PHASE: tl.constexpr = 0, wc_ptr=None, ws_ptr=None, WDEC: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
 ):
     """Prefill path. ``FLAT`` (default): one K loop over all segments, so the software pipeline
     keeps its loads in flight across segment boundaries; at the end of each segment its
@@ -316,7 +328,10 @@ def prefill_kernel(
     the same bits as FLAT, without a second accumulator live through the loop. ``WDEC`` (dense weights
     only): the weights decoded in registers from ``wc_ptr`` (codes [N, K/2]) and ``ws_ptr`` (scale bytes
     [N, K/16]) instead of read from the fp16 operand at ``w_ptr`` (not needed then): the same operand
-    values, so the same bits, without the 2 bytes per weight the operand keeps in memory."""
+    values, so the same bits, without the 2 bytes per weight the operand keeps in memory. ``SPLIT``
+    (PHASE 2): the epilogue on the tile's two column halves one after the other (segment 0's sums
+    loaded half by half: fewer registers live at once than the whole [BM, BN] fp32 buffer tile beside
+    the accumulator); elementwise the same, so the same bits."""
     pid = tl.program_id(0)
     nn = (N + BN - 1) // BN
     if GROUPED:
@@ -352,7 +367,13 @@ def prefill_kernel(
             if PHASE == 1:
                 tl.store(pp, acc, mask=mmask[:, None] & nmask[None, :])
             total = acc
-            if PHASE == 2:
+            if PHASE == 2 and SPLIT:
+                h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                c0 = pid_n * BN
+                _add_store_half(h0, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0, eb, N, BN // 2, W_AMAX_ROW)
+                _add_store_half(h1, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0 + BN // 2, eb, N, BN // 2,
+                                W_AMAX_ROW)
+            elif PHASE == 2:
                 total = tl.load(pp, mask=mmask[:, None] & nmask[None, :], other=0.0) + acc
         elif FLAT and NSEG > 1:
             kps = kseg // BK  # K steps per segment
@@ -379,5 +400,5 @@ def prefill_kernel(
                     total = acc
                 else:
                     total = total + acc
-        if PHASE != 1:
+        if PHASE != 1 and not (PHASE == 2 and SPLIT):
             _store_rows(total, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb, N, W_AMAX_ROW)

@@ -191,7 +191,7 @@ def prefill_config(nseg: int, kseg: int, tuning: PrefillTuning = DEFAULT.prefill
     bits either way, ``FLAT=False`` is the old loop per segment, kept for the side-by-side probe).
     ``tuning``: :class:`tuning.PrefillTuning` (its tile overrides are ignored in the interpreter)."""
     bk = 64 if kseg % 64 == 0 else (32 if kseg % 32 == 0 else 16)
-    flat = {"FLAT": tuning.flat, "WDEC": tuning.decode_weights}
+    flat = {"FLAT": tuning.flat, "WDEC": tuning.decode_weights, "SPLIT": tuning.split_epilogue}
     if INTERPRET:
         return MappingProxyType({"BM": 16, "BN": 16, "BK": 16, "num_warps": 4, "num_stages": 1, "GROUP_M": 1, **flat})
     if nseg == 1:
@@ -296,7 +296,7 @@ def _prefill_two_launch(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m
         for phase in (1, 2):
             launch(prefill_kernel, grid, ao, wop, am, w.amax, o.view(torch.int16), am, am, am, mm, n, k, 0,
                    cfg["BM"], cfg["BN"], cfg["BK"], 2, cfg["GROUP_M"], False, w.per_row, INTERPRET, True, part, phase,
-                   **wdec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                   **wdec, SPLIT=cfg["SPLIT"] and phase == 2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def use_native(w: TCWeight, a_op: torch.Tensor, nseg: int) -> bool:

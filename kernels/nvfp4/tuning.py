@@ -89,7 +89,10 @@ class PrefillTuning:
     segment 0's sums (M x N x 4 bytes, in row blocks above it); ``decode_weights``: dense weights
     decoded in registers from their codes and scale bytes (``gemm_tc._w_dec``) instead of read from the
     fp16 operand ``TCWeight.op()`` (2 bytes per weight kept in memory from the first prefill on): the
-    same operand values, so the same bits (interpreter tests); off until a GPU run has timed it."""
+    same operand values, so the same bits (interpreter tests); off until a GPU run has timed it.
+    ``split_epilogue``: the two-launch prefill's second launch runs its epilogue (segment 0's sums
+    read back, added, scaled, stored) on the tile's column halves one after the other, so fewer
+    registers are live at once (the whole tile spilled on the H100, round 13); the same bits."""
 
     bm: int | None = None
     bn: int | None = None
@@ -101,6 +104,7 @@ class PrefillTuning:
     two_launch: bool = True
     partial_bytes: int = 256 << 20
     decode_weights: bool = False
+    split_epilogue: bool = False
 
     def overrides(self) -> dict[str, Any]:
         """The set tile fields as the config keys of :func:`tc_linear.prefill_config`."""
@@ -109,9 +113,10 @@ class PrefillTuning:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> PrefillTuning:
         """From config keys as :func:`tc_linear.prefill_config` spells them (``{"BN": 128}``; ``"FLAT"``,
-        ``"TWO_LAUNCH"``, ``"PARTIAL_BYTES"``, ``"DECODE_WEIGHTS"`` for the other fields)."""
+        ``"TWO_LAUNCH"``, ``"PARTIAL_BYTES"``, ``"DECODE_WEIGHTS"``, ``"SPLIT_EPILOGUE"`` for the other fields)."""
         return cls(**_fields(cfg, {**_PREFILL_KEYS, "flat": "FLAT", "two_launch": "TWO_LAUNCH",
-                                   "partial_bytes": "PARTIAL_BYTES", "decode_weights": "DECODE_WEIGHTS"}))
+                                   "partial_bytes": "PARTIAL_BYTES", "decode_weights": "DECODE_WEIGHTS",
+                                   "split_epilogue": "SPLIT_EPILOGUE"}))
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,8 @@ def test_prefill_flat_loop_equals_loop_per_segment(n, k, m):
 def test_prefill_two_launch_equals_one_loop(n, k, m):
     """Two K segments as two launches of the one-accumulator tile (segment 0's fp32 sums through a
     buffer, then p0 + p1 and the epilogue) give the bits of the one-loop kernel, also when the rows go
-    through the buffer in several blocks (PrefillTuning.partial_bytes)."""
+    through the buffer in several blocks (PrefillTuning.partial_bytes) and when the second launch runs
+    its epilogue on the tile's column halves (PrefillTuning.split_epilogue; n = 40: a half past N)."""
     w = R.nvfp4_quantize_ref(torch.randn(n, k, generator=_g(14)))
     a = R.nvfp4_quantize_ref(torch.randn(m, k, generator=_g(15)).to(torch.bfloat16), per_token=True)
     tw = T.prepare(w)
@@ -163,6 +164,9 @@ def test_prefill_two_launch_equals_one_loop(n, k, m):
     assert torch.equal(one.view(torch.int16), two.view(torch.int16))
     blocks = tw.tuned(DEFAULT.with_(prefill={"partial_bytes": 16 * 4 * n}))  # 16 rows per block: several blocks
     assert torch.equal(one.view(torch.int16), T.tc_matmul(a, blocks, path="prefill").view(torch.int16))
+    split = tw.tuned(DEFAULT.with_(prefill={"split_epilogue": True}))  # the second launch's epilogue by halves
+    assert T.kernel_record(m, split, "prefill")["config"]["SPLIT"] is True
+    assert torch.equal(one.view(torch.int16), T.tc_matmul(a, split, path="prefill").view(torch.int16))
     tc_within_bound(one, a, w)
 
 
