@@ -278,9 +278,13 @@ def start_error(e: BaseException, nvfp4: bool, kwargs: dict[str, Any]) -> str | 
     memory is named). None for anything else (the traceback stays: it may be a bug)."""
     text = str(e).strip()
     low = text.lower()
-    hint = (f"it ran with gpu_memory_utilization={kwargs['gpu_memory_utilization']}"
-            if "gpu_memory_utilization" in kwargs else "it ran with vLLM's default memory share") + \
-        "; --sampler-arg gpu_memory_utilization=F sets the share vLLM may take"
+    if "kv_cache_memory_bytes" in kwargs:  # the CPU's KV cache sized from the run (probes/vllm/cpu_kv.py)
+        hint = (f"it ran with kv_cache_memory_bytes={kwargs['kv_cache_memory_bytes']}; --sampler-arg "
+                "kv_cache_memory_bytes=N or gpu_memory_utilization=F sets what vLLM may take")
+    else:
+        hint = (f"it ran with gpu_memory_utilization={kwargs['gpu_memory_utilization']}"
+                if "gpu_memory_utilization" in kwargs else "it ran with vLLM's default memory share") + \
+            "; --sampler-arg gpu_memory_utilization=F sets the share vLLM may take"
     if nvfp4:
         hint += (" (the NVFP4 recipe keeps ~5.2 bytes per linear weight against bf16's 2, measured by vLLM as "
                  "activation memory: docs/gpu.md)")

@@ -59,7 +59,8 @@ def import_vllm() -> Any:
 
 _CPU_WHY = (
     "on CPU vLLM reserves this fraction of the NUMA node's RAM for its KV cache and refuses to start "
-    "when less is free (its default 0.92 always fails): 0.3, or less when other processes hold memory"
+    "when less is free (its default 0.92 always fails): 0.3, or less when other processes hold memory; "
+    "where the KV cache is sized from the run (kv_cache_memory_bytes), its upper bound"
 )
 
 
@@ -169,6 +170,9 @@ class VllmSampler(SamplerRunner):
         self.tp = vllm_tp.tp_size(kwargs)
         if self.tp > 1:
             vllm_tp.prepare(kwargs, self.llm_kwargs, on_cpu, self.info.auto)
+        elif on_cpu and self.memory_fraction is None and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(
+                self.llm_kwargs):
+            self._size_cpu_kv_cache(kwargs, frac)
         if self.llm_kwargs:
             from mismatch_probe.probes.engine_args import jsonable
 
@@ -194,6 +198,21 @@ class VllmSampler(SamplerRunner):
         )
         if kwargs["enforce_eager"]:
             self.info.notes.append("vLLM ran with enforce_eager=True (no CUDA graphs / torch.compile)")
+
+    def _size_cpu_kv_cache(self, kwargs: dict[str, Any], frac: float) -> None:
+        """``kv_cache_memory_bytes`` from the run (:mod:`.cpu_kv`), at most the RAM share ``frac``."""
+        from mismatch_probe.probes.vllm import cpu_kv
+
+        try:
+            import psutil
+
+            cap = int(frac * psutil.virtual_memory().total)
+        except Exception:  # no psutil: vLLM's RAM share as before
+            return
+        kv = cpu_kv.kv_cache_bytes(self.model_dir, self.dtype, self.max_model_len, kwargs.get("max_num_seqs"), cap)
+        if kv is not None:
+            kwargs["kv_cache_memory_bytes"] = kv
+            self.info.auto["kv_cache_memory_bytes"] = {"value": kv, "reason": cpu_kv.WHY}
 
     def _record_kernels(self) -> None:
         """The manifest's record of which NVFP4 GEMM computed each of the sampler's linears."""
