@@ -45,8 +45,7 @@ def kernels_of(fn: Any) -> list[tuple[str, float]]:
 # checked per row)
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
-    "split epilogue": {"split_epilogue": True},
-    "split epilogue, 4 stages": {"split_epilogue": True, "num_stages": 4},
+    "whole epilogue (before round 17)": {"split_epilogue": False},
     "4 stages": {"num_stages": 4},
 }
 SHAPES = {"8192^2": (8192, 8192), "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),

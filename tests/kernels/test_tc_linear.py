@@ -164,9 +164,10 @@ def test_prefill_two_launch_equals_one_loop(n, k, m):
     assert torch.equal(one.view(torch.int16), two.view(torch.int16))
     blocks = tw.tuned(DEFAULT.with_(prefill={"partial_bytes": 16 * 4 * n}))  # 16 rows per block: several blocks
     assert torch.equal(one.view(torch.int16), T.tc_matmul(a, blocks, path="prefill").view(torch.int16))
-    split = tw.tuned(DEFAULT.with_(prefill={"split_epilogue": True}))  # the second launch's epilogue by halves
-    assert T.kernel_record(m, split, "prefill")["config"]["SPLIT"] is True
-    assert torch.equal(one.view(torch.int16), T.tc_matmul(a, split, path="prefill").view(torch.int16))
+    assert T.kernel_record(m, tw, "prefill")["config"]["SPLIT"] is True  # the default: the epilogue by halves
+    whole = tw.tuned(DEFAULT.with_(prefill={"split_epilogue": False}))  # the whole tile at once
+    assert T.kernel_record(m, whole, "prefill")["config"]["SPLIT"] is False
+    assert torch.equal(one.view(torch.int16), T.tc_matmul(a, whole, path="prefill").view(torch.int16))
     tc_within_bound(one, a, w)
 
 
