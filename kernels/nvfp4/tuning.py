@@ -93,9 +93,9 @@ class PrefillTuning:
     ``split_epilogue``: the two-launch prefill's second launch runs its epilogue (segment 0's sums
     read back, added, scaled, stored) on the tile's column halves one after the other, so fewer
     registers are live at once: 254 registers and no spill instead of 255 and 94 bytes spilled; the same
-    bits (interpreter test; ``torch.equal`` on the H100). On by default since round 17 (H100, two calls
-    on one machine, CUDA graphs, weights resident, GEMM alone): M = 8192, N = K = 8192 1,688 / 1,827 us
-    against 1,885 / 1,882 (BENCHMARKS.md, issue 28 round 17)."""
+    bits (interpreter test; ``torch.equal`` on the H100). On by default since round 17 (H100, CUDA
+    graphs, weights resident, GEMM alone at M = 8192): faster in seven of eight paired comparisons, 2-12%
+    at the Qwen3-8B shapes; at N = K = 8192 -10.5%, -3.0%, +4.4% (BENCHMARKS.md, issue 28 round 17)."""
 
     bm: int | None = None
     bn: int | None = None
