@@ -26,6 +26,7 @@ class ModelInfo:
     max_positions: int
     num_layers: int
     is_moe: bool
+    kv_width: int = 0  # key (= value) values per token per layer: KV heads x head dim (0: not known)
 
 
 def resolve_model(arg: str) -> ModelInfo:
@@ -73,6 +74,18 @@ def inspect_model_dir(path: Path, name: str | None = None) -> ModelInfo:
             max_positions=int(cfg.get("max_position_embeddings", 2048)),
             num_layers=int(cfg["num_hidden_layers"]),
             is_moe=registry.get(mt).moe,
+            kv_width=kv_width_of(cfg),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise UsageError(f"{cfg_path}: missing or invalid field {e}") from None
+
+
+def kv_width_of(cfg: dict) -> int:
+    """KV heads x head dim of the config (GQA ``num_key_value_heads``, else every head; ``head_dim``, else
+    hidden / heads); 0 where the fields are missing."""
+    try:
+        heads = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        return max(0, kv * int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0

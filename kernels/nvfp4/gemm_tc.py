@@ -107,14 +107,14 @@ def _store_rows(total, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb
 
 
 @kjit
-def _add_store_half(acc_h, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0, eb, N, BH: tl.constexpr,
+def _add_store_cols(acc_c, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0, eb, N, BC: tl.constexpr,
                     W_AMAX_ROW: tl.constexpr):
-    """PHASE 2's epilogue on columns [c0, c0 + BH) of the tile: segment 0's sums read from ``p_ptr``
-    plus this half of segment 1's (``acc_h``), then :func:`_store_rows` (the same elementwise p0 + p1)."""
-    rn = (c0 + tl.arange(0, BH)).to(tl.int64)
+    """PHASE 2's epilogue on columns [c0, c0 + BC): segment 0's sums read from ``p_ptr`` plus segment 1's
+    (``acc_c``), then :func:`_store_rows` (the whole tile, or one half of it: the same elementwise p0 + p1)."""
+    rn = (c0 + tl.arange(0, BC)).to(tl.int64)
     nmask = rn < N
     p0 = tl.load(p_ptr + rm[:, None] * N + rn[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
-    _store_rows(p0 + acc_h, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb, N, W_AMAX_ROW)
+    _store_rows(p0 + acc_c, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb, N, W_AMAX_ROW)
 
 
 @kjit
@@ -363,18 +363,16 @@ def prefill_kernel(
         kseg = K // NSEG
         if PHASE > 0:
             acc = _seg_sum(ap, wp, (PHASE - 1) * kseg, kseg, mmask, nmask, BM, BN, BK, F32, cp, sp, WDEC)
-            pp = p_ptr + rm[:, None] * N + rn[None, :]
+            c0 = pid_n * BN
             if PHASE == 1:
-                tl.store(pp, acc, mask=mmask[:, None] & nmask[None, :])
-            total = acc
-            if PHASE == 2 and SPLIT:
+                tl.store(p_ptr + rm[:, None] * N + rn[None, :], acc, mask=mmask[:, None] & nmask[None, :])
+            elif SPLIT:
                 h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-                c0 = pid_n * BN
-                _add_store_half(h0, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0, eb, N, BN // 2, W_AMAX_ROW)
-                _add_store_half(h1, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0 + BN // 2, eb, N, BN // 2,
+                _add_store_cols(h0, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0, eb, N, BN // 2, W_AMAX_ROW)
+                _add_store_cols(h1, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0 + BN // 2, eb, N, BN // 2,
                                 W_AMAX_ROW)
-            elif PHASE == 2:
-                total = tl.load(pp, mask=mmask[:, None] & nmask[None, :], other=0.0) + acc
+            else:
+                _add_store_cols(acc, p_ptr, a_amax_ptr, w_amax_ptr, out_ptr, rm, mmask, c0, eb, N, BN, W_AMAX_ROW)
         elif FLAT and NSEG > 1:
             kps = kseg // BK  # K steps per segment
             total = tl.full([BM, BN], -0.0, tl.float32)
@@ -400,5 +398,5 @@ def prefill_kernel(
                     total = acc
                 else:
                     total = total + acc
-        if PHASE != 1 and not (PHASE == 2 and SPLIT):
+        if PHASE == 0:
             _store_rows(total, a_amax_ptr, w_amax_ptr, out_ptr, rm, rn, mmask, nmask, eb, N, W_AMAX_ROW)

@@ -57,24 +57,6 @@ def import_vllm() -> Any:
     return vllm
 
 
-_CPU_WHY = (
-    "on CPU vLLM reserves this fraction of the NUMA node's RAM for its KV cache and refuses to start "
-    "when less is free (its default 0.92 always fails): 0.3, or less when other processes hold memory; "
-    "where the KV cache is sized from the run (kv_cache_memory_bytes), its upper bound"
-)
-
-
-def _cpu_memory_fraction() -> float:
-    """0.3 of RAM, or 60% of what is free now if that is less (never below 0.02)."""
-    try:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return round(max(0.02, min(0.3, 0.6 * vm.available / vm.total)), 3)
-    except Exception:
-        return 0.3
-
-
 def _topk_arrays(dicts: list[Any], tokens: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
     """vLLM's per-position logprob dicts (the scored token plus the top-K) -> top-K ids and
     logprobs [n, K], most likely first (vLLM's rank order). The scored token's own entry is
@@ -137,10 +119,14 @@ class VllmSampler(SamplerRunner):
         vllm = import_vllm()
         import torch
 
+        from mismatch_probe.probes.models import inspect_model_dir
+        from mismatch_probe.probes.vllm import cpu_kv
+
         on_cpu = not torch.cuda.is_available()
+        model = inspect_model_dir(self.model_dir)  # the model family's spec (validated before any engine)
         frac = self.memory_fraction
         if frac is None:
-            frac, why = (_cpu_memory_fraction(), _CPU_WHY) if on_cpu else (0.5, "leave room for the learner on the same GPU")
+            frac, why = (cpu_kv.ram_share(), cpu_kv.SHARE_WHY) if on_cpu else (0.5, "leave room for the learner on the same GPU")
             self.info.auto["gpu_memory_utilization"] = {"value": frac, "reason": why}
         kwargs = dict(
             model=str(self.model_dir),
@@ -164,15 +150,18 @@ class VllmSampler(SamplerRunner):
         if not on_cpu and "attention_backend" not in kwargs and strict_attention_on_cuda(self.recipe or "engine"):
             kwargs["attention_backend"] = "FLASH_ATTN"  # the strict attention overrides this backend's forward
             self.info.auto["attention_backend"] = {"value": "FLASH_ATTN", "reason": STRICT_ATTN_WHY}
-        self._recipe_graphs(kwargs, on_cpu)
+        self._recipe_graphs(kwargs, on_cpu, model.is_moe)
         from mismatch_probe.probes.vllm import tp as vllm_tp
 
         self.tp = vllm_tp.tp_size(kwargs)
         if self.tp > 1:
             vllm_tp.prepare(kwargs, self.llm_kwargs, on_cpu, self.info.auto)
         elif on_cpu and self.memory_fraction is None and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(
-                self.llm_kwargs):
-            self._size_cpu_kv_cache(kwargs, frac)
+                self.llm_kwargs):  # the share stays the bound; the cache is what the run needs (cpu_kv)
+            kv = cpu_kv.kv_cache_bytes(model, self.dtype, self.max_model_len, kwargs.get("max_num_seqs"), frac)
+            if kv is not None:
+                kwargs["kv_cache_memory_bytes"] = kv
+                self.info.auto["kv_cache_memory_bytes"] = {"value": kv, "reason": cpu_kv.WHY}
         if self.llm_kwargs:
             from mismatch_probe.probes.engine_args import jsonable
 
@@ -199,21 +188,6 @@ class VllmSampler(SamplerRunner):
         if kwargs["enforce_eager"]:
             self.info.notes.append("vLLM ran with enforce_eager=True (no CUDA graphs / torch.compile)")
 
-    def _size_cpu_kv_cache(self, kwargs: dict[str, Any], frac: float) -> None:
-        """``kv_cache_memory_bytes`` from the run (:mod:`.cpu_kv`), at most the RAM share ``frac``."""
-        from mismatch_probe.probes.vllm import cpu_kv
-
-        try:
-            import psutil
-
-            cap = int(frac * psutil.virtual_memory().total)
-        except Exception:  # no psutil: vLLM's RAM share as before
-            return
-        kv = cpu_kv.kv_cache_bytes(self.model_dir, self.dtype, self.max_model_len, kwargs.get("max_num_seqs"), cap)
-        if kv is not None:
-            kwargs["kv_cache_memory_bytes"] = kv
-            self.info.auto["kv_cache_memory_bytes"] = {"value": kv, "reason": cpu_kv.WHY}
-
     def _record_kernels(self) -> None:
         """The manifest's record of which NVFP4 GEMM computed each of the sampler's linears."""
         recipe = self.info.settings.get("recipe") or {}
@@ -222,7 +196,7 @@ class VllmSampler(SamplerRunner):
 
             recipe["nvfp4_kernels"] = self.llm.apply_model(nvfp4_kernels)[0]
 
-    def _recipe_graphs(self, kwargs: dict[str, Any], on_cpu: bool) -> None:
+    def _recipe_graphs(self, kwargs: dict[str, Any], on_cpu: bool, moe: bool) -> None:
         """A recipe with ``enforce_eager=False``: whole-step decode CUDA graphs, no torch.compile
         (``engine_args.recipe_graphs``; refused on the CPU and on MoE models)."""
         from mismatch_probe.probes.engine_args import RECIPE_GRAPHS_WHY, recipe_graphs
@@ -230,9 +204,6 @@ class VllmSampler(SamplerRunner):
         if self.recipe in (None, "engine") or kwargs.get("enforce_eager", True):
             self.recipe_graphs = False
             return
-        from mismatch_probe.probes.models import inspect_model_dir
-
-        moe = inspect_model_dir(self.model_dir).is_moe  # the model family's spec (validated before any engine)
         comp = recipe_graphs(kwargs, self.recipe or "engine", on_cpu=on_cpu, moe=moe)
         self.recipe_graphs = comp is not None
         if comp is not None:
