@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from mp_forked import Forked, start
 from mp_testlib import REPO, cli
 
 pytestmark = pytest.mark.vllm
@@ -53,21 +54,20 @@ class Runs(dict):
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("align")
     todo = list(_specs(root).items())
-    running: list[tuple[str, subprocess.Popen]] = []
+    running: list[tuple[str, Forked]] = []
     failed: dict[str, str] = {}
     while todo or running:
         while todo and len(running) < 2:
             name, args = todo.pop(0)
-            proc = subprocess.Popen([sys.executable, "-m", "mismatch_probe", *args], cwd=REPO,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            running.append((name, proc))
-        time.sleep(1)
+            running.append((name, start(*args)))
+        time.sleep(0.2)
         for item in list(running):
             name, proc = item
             if proc.poll() is not None:
                 running.remove(item)
-                if proc.returncode != 0:
-                    failed[name] = (proc.stderr.read() if proc.stderr else "")[-3000:]
+                done = proc.wait()
+                if done.returncode != 0:
+                    failed[name] = done.stderr[-3000:]
     out = Runs({name: root / name for name in _specs(root) if name not in failed})
     out.failed = failed
     return out

@@ -9,13 +9,11 @@ perturbed checkpoints on each side, then bisect without ablation).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from mp_testlib import REPO, load_json, plant
+from mp_testlib import cli, load_json, plant
 
 from mismatch_probe.probes.models import resolve_model
 
@@ -74,8 +72,7 @@ def _run_job(cmds: list[list[str]]) -> tuple[str | None, float]:
     t0 = time.monotonic()
     for args in cmds:
         for _attempt in range(2):
-            proc = subprocess.run([sys.executable, "-m", "mismatch_probe", *args], cwd=REPO, capture_output=True,
-                                  text=True, timeout=900)
+            proc = cli(*args, timeout=900)
             # vLLM on CPU re-checks free memory when it starts: on a shared machine another process may
             # have taken it since the reservation was sized; that (and only that) is tried once more
             if proc.returncode == 0 or "Available memory on node" not in proc.stderr:
