@@ -1,7 +1,8 @@
 """The tests' side of ``mp_zygote``: ``start(*args)`` runs ``mismatch-probe ARGS`` forked from the
 suite's pre-imported server and returns a handle like ``subprocess.Popen``'s (``poll``, ``wait``,
-``kill``); ``wait`` gives a ``subprocess.CompletedProcess`` with the output as text. Where the
-server cannot start, on a CUDA machine, or with ``MP_TESTS_FRESH=1``, every call is a fresh ``python -m mismatch_probe``.
+``kill``); ``wait`` gives a ``subprocess.CompletedProcess`` with the output as text. A call given
+``env`` (variables that may be read at import) starts a fresh interpreter; so does every call where
+the server cannot start, on a CUDA machine, or with ``MP_TESTS_FRESH=1``: each is a fresh ``python -m mismatch_probe``.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ _server: _Server | None = None
 _failed = False
 
 
-def _get_server() -> _Server | None:
+def get_server() -> _Server | None:
+    """The suite's server, started at the first call; None where calls start fresh interpreters."""
     global _server, _failed
     # a CUDA machine keeps fresh interpreters: the server's imports may touch the driver, and CUDA
     # does not survive a fork
@@ -106,22 +108,22 @@ def _get_server() -> _Server | None:
 class Forked:
     """A running ``mismatch-probe`` call (forked, or a fresh interpreter when there is no server)."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.args = args
         self.returncode: int | None = None
-        env = {**os.environ, "COLUMNS": "200"}  # Rich wraps tables to the terminal width
-        server = _get_server()
+        full = {**os.environ, "COLUMNS": "200", **(env or {})}  # Rich wraps tables to the terminal width
+        server = get_server() if env is None else None
         self.server = server
         if server is None:
             self.popen: subprocess.Popen | None = subprocess.Popen(
-                [sys.executable, "-m", "mismatch_probe", *args], cwd=REPO, env=env, text=True,
+                [sys.executable, "-m", "mismatch_probe", *args], cwd=REPO, env=full, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             )
             return
         self.popen = None
         self.tmp = tempfile.TemporaryDirectory(prefix="mp-call-")
         self.out, self.err = f"{self.tmp.name}/out", f"{self.tmp.name}/err"
-        self.pid = server.fork(args, env, self.out, self.err)
+        self.pid = server.fork(args, full, self.out, self.err)
 
     def poll(self) -> int | None:
         if self.popen is not None:
@@ -165,6 +167,7 @@ class Forked:
         return subprocess.CompletedProcess(cmd, rc, out, err)
 
 
-def start(*args: str) -> Forked:
-    """Start ``mismatch-probe ARGS`` (in the repository's folder, with the suite's environment)."""
-    return Forked([str(a) for a in args])
+def start(*args: str, env: dict[str, str] | None = None) -> Forked:
+    """Start ``mismatch-probe ARGS`` in the repository's folder, with the suite's environment (``env``
+    added: then in a fresh interpreter)."""
+    return Forked([str(a) for a in args], env)

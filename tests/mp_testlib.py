@@ -4,32 +4,18 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-from mp_forked import start
+from mp_forked import REPO, start
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str, timeout: float = 600, check: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``mismatch-probe ARGS`` as ``python -m mismatch_probe`` would: forked from the suite's
-    pre-imported server (``mp_zygote``), or, with ``env`` (variables that may be read at import),
-    in a fresh interpreter (``env`` added to the environment)."""
-    if env is None:
-        proc = start(*args).wait(timeout)
-    else:
-        proc = subprocess.run(
-            [sys.executable, "-m", "mismatch_probe", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=REPO,
-            env={**os.environ, "COLUMNS": "200", **env},  # Rich wraps tables to the terminal width
-        )
+    """Run ``mismatch-probe ARGS`` as ``python -m mismatch_probe`` would (``mp_forked.start``): forked
+    from the suite's pre-imported server, or, with ``env`` added to the environment, in a fresh interpreter."""
+    proc = start(*args, env=env).wait(timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"mismatch-probe {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc

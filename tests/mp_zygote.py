@@ -32,10 +32,6 @@ PRELOAD = (
 )
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
 def _child(req: dict) -> None:
     """Runs in the forked child: become ``python -m mismatch_probe ARGS``; never returns."""
     code = 1
@@ -101,7 +97,7 @@ def serve() -> None:
     # No torch op has run here, so torch has no OpenMP pool yet. The native threads these imports do
     # start are OpenBLAS pools (numpy's, OpenCV's: shut down before a fork and started again in the
     # child, by OpenBLAS's own fork handlers) and pyarrow's jemalloc thread (fork-safe likewise).
-    _send({"ready": True, "threads": _threads()})
+    _send({"ready": True})
     children: set[int] = set()
     buf = b""
     stdin = sys.stdin.buffer.raw  # unbuffered: select() sees what is not read yet

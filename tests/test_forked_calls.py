@@ -10,13 +10,17 @@ import time
 from pathlib import Path
 
 import pytest
-from mp_forked import _get_server, start
+from mp_forked import get_server, start
 from mp_testlib import cli
 
-needs_server = pytest.mark.skipif(_get_server() is None, reason="no pre-imported server (a CUDA machine, MP_TESTS_FRESH=1)")
+
+@pytest.fixture
+def needs_server() -> None:
+    if get_server() is None:
+        pytest.skip("no pre-imported server here (a CUDA machine, or MP_TESTS_FRESH=1)")
 
 
-@needs_server
+@pytest.mark.usefixtures("needs_server")
 @pytest.mark.parametrize(
     "args",
     [
@@ -37,7 +41,7 @@ def test_forked_call_prints_and_exits_as_a_fresh_interpreter(args: tuple[str, ..
     assert forked.stderr.strip().splitlines()[-3:] == fresh.stderr.strip().splitlines()[-3:]
 
 
-@needs_server
+@pytest.mark.usefixtures("needs_server")
 def test_a_timeout_stops_the_forked_call(tmp_path: Path) -> None:
     call = start("compare", "--model", "tiny-qwen3", "--out", str(tmp_path / "r"))
     with pytest.raises(subprocess.TimeoutExpired):
