@@ -133,6 +133,7 @@ class NVFP4Linear:
         # whatever buffer holds it (FSDP2 gathers a layer's weights into a new buffer at every forward)
         self.weights_by_shape = False
         self.shared: SharedInput | None = None  # set by the HF learner's patch: one quantization per input
+        self.fused_inputs = 0  # calls whose activation quantization the producing norm made (norm_quant)
 
     def invalidate(self) -> None:
         """Drop the cached quantized weights (the weight's values changed)."""
@@ -192,11 +193,18 @@ class NVFP4Linear:
     def _quantized_input(self, src: torch.Tensor, x2: torch.Tensor, amax: torch.Tensor | None, tw: Any) -> Any:
         """:meth:`quantize_input`, or (inside a :class:`SharedInput` scope, input-only schemes) the
         quantization an earlier linear made of the same input tensor ``src``."""
+        from .tc_linear import operand_layout
+
+        if amax is None and self.scheme.per_token:  # made by the producing norm (norm_quant), if it could
+            from . import norm_quant
+
+            got = norm_quant.take(src, tw, operand_layout(x2.shape[0], tw, "auto"))
+            if got is not None:
+                self.fused_inputs += 1
+                return got
         sh = self.shared if amax is None else None
         if sh is None:
             return self.quantize_input(x2, amax, tw)
-        from .tc_linear import operand_layout
-
         tag = ("kernel", self.scheme.per_token, operand_layout(x2.shape[0], tw, "auto"))
         hit = sh.get(src, tag)
         return hit if hit is not None else sh.put(src, tag, self.quantize_input(x2, amax, tw))
@@ -264,7 +272,8 @@ class NVFP4Linear:
             from .tc_linear import kernel_record
 
             kernel = kernel_record(*self._last)
-        return {"paths_used": dict(sorted(self.paths_used.items())), "kernel": kernel, "weight_prep": self.weight_prep}
+        return {"paths_used": dict(sorted(self.paths_used.items())), "kernel": kernel, "weight_prep": self.weight_prep,
+                "input_quantized_by_norm": self.fused_inputs}
 
     def describe(self) -> dict[str, Any]:
         s = self.scheme

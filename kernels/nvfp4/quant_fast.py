@@ -112,13 +112,18 @@ def _store_q(packed, sbyte, sf, codes, bad, rows, rmask, nb_ok, codes_ptr, scale
     m2 = rmask[:, None] & nb_ok[None, :]
     tl.store(scales_ptr + rows[:, None] * (K // 16) + b[None, :], sbyte.to(tl.uint8), mask=m2)
     if EMIT_OP:
-        # E2M1 value: nibble placed in the fp32 bit fields (value * 2^-126), times 2^126, times sf
-        bits = ((codes & 7) << 22) | ((codes & 8) << 28)
-        val = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * sf[:, :, None]
-        val = tl.where(bad[:, :, None] != 0, float("nan"), val)
         j16 = tl.arange(0, 16)
         optr = op_ptr + rows[:, None, None] * K + b[None, :, None] * 16 + j16[None, None, :]
-        tl.store(optr, val.to(op_ptr.dtype.element_ty), mask=m3)
+        tl.store(optr, op_values(codes, sf, bad).to(op_ptr.dtype.element_ty), mask=m3)
+
+
+@kjit
+def op_values(codes, sf, bad):
+    """The GEMM operand ``E2M1 * sf`` in fp32 (exact) of codes [R, NB, 16]; NaN for a flagged block.
+    The E2M1 value: the nibble placed in the fp32 bit fields (value * 2^-126), times 2^126."""
+    bits = ((codes & 7) << 22) | ((codes & 8) << 28)
+    val = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * sf[:, :, None]
+    return tl.where(bad[:, :, None] != 0, float("nan"), val)
 
 
 @kjit

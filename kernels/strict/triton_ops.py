@@ -281,9 +281,17 @@ def gqa_pack(hq: int, hkv: int) -> int:
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, H, eps, offset, NI, sxo, sxi, HAS_W: tl.constexpr,
                     HAS_RES: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr):
-    # x row ``row`` at (row // NI) * sxo + (row % NI) * sxi: vLLM's per-head q/k norms read the heads
-    # straight out of the fused qkv output (no copy); y, residual and its output are contiguous
-    row = tl.program_id(0).to(tl.int64)
+    rmsnorm_row(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, tl.program_id(0).to(tl.int64), H, eps, offset, NI, sxo, sxi,
+                HAS_W, HAS_RES, ROUND_FIRST, BLOCK)
+
+
+@triton.jit
+def rmsnorm_row(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, row, H, eps, offset, NI, sxo, sxi, HAS_W: tl.constexpr,
+                HAS_RES: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of the strict RMSNorm (the kernel above; kernels.nvfp4.norm_quant's fused norm + quantize
+    runs this same code, so its rows are these bits).
+    x row ``row`` at (row // NI) * sxo + (row % NI) * sxi: vLLM's per-head q/k norms read the heads
+    straight out of the fused qkv output (no copy); y, residual and its output are contiguous."""
     cols = tl.arange(0, BLOCK)
     m = cols < H
     x = tl.load(x_ptr + (row // NI) * sxo + (row % NI) * sxi + cols, mask=m, other=0.0)
@@ -315,8 +323,13 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor |
         _rmsnorm_kernel[(rows,)](xv, rc, weight if weight is not None else y, y, rout, h, float(eps), float(offset),
                                  xv.shape[1], xv.stride(0), xv.stride(1), HAS_W=weight is not None,
                                  HAS_RES=residual is not None, ROUND_FIRST=round_first,
-                                 BLOCK=next_pow2(h), num_warps=4 if h <= 4096 else 8)
+                                 BLOCK=next_pow2(h), num_warps=norm_warps(h))
     return y.reshape(x.shape), (rout.reshape(x.shape) if residual is not None else None)
+
+
+def norm_warps(h: int) -> int:
+    """Warps of the RMSNorm programs (with the block, what fixes ``tl.sum``'s order: part of the bits)."""
+    return 4 if h <= 4096 else 8
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mismatch_probe.kernels.nvfp4.linear import CALIBRATION, NVFP4Linear, SharedInput, calibration_token_ids
+from mismatch_probe.kernels.nvfp4.schemes import SCHEMES
 from mismatch_probe.kernels.recipes import OP_KINDS, Recipe, parse
 from mismatch_probe.kernels.strict import ops as so
 
@@ -287,6 +288,7 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
         raise ValueError(f"unknown op classes {sorted(bad)}; choose from {OP_KINDS}")
     lset = None if layers is None else frozenset(layers)
     h = PatchHandle(r, chosen, lset)
+    fuse_norm = r.nvfp4 and SCHEMES[r.linear].per_token and "linear" in chosen
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     for name, mod in list(model.named_modules()):
         kind = _kind(name, mod, lm_head, embed)
@@ -309,7 +311,7 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
         elif kind == "embedding":
             h._set(name, mod, lambda self, ids: so.embedding(ids, self.weight, getattr(self, "embed_scale", None)))
         elif kind == "norm":
-            h._set(name, mod, _norm_fn(norm_unit_offset))
+            h._set(name, mod, _norm_fn(norm_unit_offset, fuse_norm))
         elif kind == "act":
             act = _strict_act(mod)
             h._set(name, mod, lambda self, x, _act=act: _act(x))
@@ -344,10 +346,18 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
     return h
 
 
-def _norm_fn(unit_offset: bool) -> Callable[..., torch.Tensor]:
+def _norm_fn(unit_offset: bool, fuse: bool) -> Callable[..., torch.Tensor]:
+    """The strict RMSNorm; ``fuse`` (a per-token NVFP4 linear recipe): on CUDA through
+    :func:`norm_quant.rmsnorm`, which also quantizes the output for the linears that read it."""
+
     def fwd(self: Any, x: torch.Tensor) -> torch.Tensor:
         eps = getattr(self, "variance_epsilon", None)
-        return so.rmsnorm(x, self.weight, self.eps if eps is None else eps, unit_offset=unit_offset)
+        eps = self.eps if eps is None else eps
+        if fuse and x.is_cuda:
+            from mismatch_probe.kernels.nvfp4 import norm_quant
+
+            return norm_quant.rmsnorm(self, x, None, self.weight, eps, unit_offset)[0]
+        return so.rmsnorm(x, self.weight, eps, unit_offset=unit_offset)
 
     return fwd
 

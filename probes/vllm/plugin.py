@@ -35,6 +35,7 @@ import torch
 
 from mismatch_probe import settings
 from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
+from mismatch_probe.kernels.nvfp4.schemes import SCHEMES
 from mismatch_probe.kernels.recipes import OP_KINDS, Recipe, parse
 from mismatch_probe.kernels.strict import ops as so
 
@@ -126,11 +127,28 @@ def _rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not _on("norm", self) or self.variance_size_override is not None:
             return orig(self, x, residual) if residual is not None else orig(self, x)
         w = self.weight.data if self.has_weight else None
+        if _fuse_norm(x):
+            return _fused_norm(self, x, residual, w, False)
         if residual is None:
             return so.rmsnorm(x, w, self.variance_epsilon)
         return so.add_rmsnorm(x, residual, w, self.variance_epsilon)
 
     return forward
+
+
+def _fuse_norm(x: torch.Tensor) -> bool:
+    """A CUDA norm under a per-token NVFP4 recipe with its linears on: :func:`norm_quant.rmsnorm`, which
+    also quantizes the output for the linears that read it (the same bits as the strict norm)."""
+    r: Recipe = _STATE["recipe"]
+    return x.is_cuda and r.nvfp4 and SCHEMES[r.linear].per_token and "linear" in _STATE["ops"]
+
+
+def _fused_norm(module: Any, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | None,
+                unit_offset: bool) -> Any:
+    from mismatch_probe.kernels.nvfp4 import norm_quant
+
+    y, r = norm_quant.rmsnorm(module, x, residual, w, module.variance_epsilon, unit_offset)
+    return y if residual is None else (y, r)
 
 
 def _gemma_rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -140,6 +158,8 @@ def _gemma_rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not _on("norm", self):
             return orig(self, x, residual) if residual is not None else orig(self, x)
         w = self.weight.data
+        if _fuse_norm(x):
+            return _fused_norm(self, x, residual, w, True)
         if residual is None:
             return so.rmsnorm(x, w, self.variance_epsilon, unit_offset=True)
         return so.add_rmsnorm(x, residual, w, self.variance_epsilon, unit_offset=True)

@@ -1,0 +1,58 @@
+"""The fused strict RMSNorm + per-token NVFP4 quantize (kernels/nvfp4/norm_quant.py) gives the bits of the
+two kernels it replaces: the normalized rows (and the fused add's residual) of the strict norm, the codes,
+scales and amax of the reference quantizer, the GEMM operand ``E2M1 * sf`` row-major or in the native
+decode GEMM's core-matrix layout (zero rows past the last). Checked in Triton's interpreter (fp32 rows on
+the CPU); the GPU run (bf16, the layouts the GEMM takes, both engines' forwards) is
+``bench/gpu_norm_quant.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from mismatch_probe.kernels.nvfp4 import norm_quant as NQ
+    from mismatch_probe.kernels.nvfp4.native import core_operand
+    from mismatch_probe.kernels.nvfp4.ref import nvfp4_quantize_ref, e2m1_decode, e4m3_decode, unpack_codes
+    from mismatch_probe.kernels.strict import triton_ops as T
+
+    torch.manual_seed(0)
+    cases = 0
+    for rows, h in ((1, 128), (5, 256), (16, 384), (3, 512)):
+        for res in (False, True):
+            for unit, (offset, first) in ((False, (0.0, True)), (True, (1.0, False))):
+                for layout in (0, 2):
+                    x = torch.randn(rows, h) * 3
+                    x[0, :16] = 0.0  # an all-zero block
+                    r = torch.randn(rows, h) if res else None
+                    w = torch.randn(h)
+                    y, rout, (q, op) = NQ.norm_quantize(x, r, w, 1e-6, offset, first, layout)
+                    ey, er = T._norm(x, r, w, 1e-6, offset, first)
+                    assert torch.equal(y, ey), (rows, h, res, unit)
+                    assert (rout is None) == (r is None) and (r is None or torch.equal(rout, er))
+                    eq = nvfp4_quantize_ref(ey, per_token=True)
+                    for name in ("codes", "scales", "amax"):
+                        assert torch.equal(getattr(q, name), getattr(eq, name)), (name, rows, h)
+                    vals = e2m1_decode(unpack_codes(eq.codes)).reshape(rows, h // 16, 16)
+                    eop = (vals * e4m3_decode(eq.scales)[:, :, None]).reshape(rows, h)
+                    want = eop if layout == 0 else core_operand(eop)
+                    assert op.shape == want.shape and torch.equal(op, want), (layout, rows, h)
+                    cases += 1
+    print("ok", cases)
+    """
+)
+
+
+def test_fused_norm_quantize_gives_the_bits_of_the_norm_and_the_quantizer() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
+    assert r.stdout.split()[-1] == "32"
