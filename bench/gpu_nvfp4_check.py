@@ -499,6 +499,109 @@ def section_linear() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# n: the norm with the quantization of its output fused in (kernels/nvfp4/norm_quant.py)
+
+
+def section_norm() -> None:
+    from mismatch_probe.kernels.nvfp4 import norm_quant as NQ
+    from mismatch_probe.kernels.nvfp4 import quant_fast
+    from mismatch_probe.kernels.nvfp4.ref import nvfp4_quantize_ref
+    from mismatch_probe.kernels.nvfp4.tc_linear import OP_DTYPE
+    from mismatch_probe.kernels.strict import triton_ops as T
+
+    g = torch.Generator(device=ARGS.device).manual_seed(2)
+    bf = torch.bfloat16 if cuda() else torch.float32
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.element_size() == 2:
+            return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+        return bool(torch.equal(a, b))
+
+    def bits() -> dict[str, Any]:
+        hs = (128, 256) if ARGS.tiny else (1024, 2048, 4096, 5120, 8192)
+        ms = (1, 7, 16, 33) if ARGS.tiny else (1, 7, 16, 33, 64, 300, 2048)
+        cases, fails = 0, []
+        for h in hs:
+            for m in ms:
+                for res in (False, True):
+                    for unit in (False, True):
+                        for layout in ((0, 2) if m <= 64 else (0,)):
+                            x = (torch.randn(m, h, generator=g, device=ARGS.device) * 2).to(bf)
+                            x[0, :16] = 0
+                            r = torch.randn(m, h, generator=g, device=ARGS.device).to(bf) if res else None
+                            w = (torch.randn(h, generator=g, device=ARGS.device) * 0.1 + 1).to(bf)
+                            off, first = (1.0, False) if unit else (0.0, True)
+                            y, rout, (q, op) = NQ.norm_quantize(x, r, w, 1e-6, off, first, layout)
+                            ey, er = T._norm(x, r, w, 1e-6, off, first)
+                            codes, scales, amax, eop = quant_fast.quantize_rows(ey, None, True, emit_op=OP_DTYPE,
+                                                                                op_layout=layout)
+                            ref = nvfp4_quantize_ref(ey, per_token=True)
+                            ok = {"y": same(y, ey), "residual": r is None or same(rout, er),
+                                  "codes": same(q.codes, codes) and same(q.codes, ref.codes),
+                                  "scales": same(q.scales, scales) and same(q.scales, ref.scales),
+                                  "amax": same(q.amax, amax) and same(q.amax, ref.amax), "operand": same(op, eop)}
+                            cases += 1
+                            if not all(ok.values()):
+                                fails.append(f"H={h} M={m} res={res} unit={unit} layout={layout}: "
+                                             + ",".join(k for k, v in ok.items() if not v))
+        return {"cases": cases, "failed": len(fails), "first_failures": fails[:6], "pass": not fails,
+                "against": "strict norm (triton_ops._norm) then the linear's quantizer (quant_fast.quantize_rows, "
+                           "the operand in the GEMM's layout) and the reference quantizer; torch.equal on the bits"}
+
+    guarded("n norm+quantize", "bits: fused == strict norm then quantizer (bf16, layouts 0/2)", 20, bits)
+
+    def pair(m: int, n: int, k: int) -> dict[str, Any]:
+        from types import SimpleNamespace
+
+        from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
+
+        x = torch.randn(m, k, generator=g, device=ARGS.device).to(bf)
+        gw = (torch.randn(k, generator=g, device=ARGS.device) * 0.1 + 1).to(bf)
+        w = (torch.randn(n, k, generator=g, device=ARGS.device) * 0.02).to(bf)
+        lin, mod = NVFP4Linear("nvfp4-per-token"), SimpleNamespace()
+
+        def norm() -> torch.Tensor:
+            return T._norm(x, None, gw, 1e-6, 0.0, True)[0]
+
+        def fused() -> torch.Tensor:
+            return lin(NQ.rmsnorm(mod, x, None, gw, 1e-6)[0], w)
+
+        def unfused() -> torch.Tensor:
+            return lin(norm(), w)
+
+        def base() -> torch.Tensor:
+            return torch.nn.functional.linear(norm(), w)
+
+        fused()
+        yf, yu = fused(), unfused()
+        res: dict[str, Any] = {"same_bits": same(yf, yu), "fused_calls": lin.fused_inputs,
+                               "paths": dict(lin.paths_used)}
+        if not cuda():
+            return {**res, "note": "timing skipped (no CUDA)"}
+        xn = norm()
+        us = {"norm_bf16_linear": graph_us(base), "norm_nvfp4_linear": graph_us(unfused),
+              "fused_norm_nvfp4_gemm": graph_us(fused), "norm": graph_us(norm),
+              "fused_norm": graph_us(lambda: NQ.rmsnorm(mod, x, None, gw, 1e-6)),
+              "bf16_linear": graph_us(lambda: torch.nn.functional.linear(xn, w)),
+              "torch_rms_norm_bf16_linear": graph_us(lambda: torch.nn.functional.linear(
+                  torch.nn.functional.rms_norm(x, (k,), gw, 1e-6), w))}
+        res.update({f"{a}_us": round(b, 1) for a, b in us.items()})
+        res["speedup_fused_pair_vs_bf16_pair"] = round(us["norm_bf16_linear"] / us["fused_norm_nvfp4_gemm"], 2)
+        res["speedup_unfused_pair_vs_bf16_pair"] = round(us["norm_bf16_linear"] / us["norm_nvfp4_linear"], 2)
+        return res
+
+    big = (64, 64) if ARGS.tiny else (8192, 8192)
+    cases = [(m, *big, "") for m in (16, 256 if ARGS.tiny else 8192)]
+    if not ARGS.tiny:
+        cases += [(16, 6144, 4096, " (8B qkv)"), (16, 24576, 4096, " (8B gate_up)"), (2048, 6144, 4096, " (8B qkv)")]
+    for m, n, k, nm in cases:
+        guarded("n norm+quantize", f"pair M={m} N={n} K={k}{nm}: norm then linear", 10 if m < 4096 else 20,
+                lambda m=m, n=n, k=k: pair(m, n, k))
+
+
+# ------------------------------------------------------------------------------------------------
 # c: HF learner
 
 
@@ -607,6 +710,16 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
             res["shared_bitwise_unshared"] = bool(torch.equal(fwd(), lb))
             for st in h.nvfp4.values():
                 st.shared = h.shared
+            # the norms' fused quantization (norm_quant) off: the strict norm then each linear's quantizer
+            from mismatch_probe.kernels.nvfp4 import norm_quant
+
+            res["linears_fed_by_fused_norm"] = sum(st.fused_inputs for st in h.nvfp4.values())
+            norm_quant.ENABLED = False
+            try:
+                res["nvfp4_unfused_norm_s"] = round(wall(fwd, reps=reps), 4)
+                res["fused_norm_bitwise_unfused"] = bool(torch.equal(fwd(), lb))
+            finally:
+                norm_quant.ENABLED = True
             if ARGS.graphs and cuda():
                 res.update(graph_forwards(model, ids, lb, h))
                 if "nvfp4_graph_s" in res:
@@ -732,7 +845,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=230.0, help="seconds; later cases past it are skipped")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (dry run of the script's Python)")
-    ap.add_argument("--only", default="bac", help="sections to run, in this order (letters of a, b, c)")
+    ap.add_argument("--only", default="nbac", help="sections to run, in this order (letters of n, a, b, c)")
     ap.add_argument("--tune", action="store_true", help="b: try the sync's launch configurations, keep the best")
     ap.add_argument("--profile", action="store_true", help="c: one forward of each recipe under torch.profiler "
                     "(wall vs device time, kernel count, top kernels), after the timed runs")
@@ -744,7 +857,7 @@ def main() -> None:
     ARGS.out.mkdir(parents=True, exist_ok=True)
     info = env()
     print("ENV", json.dumps(info, default=str), flush=True)
-    sections = {"a": section_linear, "b": section_sync, "c": section_learner}
+    sections = {"a": section_linear, "b": section_sync, "c": section_learner, "n": section_norm}
     for s in ARGS.only:
         try:
             sections[s]()
