@@ -182,6 +182,11 @@ cfg = json.loads(sys.argv[1])
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from mismatch_probe.probes import engine_args as ea
+if "fuse_norm" in cfg:  # A/B of the norms' fused quantization: the engine in this process, where the switch is
+    import os
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from mismatch_probe.kernels.nvfp4 import norm_quant
+    norm_quant.ENABLED = bool(cfg["fuse_norm"])
 if cfg["recipe"] != "engine":
     from mismatch_probe.probes.vllm import plugin
     plugin.activate(cfg["recipe"])
@@ -315,6 +320,11 @@ def step_speed8b(out: Path, timeout: float, mem: float, recipes: tuple[str, ...]
         save_tokenizer(model, Q8B["vocab_size"])
     base = {"model": str(model), "mem": mem, "load": "dummy", "batches": [16, 64], "eager": False}
     for recipe in recipes:
+        if recipe.endswith("@fuse-ab"):  # nvfp4 with the norms' fused quantization on, then off (engine in-process)
+            for on in (True, False):
+                vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe[:-8]} cuda graphs, in-process engine, "
+                           f"fused norm {'on' if on else 'off'}", base | {"recipe": recipe[:-8], "fuse_norm": on}, timeout)
+            continue
         vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe} cuda graphs", base | {"recipe": recipe}, timeout)
 
 
@@ -337,7 +347,8 @@ def main() -> None:
                     help=f"which 0.6B compare runs: {', '.join(Q06B_RUNS)}")
     ap.add_argument("--tiny-models", default=",".join(TINY))
     ap.add_argument("--mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (lower: two copies side by side)")
-    ap.add_argument("--speed8b-recipes", default=",".join(RECIPES_8B), help="speed8b: which runs (engine, nvfp4-per-token)")
+    ap.add_argument("--speed8b-recipes", default=",".join(RECIPES_8B), help="speed8b: which runs (engine, nvfp4-per-token; "
+                    "RECIPE@fuse-ab: the recipe with the norms' fused quantization on, then off, engine in-process)")
     ap.add_argument("--wait", type=float, default=0.0,
                     help="bisect: wait up to this many seconds for the 0.6B runs (written by another copy of this script)")
     ap.add_argument("--tag", default="gpu_stack", help="name of the JSON written into --out")
