@@ -46,6 +46,27 @@ SCRIPT = textwrap.dedent(
                     want = eop if layout == 0 else core_operand(eop)
                     assert op.shape == want.shape and torch.equal(op, want), (layout, rows, h)
                     cases += 1
+    # the protocol: the norm learns its consumer's layout from the linear's first call, then hands the
+    # linear its fused quantization (the linear's own quantizer's result) from the next call on
+    from types import SimpleNamespace
+    from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
+    from mismatch_probe.kernels.nvfp4.tc_linear import operand_layout
+
+    mod, lin = SimpleNamespace(), NVFP4Linear("nvfp4-per-token")
+    x, g = torch.randn(4, 256), torch.randn(256)
+    tw = lin.prepared(torch.randn(64, 256) * 0.05)[0]
+    lay = operand_layout(4, tw, "auto")
+    y1, _ = NQ.rmsnorm(mod, x, None, g, 1e-6)
+    assert lin._quantized_input(y1, y1, None, tw) is not None and lin.fused_inputs == 0  # quantized by the linear
+    y2, _ = NQ.rmsnorm(mod, x, None, g, 1e-6)
+    assert torch.equal(y1, y2) and NQ.take(y2, tw, 2 - lay) is None  # another layout: not this one
+    qa, op = lin._quantized_input(y2, y2, None, tw)
+    assert lin.fused_inputs == 1 and NQ.consumers(mod).fused == 1
+    ea, eop = lin.quantize_input(y2, None, tw)
+    assert all(torch.equal(getattr(qa, n), getattr(ea, n)) for n in ("codes", "scales", "amax")) and torch.equal(op, eop)
+    NQ.ENABLED = False
+    y3, _ = NQ.rmsnorm(mod, x, None, g, 1e-6)
+    assert torch.equal(y3, y1) and NQ.take(y3, tw, lay) is None and NQ.consumers(mod).fused == 1
     print("ok", cases)
     """
 )
