@@ -139,7 +139,7 @@ def fits(x: torch.Tensor) -> bool:
 def norm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
                   offset: float, round_first: bool, layout: int) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """One kernel: (y, residual out or None, (NVFP4Tensor of y per token, fp16 operand in ``layout``)).
-    ``x`` [rows, H] contiguous (``residual`` likewise); y and the residual are strict.rmsnorm's bits, the
+    ``x`` [rows, H] contiguous (``residual`` likewise); y and the residual are the strict norm's bits, the
     quantization the per-token quantizer's (``quant_fast.quantize_rows`` with ``emit_op``)."""
     rows, h = x.shape
     if layout == 2 and rows > 64:
