@@ -11,7 +11,6 @@ from pathlib import Path
 from mp_forked import REPO, start
 
 
-
 def cli(*args: str, timeout: float = 600, check: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``mismatch-probe ARGS`` as ``python -m mismatch_probe`` would (``mp_forked.start``): forked
     from the suite's pre-imported server, or, with ``env`` added to the environment, in a fresh interpreter."""

@@ -191,7 +191,8 @@ class NVFP4Linear:
         return nvfp4_quantize(x2, per_token=self.scheme.per_token, amax=amax), None
 
     def _quantized_input(self, src: torch.Tensor, x2: torch.Tensor, amax: torch.Tensor | None, tw: Any) -> Any:
-        """:meth:`quantize_input`, or (inside a :class:`SharedInput` scope, input-only schemes) the
+        """:meth:`quantize_input`, or (per-token) the quantization the norm that made ``src`` wrote with it
+        (:func:`norm_quant.take`), or (inside a :class:`SharedInput` scope, input-only schemes) the
         quantization an earlier linear made of the same input tensor ``src``."""
         from .tc_linear import operand_layout
 
