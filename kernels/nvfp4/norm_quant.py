@@ -20,6 +20,7 @@ bits). Where the fused kernel does not apply (no consumer yet, CPU, not bf16, a 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -40,6 +41,16 @@ try:  # programmatic dependent launch: the GEMM after this kernel may start stre
 except ImportError:  # older Triton
     _gdc_trigger = None
     HAS_PDL = False
+
+
+def _pdl(x: torch.Tensor) -> bool:
+    """Trigger the dependent launch: Triton has it and the GPU is sm_90+ (``griddepcontrol`` is Hopper's)."""
+    return HAS_PDL and x.is_cuda and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 ENABLED = True  # process switch (bench: the unfused pair for comparison); the bits are the same either way
 _ATTR_Q = "_mp_nvfp4_q"  # on a norm's output: (tag, (NVFP4Tensor, operand)) made by the fused kernel
@@ -164,7 +175,7 @@ def norm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
         launch(_norm_quant_kernel, (grid,), x, residual.contiguous() if residual is not None else y,
                weight if weight is not None else y, y, rout, amax, codes, scales, op, rows, h, float(eps), float(offset),
                groups, weight is not None, residual is not None, round_first, next_pow2(h), next_pow2(h // 16),
-               layout, not INTERPRET, HAS_PDL, num_warps=norm_warps(h))
+               layout, not INTERPRET, _pdl(x), num_warps=norm_warps(h))
     return y, (rout if residual is not None else None), (NVFP4Tensor(codes, scales, amax, True), op)
 
 
