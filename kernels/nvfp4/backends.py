@@ -8,10 +8,11 @@ Backends:
   kernels (GPU checks compare them with ``torch.equal``). Optional: without nvcc, on older GPUs,
   with ``MISMATCH_PROBE_NATIVE=0`` or after a failed build the selection falls back to ``triton``
   and the record says why (``native_reason``).
-* ``triton``: the Triton kernels on a CUDA GPU (compute capability >= 8.0: bf16 tensor cores);
+* ``triton``: the Triton kernels on a CUDA GPU of compute capability >= 8.9 (they convert E4M3 scale
+  bytes in hardware; compiled for sm_80 / sm_86 they fail, so Ampere runs ``torch-reference``);
   the prefill GEMM, the grouped MoE GEMM, the fused RMSNorm + quantize and the fallbacks.
 * ``triton-interpreter``: the same kernels on CPU tensors through Triton's interpreter (CI).
-* ``torch-reference``: the pure-torch spec (any device; slow; the fallback for other GPUs).
+* ``torch-reference``: the pure-torch spec (any device; slow; the fallback for other GPUs, both engines alike).
 
 CUTLASS: not used. On the H200 (BENCHMARKS.md) the Triton prefill and grouped GEMMs already meet
 their goals; the decode GEMM, where a custom kernel was needed, is the hand-written CUDA kernel
@@ -38,7 +39,7 @@ def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> d
     import torch
     import triton
 
-    from .common import INTERPRET
+    from .common import INTERPRET, MIN_CC
 
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
@@ -55,8 +56,9 @@ def select_backend(kernel: str, device: str = "cuda", m: int | None = None) -> d
             return rec
         cc = torch.cuda.get_device_capability()
         rec["compute_capability"] = f"{cc[0]}.{cc[1]}"
-        if cc < (8, 0):
-            rec.update(backend="torch-reference", reason=f"sm_{cc[0]}{cc[1]} < sm_80: no bf16 tensor cores")
+        if cc < MIN_CC:
+            rec.update(backend="torch-reference",
+                       reason=f"sm_{cc[0]}{cc[1]} < sm_89: the kernels' E4M3 conversions do not compile there")
             return rec
         rec.update(backend="triton", reason=f"sm_{cc[0]}{cc[1]}: Triton kernels")
         if kernel in ("quantize", "tc_linear"):

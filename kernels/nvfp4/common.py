@@ -16,6 +16,7 @@ E2M1 x E4M3 values have at most 6 significant bits).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,6 +42,20 @@ else:
         return triton.jit(fn)
 
 
+MIN_CC = (8, 9)  # the kernels convert E4M3 scale bytes in hardware (fp8 conversions: sm_89+); Ampere fails to compile them
+
+
+@functools.cache
+def _cc(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def gpu_capable(device: torch.device) -> bool:
+    """The NVFP4 Triton kernels run on this CUDA device: compute capability >= :data:`MIN_CC` (checked by
+    compiling them for sm_80 / sm_86: the E4M3 conversions do not compile there)."""
+    return device.type == "cuda" and _cc(device.index if device.index is not None else torch.cuda.current_device()) >= MIN_CC
+
+
 def kernel_device_ok(*tensors: torch.Tensor) -> None:
     """Raise ValueError when tensors are on the wrong device for this process's Triton mode."""
     for t in tensors:
@@ -51,6 +66,10 @@ def kernel_device_ok(*tensors: torch.Tensor) -> None:
                 f"the Triton NVFP4 kernels run on CUDA tensors here; got a tensor on {t.device} "
                 "(use the *_ref functions for CPU tensors)"
             )
+        if not INTERPRET and not gpu_capable(t.device):
+            cc = _cc(t.device.index if t.device.index is not None else torch.cuda.current_device())
+            raise ValueError(f"the Triton NVFP4 kernels need a GPU of compute capability >= 8.9 (this one: "
+                             f"{cc[0]}.{cc[1]}); use the *_ref functions")
 
 
 def quant_outputs(x: torch.Tensor, amax: torch.Tensor | None, per_token: bool,

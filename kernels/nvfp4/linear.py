@@ -17,7 +17,7 @@ docs/nvfp4.md "Scaling schemes":
 Backends (:func:`use_kernels`): on the CPU, and for non-bf16 activations, the pure-torch
 reference (:func:`nvfp4_quantize_ref` + :func:`w4a4_gemm_ref`: exact block products, blocks
 accumulated in K order in fp32, alpha in the epilogue); it is also the checker. On a CUDA GPU with
-bf16 activations, the kernels: the quantizer (bitwise equal to the reference; CUDA C++ or Triton)
+bf16 activations (sm_89+), the kernels: the quantizer (bitwise equal to the reference; CUDA C++ or Triton)
 and the tensor-core GEMM of :mod:`tc_linear` (weights prepared once per weight version; decode path
 for M <= 64, prefill path above, identical rows either way; within the GEMM tolerance of
 docs/nvfp4.md of the per-block reference). Both GEMMs are batch invariant, so only the activation
@@ -59,8 +59,13 @@ SYNC_FAILED: list[str | None] = [None]  # the fused weight sync failed once in t
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    """The Triton kernels run for bf16 activations on a CUDA device (else the reference)."""
-    return x.device.type == "cuda" and x.dtype == torch.bfloat16
+    """The kernels run for bf16 activations on a CUDA device of sm_89+ (``common.gpu_capable``); else
+    the reference (the same function in both engines, slower)."""
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        return False
+    from .common import gpu_capable
+
+    return gpu_capable(x.device)
 
 
 def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:

@@ -30,7 +30,7 @@ import triton.language as tl
 from mismatch_probe.kernels.launch_math import next_pow2
 from mismatch_probe.kernels.strict.triton_ops import norm_warps, rmsnorm_row
 
-from .common import INTERPRET, kjit, launch
+from .common import INTERPRET, gpu_capable, kjit, launch
 from .quant_fast import MAX_K, _block_max, _quant_rows3d, _row_amax, _store_q, op_values
 from .ref import NVFP4Tensor
 
@@ -144,7 +144,9 @@ def _store_core(op_ptr, val, row, b, j16, nb_ok, groups):
 def fits(x: torch.Tensor) -> bool:
     """The fused kernel can take these rows: bf16 on CUDA (or the interpreter), whole rows in registers."""
     h = x.shape[-1]
-    return (x.dtype == torch.bfloat16 or INTERPRET) and (x.is_cuda or INTERPRET) and h % 128 == 0 and h <= MAX_K
+    if not INTERPRET and (x.dtype != torch.bfloat16 or not gpu_capable(x.device)):
+        return False
+    return h % 128 == 0 and h <= MAX_K
 
 
 def norm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from mismatch_probe.kernels.launch_math import next_pow2
 
-from .common import INTERPRET, e2m1_encode, e4m3_round, kjit, launch, rmax, rsum
+from .common import INTERPRET, e2m1_encode, e4m3_round, gpu_capable, kjit, launch, rmax, rsum
 from .schemes import SCHEMES, Scheme, quantize_weight_ref, shard_sizes
 from .tc_linear import TCWeight, chunk_for, nseg_for
 from .tuning import DEFAULT, GemmTuning
@@ -221,8 +221,9 @@ def _sync_kernel(x_base, tab_ptr, prog_ptr, amax_base, out8, out32, out16, K, BK
 
 def supported(w: torch.Tensor, scheme: Any, partitions: list[int] | None = None) -> bool:
     """The fused path computes this weight: a plain bf16 [N, K] tensor (no subclass such as DTensor),
-    K % 32 == 0, a 1x16-block scheme, at most MAX_SHARDS shards."""
+    K % 32 == 0, a 1x16-block scheme, at most MAX_SHARDS shards, on a GPU the kernels run on (sm_89+)."""
     return (type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == torch.bfloat16 and w.dim() == 2
+            and (w.device.type != "cuda" or gpu_capable(w.device))
             and chunk_for(w.shape[1]) > 0 and w.shape[0] > 0
             and not _scheme(scheme).weight_tile16 and len(shard_sizes(w.shape[0], partitions)) <= MAX_SHARDS)
 
