@@ -50,10 +50,15 @@ def _cc(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def device_cc(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability (asked once per device)."""
+    return _cc(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def gpu_capable(device: torch.device) -> bool:
     """The NVFP4 Triton kernels run on this CUDA device: compute capability >= :data:`MIN_CC` (checked by
     compiling them for sm_80 / sm_86: the E4M3 conversions do not compile there)."""
-    return device.type == "cuda" and _cc(device.index if device.index is not None else torch.cuda.current_device()) >= MIN_CC
+    return device.type == "cuda" and device_cc(device) >= MIN_CC
 
 
 def kernel_device_ok(*tensors: torch.Tensor) -> None:
@@ -67,7 +72,7 @@ def kernel_device_ok(*tensors: torch.Tensor) -> None:
                 "(use the *_ref functions for CPU tensors)"
             )
         if not INTERPRET and not gpu_capable(t.device):
-            cc = _cc(t.device.index if t.device.index is not None else torch.cuda.current_device())
+            cc = device_cc(t.device)
             raise ValueError(f"the Triton NVFP4 kernels need a GPU of compute capability >= 8.9 (this one: "
                              f"{cc[0]}.{cc[1]}); use the *_ref functions")
 

@@ -201,17 +201,17 @@ class NVFP4Linear:
         quantization an earlier linear made of the same input tensor ``src``."""
         from .tc_linear import operand_layout
 
+        tag = ("kernel", self.scheme.per_token, operand_layout(x2.shape[0], tw, "auto"))  # which quantization
         if amax is None and self.scheme.per_token:  # made by the producing norm (norm_quant), if it could
             from . import norm_quant
 
-            got = norm_quant.take(src, tw, operand_layout(x2.shape[0], tw, "auto"))
+            got = norm_quant.take(src, tw, tag)
             if got is not None:
                 self.fused_inputs += 1
                 return got
         sh = self.shared if amax is None else None
         if sh is None:
             return self.quantize_input(x2, amax, tw)
-        tag = ("kernel", self.scheme.per_token, operand_layout(x2.shape[0], tw, "auto"))
         hit = sh.get(src, tag)
         return hit if hit is not None else sh.put(src, tag, self.quantize_input(x2, amax, tw))
 

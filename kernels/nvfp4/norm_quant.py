@@ -20,7 +20,6 @@ bits). Where the fused kernel does not apply (no consumer yet, CPU, not bf16, a 
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any
 
@@ -30,7 +29,7 @@ import triton.language as tl
 from mismatch_probe.kernels.launch_math import next_pow2
 from mismatch_probe.kernels.strict.triton_ops import norm_warps, rmsnorm_row
 
-from .common import INTERPRET, gpu_capable, kjit, launch
+from .common import INTERPRET, device_cc, gpu_capable, kjit, launch
 from .quant_fast import MAX_K, _block_max, _quant_rows3d, _row_amax, _store_q, op_values
 from .ref import NVFP4Tensor
 
@@ -45,12 +44,8 @@ except ImportError:  # older Triton
 
 def _pdl(x: torch.Tensor) -> bool:
     """Trigger the dependent launch: Triton has it and the GPU is sm_90+ (``griddepcontrol`` is Hopper's)."""
-    return HAS_PDL and x.is_cuda and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return HAS_PDL and x.is_cuda and device_cc(x.device)[0] >= 9
 
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 ENABLED = True  # process switch (bench: the unfused pair for comparison); the bits are the same either way
 _ATTR_Q = "_mp_nvfp4_q"  # on a norm's output: (tag, (NVFP4Tensor, operand)) made by the fused kernel
@@ -68,7 +63,6 @@ class Consumers:
 
     def __init__(self) -> None:
         self._w: weakref.ReferenceType[Any] | None = None
-        self.fused = 0  # calls that ran the fused kernel
 
     def has(self) -> bool:
         return self._w is not None and self._w() is not None
@@ -202,22 +196,22 @@ def rmsnorm(module: Any, x: torch.Tensor, residual: torch.Tensor | None, weight:
         res2 = residual.reshape(-1, h) if residual is not None else None
         y2, r2, q = norm_quantize(x.reshape(-1, h), res2, weight, eps, offset, round_first, lay)
         y, r = y2.reshape(x.shape), (r2.reshape(x.shape) if r2 is not None else None)
-        sink.fused += 1
     setattr(y, _ATTR_SINK, sink)
     if q is not None:
         setattr(y, _ATTR_Q, (tag(lay), q))
     return y, r
 
 
-def take(src: Any, tw: Any, layout: int) -> Any:
-    """For a per-token linear reading ``src``: the fused quantization of it in ``layout``, if its norm made
-    one (else None, and the norm learns this linear's layout for its next call)."""
+def take(src: Any, tw: Any, key: tuple[Any, ...]) -> Any:
+    """For a per-token linear reading ``src``, whose quantization would be ``key`` (:func:`tag` of its
+    operand layout): the norm's fused quantization of ``src`` if it made that one (else None, and the norm
+    learns this linear's layout for its next call)."""
     sink = getattr(src, _ATTR_SINK, None)
     if sink is None:
         return None
     got = getattr(src, _ATTR_Q, None)
-    if got is not None and got[0] == tag(layout):
+    if got is not None and got[0] == key:
         return got[1]
-    if layout in (0, 2):
+    if key[2] in (0, 2):
         sink.note(tw)
     return None

@@ -5,6 +5,7 @@ quantizes a weight into shards, with the pure-torch reference quantizer (the spe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,14 @@ SCHEMES = {
     "nvfp4-static": Scheme("nvfp4-static", False, True, False, True),
     "nvfp4-per-token": Scheme("nvfp4-per-token", True, False, False, False),
 }
+
+
+def norm_quantizes(recipe: Any, ops: Any) -> bool:
+    """Whether a recipe's norms (on CUDA) also quantize their output for the linears that read it
+    (:mod:`norm_quant`): a per-token linear scheme with the ``linear`` op class on (``recipe``: a
+    :class:`recipes.Recipe`, ``ops``: the op classes patched)."""
+    s = SCHEMES.get(recipe.linear)
+    return bool(recipe.nvfp4 and s is not None and s.per_token and "linear" in ops)
 
 
 def shard_sizes(n: int, partitions: list[int] | None) -> list[int]:

@@ -35,7 +35,7 @@ import torch
 
 from mismatch_probe import settings
 from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
-from mismatch_probe.kernels.nvfp4.schemes import SCHEMES
+from mismatch_probe.kernels.nvfp4.schemes import norm_quantizes
 from mismatch_probe.kernels.recipes import OP_KINDS, Recipe, parse
 from mismatch_probe.kernels.strict import ops as so
 
@@ -139,8 +139,7 @@ def _rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
 def _fuse_norm(x: torch.Tensor) -> bool:
     """A CUDA norm under a per-token NVFP4 recipe with its linears on: :func:`norm_quant.rmsnorm`, which
     also quantizes the output for the linears that read it (the same bits as the strict norm)."""
-    r: Recipe = _STATE["recipe"]
-    return x.is_cuda and r.nvfp4 and SCHEMES[r.linear].per_token and "linear" in _STATE["ops"]
+    return x.is_cuda and norm_quantizes(_STATE["recipe"], _STATE["ops"])
 
 
 def _fused_norm(module: Any, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | None,

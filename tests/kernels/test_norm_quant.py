@@ -59,14 +59,14 @@ SCRIPT = textwrap.dedent(
     y1, _ = NQ.rmsnorm(mod, x, None, g, 1e-6)
     assert lin._quantized_input(y1, y1, None, tw) is not None and lin.fused_inputs == 0  # quantized by the linear
     y2, _ = NQ.rmsnorm(mod, x, None, g, 1e-6)
-    assert torch.equal(y1, y2) and NQ.take(y2, tw, 2 - lay) is None  # another layout: not this one
+    assert torch.equal(y1, y2) and NQ.take(y2, tw, NQ.tag(2 - lay)) is None  # another layout: not this one
     qa, op = lin._quantized_input(y2, y2, None, tw)
-    assert lin.fused_inputs == 1 and NQ.consumers(mod).fused == 1
+    assert lin.fused_inputs == 1
     ea, eop = lin.quantize_input(y2, None, tw)
     assert all(torch.equal(getattr(qa, n), getattr(ea, n)) for n in ("codes", "scales", "amax")) and torch.equal(op, eop)
     NQ.ENABLED = False
     y3, _ = NQ.rmsnorm(mod, x, None, g, 1e-6)
-    assert torch.equal(y3, y1) and NQ.take(y3, tw, lay) is None and NQ.consumers(mod).fused == 1
+    assert torch.equal(y3, y1) and NQ.take(y3, tw, NQ.tag(lay)) is None
     print("ok", cases)
     """
 )
@@ -77,3 +77,15 @@ def test_fused_norm_quantize_gives_the_bits_of_the_norm_and_the_quantizer() -> N
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
     assert r.stdout.split()[-1] == "32"
+
+
+def test_the_norms_quantize_only_under_a_per_token_linear() -> None:
+    from mismatch_probe.kernels.nvfp4.schemes import norm_quantizes
+    from mismatch_probe.kernels.recipes import parse
+
+    for name, want in (("engine", False), ("strict", False), ("nvfp4-static", False), ("nvfp4-dynamic-tensor", False),
+                       ("nvfp4-per-token", True), ("strict+nvfp4-per-token", True)):
+        r = parse(name)
+        assert norm_quantizes(r, r.ops()) is want, name
+    r = parse("nvfp4-per-token")
+    assert not norm_quantizes(r, r.ops() - {"linear"})
