@@ -710,16 +710,16 @@ def learner(shape: dict[str, Any], batch: int, tokens: int) -> dict[str, Any]:
             res["shared_bitwise_unshared"] = bool(torch.equal(fwd(), lb))
             for st in h.nvfp4.values():
                 st.shared = h.shared
-            # the norms' fused quantization (norm_quant) off: the strict norm then each linear's quantizer
-            from mismatch_probe.kernels.nvfp4 import norm_quant
+            # the producers' fused quantization (fused_input) off: the strict norm then each linear's quantizer
+            from mismatch_probe.kernels.nvfp4 import fused_input
 
             res["linears_fed_by_fused_norm"] = sum(st.fused_inputs for st in h.nvfp4.values())
-            norm_quant.ENABLED = False
+            fused_input.ENABLED = False
             try:
                 res["nvfp4_unfused_norm_s"] = round(wall(fwd, reps=reps), 4)
                 res["fused_norm_bitwise_unfused"] = bool(torch.equal(fwd(), lb))
             finally:
-                norm_quant.ENABLED = True
+                fused_input.ENABLED = True
             if ARGS.graphs and cuda():
                 res.update(graph_forwards(model, ids, lb, h))
                 if "nvfp4_graph_s" in res:

@@ -143,6 +143,15 @@ def summarize_run(run: Path) -> dict[str, Any]:
         kern = sm.get("recipe", {}).get("kernels") or sm.get("nvfp4") or None
         if kern:
             out["sampler_kernels"] = str(kern)[:200]
+        # which linears took their input's quantization from the op that produced it, per projection (summed
+        # over layers; Python calls: graph replays are not counted)
+        up: dict[str, int] = {}
+        for lname, rec in (sm.get("recipe", {}).get("nvfp4_kernels") or {}).items():
+            if isinstance(rec, dict) and "input_quantized_upstream" in rec:
+                proj = str(lname).rsplit(".", 1)[-1]
+                up[proj] = up.get(proj, 0) + int(rec["input_quantized_upstream"])
+        if up:
+            out["input_quantized_upstream"] = up
     except Exception as e:  # noqa: BLE001
         out["manifest"] = f"unreadable: {e}"
     return out
@@ -182,11 +191,11 @@ cfg = json.loads(sys.argv[1])
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from mismatch_probe.probes import engine_args as ea
-if "fuse_norm" in cfg:  # A/B of the norms' fused quantization: the engine in this process, where the switch is
+if "fuse_quant" in cfg:  # A/B of the producers' fused quantization: the engine in this process, where the switch is
     import os
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from mismatch_probe.kernels.nvfp4 import norm_quant
-    norm_quant.ENABLED = bool(cfg["fuse_norm"])
+    from mismatch_probe.kernels.nvfp4 import fused_input
+    fused_input.ENABLED = bool(cfg["fuse_quant"])
 if cfg["recipe"] != "engine":
     from mismatch_probe.probes.vllm import plugin
     plugin.activate(cfg["recipe"])
@@ -320,10 +329,10 @@ def step_speed8b(out: Path, timeout: float, mem: float, recipes: tuple[str, ...]
         save_tokenizer(model, Q8B["vocab_size"])
     base = {"model": str(model), "mem": mem, "load": "dummy", "batches": [16, 64], "eager": False}
     for recipe in recipes:
-        if recipe.endswith("@fuse-ab"):  # nvfp4 with the norms' fused quantization on, then off (engine in-process)
+        if recipe.endswith("@fuse-ab"):  # nvfp4 with the producers' fused quantization on, then off (engine in-process)
             for on in (True, False):
                 vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe[:-8]} cuda graphs, in-process engine, "
-                           f"fused norm {'on' if on else 'off'}", base | {"recipe": recipe[:-8], "fuse_norm": on}, timeout)
+                           f"fused quant {'on' if on else 'off'}", base | {"recipe": recipe[:-8], "fuse_quant": on}, timeout)
             continue
         vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe} cuda graphs", base | {"recipe": recipe}, timeout)
 
@@ -348,7 +357,7 @@ def main() -> None:
     ap.add_argument("--tiny-models", default=",".join(TINY))
     ap.add_argument("--mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (lower: two copies side by side)")
     ap.add_argument("--speed8b-recipes", default=",".join(RECIPES_8B), help="speed8b: which runs (engine, nvfp4-per-token; "
-                    "RECIPE@fuse-ab: the recipe with the norms' fused quantization on, then off, engine in-process)")
+                    "RECIPE@fuse-ab: the recipe with the producers' fused quantization on, then off, engine in-process)")
     ap.add_argument("--wait", type=float, default=0.0,
                     help="bisect: wait up to this many seconds for the 0.6B runs (written by another copy of this script)")
     ap.add_argument("--tag", default="gpu_stack", help="name of the JSON written into --out")
@@ -408,7 +417,7 @@ def main() -> None:
         m8 = build_model(args.out / "q8b-ckpt", Q8B)
         step_compare("q8b-nvfp4-graphs", str(m8), ["--n", "1", "--max-tokens", "256", "--prompts",
                                                    str(prompts_file(args.out / "prompts16.jsonl", 16, 151936)),
-                                                   *Q06B_RUNS["nvfp4-graphs"]], runs, min(400, left()))
+                                                   *Q06B_RUNS["nvfp4-graphs"], *mem], runs, min(400, left()))
     (args.out / f"{args.tag}.json").write_text(json.dumps(ROWS, indent=1, default=str))
     print("\n| step | name | result |\n|---|---|---|")
     for r in ROWS:

@@ -11,6 +11,20 @@ from pathlib import Path
 from mp_forked import REPO, start
 
 
+def interpreted(script: str, timeout: float = 900, **env: str) -> str:
+    """Run ``script`` in a fresh Python under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
+    Triton is imported, hence the subprocess; ``tests/`` on its path); fails the test with its stderr tail
+    unless it exits 0. Its stdout."""
+    import os
+    import sys
+
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")) if p)
+    r = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, **env),
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
 def cli(*args: str, timeout: float = 600, check: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``mismatch-probe ARGS`` as ``python -m mismatch_probe`` would (``mp_forked.start``): forked
     from the suite's pre-imported server, or, with ``env`` added to the environment, in a fresh interpreter."""

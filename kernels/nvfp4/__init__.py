@@ -15,9 +15,11 @@ The recipes' path (both engines build the same object per linear layer):
 * :mod:`sync`: the weights' layouts for that GEMM (codes, scales, decode and native layouts) in
   one fused pass per weight shard, bitwise :func:`schemes.quantize_weight_ref` + :func:`tc_linear.prepare`
   (what :meth:`linear.NVFP4Linear.prepared` runs on CUDA; the learner-to-sampler weight sync).
-* :mod:`norm_quant`: the strict RMSNorm with the per-token quantization of its output fused in
-  (both engines' norms under a per-token recipe, on CUDA): the linears that read it (q/k/v,
-  gate/up) take it instead of quantizing; the same bits as the norm then the quantizer.
+* :mod:`fused_input`: how an op that produces a per-token linear's input also quantizes it (the
+  producer's output carries its quantization in the layout the linear's GEMM takes; the linear takes
+  it instead of quantizing), for :mod:`norm_quant` (the strict RMSNorm: both engines' norms before
+  q/k/v and gate/up) and :mod:`act_quant` (the strict act-and-mul: vLLM's, before down); the same
+  bits as the op then the quantizer.
 * :mod:`tuning`: how it runs, as frozen dataclasses (:class:`tuning.GemmTuning`; only the segment
   rule decides bits).
 * quantizers: :mod:`quant_fast` (one pass, per token, emits the GEMM operand), :mod:`triton_quant`

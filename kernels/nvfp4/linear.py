@@ -138,7 +138,7 @@ class NVFP4Linear:
         # whatever buffer holds it (FSDP2 gathers a layer's weights into a new buffer at every forward)
         self.weights_by_shape = False
         self.shared: SharedInput | None = None  # set by the HF learner's patch: one quantization per input
-        self.fused_inputs = 0  # calls whose activation quantization the producing norm made (norm_quant)
+        self.fused_inputs = 0  # calls whose activation quantization the producing op made (fused_input)
 
     def invalidate(self) -> None:
         """Drop the cached quantized weights (the weight's values changed)."""
@@ -196,16 +196,15 @@ class NVFP4Linear:
         return nvfp4_quantize(x2, per_token=self.scheme.per_token, amax=amax), None
 
     def _quantized_input(self, src: torch.Tensor, x2: torch.Tensor, amax: torch.Tensor | None, tw: Any) -> Any:
-        """:meth:`quantize_input`, or (per-token) the quantization the norm that made ``src`` wrote with it
-        (:func:`norm_quant.take`), or (inside a :class:`SharedInput` scope, input-only schemes) the
-        quantization an earlier linear made of the same input tensor ``src``."""
+        """:meth:`quantize_input`, or (per-token) the quantization the op that made ``src`` (a norm, an
+        act-and-mul) wrote with it (:func:`fused_input.take`), or (inside a :class:`SharedInput` scope,
+        input-only schemes) the quantization an earlier linear made of the same input tensor ``src``."""
+        from . import fused_input
         from .tc_linear import operand_layout
 
-        tag = ("kernel", self.scheme.per_token, operand_layout(x2.shape[0], tw, "auto"))  # which quantization
-        if amax is None and self.scheme.per_token:  # made by the producing norm (norm_quant), if it could
-            from . import norm_quant
-
-            got = norm_quant.take(src, tw, tag)
+        tag = fused_input.tag(operand_layout(x2.shape[0], tw, "auto"), self.scheme.per_token)
+        if amax is None and self.scheme.per_token:  # made by the op that produced it, if it could
+            got = fused_input.take(src, tw, tag)
             if got is not None:
                 self.fused_inputs += 1
                 return got
@@ -279,7 +278,7 @@ class NVFP4Linear:
 
             kernel = kernel_record(*self._last)
         return {"paths_used": dict(sorted(self.paths_used.items())), "kernel": kernel, "weight_prep": self.weight_prep,
-                "input_quantized_by_norm": self.fused_inputs}
+                "input_quantized_upstream": self.fused_inputs}
 
     def describe(self) -> dict[str, Any]:
         s = self.scheme

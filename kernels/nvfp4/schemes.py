@@ -32,10 +32,10 @@ SCHEMES = {
 }
 
 
-def norm_quantizes(recipe: Any, ops: Any) -> bool:
-    """Whether a recipe's norms (on CUDA) also quantize their output for the linears that read it
-    (:mod:`norm_quant`): a per-token linear scheme with the ``linear`` op class on (``recipe``: a
-    :class:`recipes.Recipe`, ``ops``: the op classes patched)."""
+def quantize_upstream(recipe: Any, ops: Any) -> bool:
+    """Whether a recipe's ops that produce a linear's input (on CUDA: the norms, vLLM's act-and-mul) also
+    quantize their output for the linears that read it (:mod:`fused_input`): a per-token linear scheme
+    with the ``linear`` op class on (``recipe``: a :class:`recipes.Recipe`, ``ops``: the op classes patched)."""
     s = SCHEMES.get(recipe.linear)
     return bool(recipe.nvfp4 and s is not None and s.per_token and "linear" in ops)
 

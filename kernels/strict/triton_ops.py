@@ -347,12 +347,9 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | 
 
 
 @triton.jit
-def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n, cols, sg, su, ACT: tl.constexpr, HAS_UP: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    row = offs // cols
-    col = offs % cols
-    g = tl.load(g_ptr + row * sg + col, mask=mask, other=0.0).to(tl.float32)
+def act_value(g, ACT: tl.constexpr):
+    """The activation of fp32 ``g`` in fp32 (0 SiLU, 1 GELU-tanh, 2 GELU-erf), elementwise: every kernel
+    that calls it on the same value gets the same bits (:func:`act_and_mul`, the NVFP4 ``act_quant``)."""
     if ACT == 1:  # gelu_tanh
         inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
         t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
@@ -361,29 +358,46 @@ def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n, cols, sg, su, ACT: tl.constexpr, HAS
         a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
     else:
         a = g / (1.0 + tl.exp(-g))
-    a = a.to(o_ptr.dtype.element_ty)
+    return a
+
+
+@triton.jit
+def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n, cols, sg, su, ACT: tl.constexpr, HAS_UP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    row = offs // cols
+    col = offs % cols
+    g = tl.load(g_ptr + row * sg + col, mask=mask, other=0.0).to(tl.float32)
+    a = act_value(g, ACT).to(o_ptr.dtype.element_ty)
     if HAS_UP:
         u = tl.load(u_ptr + row * su + col, mask=mask, other=0.0).to(tl.float32)
         a = (a.to(tl.float32) * u).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + offs, a, mask=mask)
 
 
-_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+def rows2d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as [rows, last dim]: a view where the last dim has unit stride (strided rows, e.g. the gate and
+    up halves of one gate_up output), else a contiguous copy."""
+    d = t.shape[-1]
+    return (t if t.stride(-1) == 1 else t.contiguous()).reshape(-1, d)
 
 
 def act_and_mul(gate: torch.Tensor, up: torch.Tensor | None, kind: str = "silu") -> torch.Tensor:
     """``bf16(bf16(act(gate)) * up)`` (``up=None``: the activation alone). Rows may be strided views."""
-    if kind not in _ACTS:
-        raise ValueError(f"strict activation {kind!r} not supported; one of {sorted(_ACTS)}")
+    if kind not in ACTS:
+        raise ValueError(f"strict activation {kind!r} not supported; one of {sorted(ACTS)}")
     cols = gate.shape[-1]
-    g = gate.reshape(-1, cols) if gate.stride(-1) == 1 else gate.contiguous().reshape(-1, cols)
-    u = None if up is None else (up.reshape(-1, cols) if up.stride(-1) == 1 else up.contiguous().reshape(-1, cols))
+    g = rows2d(gate)
+    u = None if up is None else rows2d(up)
     out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     n = g.shape[0] * cols
     if n:
         blk = 1024
         _act_mul_kernel[(cdiv(n, blk),)](g, u if u is not None else g, out, n, cols, g.stride(0),
-                                                (u if u is not None else g).stride(0), ACT=_ACTS[kind],
+                                                (u if u is not None else g).stride(0), ACT=ACTS[kind],
                                                 HAS_UP=u is not None, BLOCK=blk, num_warps=4)
     return out
 
@@ -438,7 +452,7 @@ def _lse_kernel(x_ptr, mx_ptr, lz_ptr, V, sx, BLOCK: tl.constexpr):
 def max_logz_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row (last dim): fp32 ``max x`` and ``log(sum(exp(x - max)))`` (fixed chunking, batch invariant)."""
     v = x.shape[-1]
-    xs = x.reshape(-1, v) if x.stride(-1) == 1 else x.contiguous().reshape(-1, v)
+    xs = rows2d(x)
     mx = torch.empty(xs.shape[0], device=x.device, dtype=torch.float32)
     lz = torch.empty_like(mx)
     if xs.shape[0]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mismatch_probe.kernels.nvfp4.linear import CALIBRATION, NVFP4Linear, SharedInput, calibration_token_ids
-from mismatch_probe.kernels.nvfp4.schemes import norm_quantizes
+from mismatch_probe.kernels.nvfp4.schemes import quantize_upstream
 from mismatch_probe.kernels.recipes import OP_KINDS, Recipe, parse
 from mismatch_probe.kernels.strict import ops as so
 
@@ -288,7 +288,7 @@ def patch(model: torch.nn.Module, recipe: Recipe | str, ops: Iterable[str] | Non
         raise ValueError(f"unknown op classes {sorted(bad)}; choose from {OP_KINDS}")
     lset = None if layers is None else frozenset(layers)
     h = PatchHandle(r, chosen, lset)
-    fuse_norm = norm_quantizes(r, chosen)
+    fuse_norm = quantize_upstream(r, chosen)
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     for name, mod in list(model.named_modules()):
         kind = _kind(name, mod, lm_head, embed)

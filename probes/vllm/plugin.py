@@ -35,7 +35,7 @@ import torch
 
 from mismatch_probe import settings
 from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
-from mismatch_probe.kernels.nvfp4.schemes import norm_quantizes
+from mismatch_probe.kernels.nvfp4.schemes import quantize_upstream
 from mismatch_probe.kernels.recipes import OP_KINDS, Recipe, parse
 from mismatch_probe.kernels.strict import ops as so
 
@@ -127,7 +127,7 @@ def _rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not _on("norm", self) or self.variance_size_override is not None:
             return orig(self, x, residual) if residual is not None else orig(self, x)
         w = self.weight.data if self.has_weight else None
-        if _fuse_norm(x):
+        if _fuse_quant(x):
             return _fused_norm(self, x, residual, w, False)
         if residual is None:
             return so.rmsnorm(x, w, self.variance_epsilon)
@@ -136,10 +136,11 @@ def _rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-def _fuse_norm(x: torch.Tensor) -> bool:
-    """A CUDA norm under a per-token NVFP4 recipe with its linears on: :func:`norm_quant.rmsnorm`, which
-    also quantizes the output for the linears that read it (the same bits as the strict norm)."""
-    return x.is_cuda and norm_quantizes(_STATE["recipe"], _STATE["ops"])
+def _fuse_quant(x: torch.Tensor) -> bool:
+    """A CUDA norm or act-and-mul under a per-token NVFP4 recipe with its linears on: :func:`norm_quant.rmsnorm`
+    / :func:`act_quant.act_and_mul`, which also quantize the output for the linear that reads it (the same
+    bits as the strict op)."""
+    return x.is_cuda and quantize_upstream(_STATE["recipe"], _STATE["ops"])
 
 
 def _fused_norm(module: Any, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | None,
@@ -157,7 +158,7 @@ def _gemma_rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not _on("norm", self):
             return orig(self, x, residual) if residual is not None else orig(self, x)
         w = self.weight.data
-        if _fuse_norm(x):
+        if _fuse_quant(x):
             return _fused_norm(self, x, residual, w, True)
         if residual is None:
             return so.rmsnorm(x, w, self.variance_epsilon, unit_offset=True)
@@ -166,12 +167,23 @@ def _gemma_rmsnorm(orig: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+def _act_mul(module: Any, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The strict ``act(gate) * up`` of vLLM's fused ``[gate | up]`` rows; under a per-token NVFP4 recipe on
+    CUDA :func:`act_quant.act_and_mul`, which also quantizes the product for the down projection."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    if _fuse_quant(x):
+        from mismatch_probe.kernels.nvfp4 import act_quant
+
+        return act_quant.act_and_mul(module, gate, up, kind)
+    return so.act_and_mul(gate, up, kind)
+
+
 def _gelu_and_mul(orig: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         if not _on("act", self):
             return orig(self, x)
-        d = x.shape[-1] // 2
-        return so.act_and_mul(x[..., :d], x[..., d:], "gelu_tanh" if self.approximate == "tanh" else "gelu")
+        return _act_mul(self, x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
 
     return forward
 
@@ -180,8 +192,7 @@ def _silu_and_mul(orig: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         if not _on("act", self):
             return orig(self, x)
-        d = x.shape[-1] // 2
-        return so.silu_and_mul(x[..., :d], x[..., d:])
+        return _act_mul(self, x, "silu")
 
     return forward
 

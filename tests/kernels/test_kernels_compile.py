@@ -1,6 +1,6 @@
 """The NVFP4 Triton kernels compiled for real GPUs on this CPU machine (Triton's ahead-of-time compile to
-PTX and a cubin, ``MISMATCH_PROBE_TRITON_MODE=jit``): the per-token quantizer and the fused norm +
-quantize compile for sm_89 and sm_90 (the latter with the dependent-launch trigger), and the quantizer's
+PTX and a cubin, ``MISMATCH_PROBE_TRITON_MODE=jit``): the per-token quantizer and the fused norm + quantize and
+act-and-mul + quantize compile for sm_89 and sm_90 (the latter with the dependent-launch trigger), and the quantizer's
 hardware E4M3 conversion does not compile for sm_80 / sm_86: why ``common.MIN_CC`` is 8.9 and Ampere runs
 the reference path (``linear.use_kernels``, ``backends.select_backend``)."""
 
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from mismatch_probe.kernels.nvfp4 import norm_quant as NQ, quant_fast as Q
+    from mismatch_probe.kernels.nvfp4 import act_quant as AQ, norm_quant as NQ, quant_fast as Q
 
     def build(k, types, cst, cc, warps=4):
         sig = {n: types.get(n, "constexpr") for n in k.arg_names}
@@ -38,6 +38,9 @@ SCRIPT = textwrap.dedent(
           "amax_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8", "op_ptr": "*fp16", "rows": "i32", "H": "i32",
           "eps": "fp32", "offset": "fp32", "groups": "i32"}
     n = {"HAS_W": True, "HAS_RES": True, "ROUND_FIRST": True, "BLOCK": 4096, "NB": 256, "LAYOUT": 2, "HW": True}
+    at = {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*bf16", "amax_ptr": "*fp32", "codes_ptr": "*u8",
+          "scales_ptr": "*u8", "op_ptr": "*fp16", "rows": "i32", "D": "i32", "sg": "i32", "su": "i32", "groups": "i32"}
+    a = {"ACT": 0, "NB": 1024, "LAYOUT": 2, "HW": True}
     out = [
         build(Q._quant_fast_kernel, qt, {**q, "HW": True}, 90),
         build(Q._quant_fast_kernel, qt, {**q, "HW": True}, 89),
@@ -45,6 +48,8 @@ SCRIPT = textwrap.dedent(
         build(Q._quant_fast_kernel, qt, {**q, "HW": True}, 80),
         build(NQ._norm_quant_kernel, nt, {**n, "PDL": True}, 90),
         build(NQ._norm_quant_kernel, nt, {**n, "PDL": False}, 89),
+        build(AQ._act_quant_kernel, at, {**a, "PDL": True}, 90, 8),
+        build(AQ._act_quant_kernel, at, {**a, "ACT": 1, "LAYOUT": 0, "PDL": False}, 89, 8),
     ]
     print("RESULT", " ".join(out))
     """
@@ -57,7 +62,7 @@ def test_kernels_compile_for_sm89_and_sm90_and_not_for_ampere() -> None:
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, r.stderr[-3000:]
-    assert line.split()[1:] == ["ok", "ok", "fails", "fails", "pdl", "ok"], line
+    assert line.split()[1:] == ["ok", "ok", "fails", "fails", "pdl", "ok", "pdl", "ok"], line
 
 
 def test_the_kernel_gate_is_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -80,3 +80,74 @@ def test_native_quantizer_few_rows_equal_many_rows(k):
     c16, s16, _, _ = native.quantize_rows(xf, None, True)
     assert torch.equal(c16.cpu().view(torch.uint8).reshape(ref.codes.shape), ref.codes)
     assert torch.equal(s16.cpu().view(torch.uint8).reshape(ref.scales.shape), ref.scales)
+
+
+@needs_cuda
+@pytest.mark.parametrize("h", [1024, 4096, 8192])
+def test_fused_norm_quantize_bits_on_gpu(h):
+    """The norm with its output's per-token quantization fused in (norm_quant) gives, in bf16 on the GPU,
+    the strict norm's rows and residual and the linear's own quantizer's codes, scales, amax and operand
+    (row-major and the decode GEMM's core-matrix layout), which equal the reference quantizer's."""
+    from mismatch_probe.kernels.nvfp4 import norm_quant as NQ
+    from mismatch_probe.kernels.nvfp4 import quant_fast
+    from mismatch_probe.kernels.nvfp4.ref import nvfp4_quantize_ref
+    from mismatch_probe.kernels.nvfp4.tc_linear import OP_DTYPE
+    from mismatch_probe.kernels.strict import triton_ops as T
+
+    def bits(a, b):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+            a.view(torch.int16) if a.element_size() == 2 else a, b.view(torch.int16) if b.element_size() == 2 else b)
+
+    g = torch.Generator(device="cuda").manual_seed(h)
+    for m in (1, 16, 64, 300):
+        for res in (False, True):
+            for off, first in ((0.0, True), (1.0, False)):
+                for layout in (0, 2) if m <= 64 else (0,):
+                    x = (torch.randn(m, h, device="cuda", generator=g) * 2).to(torch.bfloat16)
+                    x[0, :16] = 0
+                    r = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16) if res else None
+                    w = (torch.randn(h, device="cuda", generator=g) * 0.1 + 1).to(torch.bfloat16)
+                    y, rout, (q, op) = NQ.norm_quantize(x, r, w, 1e-6, off, first, layout)
+                    ey, er = T._norm(x, r, w, 1e-6, off, first)
+                    codes, scales, amax, eop = quant_fast.quantize_rows(ey, None, True, emit_op=OP_DTYPE,
+                                                                        op_layout=layout)
+                    ref = nvfp4_quantize_ref(ey, per_token=True)
+                    case = (m, res, off, layout)
+                    assert bits(y, ey) and (r is None or bits(rout, er)), case
+                    assert bits(q.codes, codes) and bits(q.codes, ref.codes), case
+                    assert bits(q.scales, scales) and bits(q.scales, ref.scales), case
+                    assert bits(q.amax, amax) and bits(q.amax, ref.amax) and bits(op, eop), case
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", [3072, 12288])
+def test_fused_act_quantize_bits_on_gpu(d):
+    """The act-and-mul with its output's per-token quantization fused in (act_quant) gives, in bf16 on the GPU,
+    the strict act-and-mul's product (gate and up views of one gate_up output) and the linear's own
+    quantizer's codes, scales, amax and operand in both layouts, which equal the reference quantizer's."""
+    from mismatch_probe.kernels.nvfp4 import act_quant as AQ
+    from mismatch_probe.kernels.nvfp4 import quant_fast
+    from mismatch_probe.kernels.nvfp4.ref import nvfp4_quantize_ref
+    from mismatch_probe.kernels.nvfp4.tc_linear import OP_DTYPE
+    from mismatch_probe.kernels.strict import triton_ops as T
+
+    def bits(a, b):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+            a.view(torch.int16) if a.element_size() == 2 else a, b.view(torch.int16) if b.element_size() == 2 else b)
+
+    g = torch.Generator(device="cuda").manual_seed(d)
+    for m in (1, 16, 64, 300):
+        for kind in ("silu", "gelu_tanh", "gelu"):
+            for layout in (0, 2) if m <= 64 else (0,):
+                x = (torch.randn(m, 2 * d, device="cuda", generator=g) * 3).to(torch.bfloat16)
+                x[0, :16] = 0
+                gate, up = x[:, :d], x[:, d:]
+                y, (q, op) = AQ.act_quantize(gate, up, kind, layout)
+                ey = T.act_and_mul(gate, up, kind)
+                codes, scales, amax, eop = quant_fast.quantize_rows(ey, None, True, emit_op=OP_DTYPE, op_layout=layout)
+                ref = nvfp4_quantize_ref(ey, per_token=True)
+                case = (m, kind, layout)
+                assert bits(y, ey), case
+                assert bits(q.codes, codes) and bits(q.codes, ref.codes), case
+                assert bits(q.scales, scales) and bits(q.scales, ref.scales), case
+                assert bits(q.amax, amax) and bits(q.amax, ref.amax) and bits(op, eop), case

@@ -2,17 +2,15 @@
 two kernels it replaces: the normalized rows (and the fused add's residual) of the strict norm, the codes,
 scales and amax of the reference quantizer, the GEMM operand ``E2M1 * sf`` row-major or in the native
 decode GEMM's core-matrix layout (zero rows past the last). Checked in Triton's interpreter (fp32 rows on
-the CPU); the GPU run (bf16, the layouts the GEMM takes, both engines' forwards) is
-``bench/gpu_norm_quant.py``."""
+the CPU); in bf16 on the GPU: ``tests/kernels/test_kernels_gpu.py`` (gpu-marked) and
+``bench/gpu_nvfp4_check.py`` section n."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from mp_testlib import interpreted
 
 pytest.importorskip("triton")
 
@@ -48,44 +46,27 @@ SCRIPT = textwrap.dedent(
                     cases += 1
     # the protocol: the norm learns its consumer's layout from the linear's first call, then hands the
     # linear its fused quantization (the linear's own quantizer's result) from the next call on
-    from types import SimpleNamespace
-    from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
-    from mismatch_probe.kernels.nvfp4.tc_linear import operand_layout
+    from mp_fused_protocol import check_protocol
 
-    mod, lin = SimpleNamespace(), NVFP4Linear("nvfp4-per-token")
     x, g = torch.randn(4, 256), torch.randn(256)
-    tw = lin.prepared(torch.randn(64, 256) * 0.05)[0]
-    lay = operand_layout(4, tw, "auto")
-    y1, _ = NQ.rmsnorm(mod, x, None, g, 1e-6)
-    assert lin._quantized_input(y1, y1, None, tw) is not None and lin.fused_inputs == 0  # quantized by the linear
-    y2, _ = NQ.rmsnorm(mod, x, None, g, 1e-6)
-    assert torch.equal(y1, y2) and NQ.take(y2, tw, NQ.tag(2 - lay)) is None  # another layout: not this one
-    qa, op = lin._quantized_input(y2, y2, None, tw)
-    assert lin.fused_inputs == 1
-    ea, eop = lin.quantize_input(y2, None, tw)
-    assert all(torch.equal(getattr(qa, n), getattr(ea, n)) for n in ("codes", "scales", "amax")) and torch.equal(op, eop)
-    NQ.ENABLED = False
-    y3, _ = NQ.rmsnorm(mod, x, None, g, 1e-6)
-    assert torch.equal(y3, y1) and NQ.take(y3, tw, NQ.tag(lay)) is None
+    check_protocol(lambda mod: NQ.rmsnorm(mod, x, None, g, 1e-6)[0])
     print("ok", cases)
     """
 )
 
 
 def test_fused_norm_quantize_gives_the_bits_of_the_norm_and_the_quantizer() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
-    assert r.stdout.split()[-1] == "32"
+    out = interpreted(SCRIPT).split()
+    assert out[-2:] == ["ok", "32"], out[-3:]
 
 
-def test_the_norms_quantize_only_under_a_per_token_linear() -> None:
-    from mismatch_probe.kernels.nvfp4.schemes import norm_quantizes
+def test_the_producers_quantize_only_under_a_per_token_linear() -> None:
+    from mismatch_probe.kernels.nvfp4.schemes import quantize_upstream
     from mismatch_probe.kernels.recipes import parse
 
     for name, want in (("engine", False), ("strict", False), ("nvfp4-static", False), ("nvfp4-dynamic-tensor", False),
                        ("nvfp4-per-token", True), ("strict+nvfp4-per-token", True)):
         r = parse(name)
-        assert norm_quantizes(r, r.ops()) is want, name
+        assert quantize_upstream(r, r.ops()) is want, name
     r = parse("nvfp4-per-token")
-    assert not norm_quantizes(r, r.ops() - {"linear"})
+    assert not quantize_upstream(r, r.ops() - {"linear"})

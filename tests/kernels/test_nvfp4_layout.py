@@ -34,7 +34,7 @@ def test_the_recipes_path_is_one_chain_without_the_reference_stack() -> None:
             todo.extend(_imports(m))
     assert not any(m.startswith("reference") for m in seen), sorted(seen)
     assert seen == {"linear", "tc_linear", "gemm_tc", "native", "quant_fast", "triton_quant", "ref", "common", "moe",
-                    "tuning", "schemes", "sync", "norm_quant"}, sorted(seen)
+                    "tuning", "schemes", "sync", "fused_input"}, sorted(seen)
 
 
 def test_the_package_map_names_the_production_path_first() -> None:

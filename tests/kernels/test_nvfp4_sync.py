@@ -7,12 +7,10 @@ on the GPU ``bench/gpu_nvfp4_check.py`` checks the same equality for Qwen3-8B la
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from mp_testlib import interpreted
 
 pytest.importorskip("triton")
 
@@ -95,9 +93,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_sync_equals_the_reference_path_in_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert interpreted(SCRIPT, timeout=300).strip().endswith("ok")
 
 
 def test_sync_supported_routes_tile16_and_odd_k_to_the_reference() -> None:

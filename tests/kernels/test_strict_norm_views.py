@@ -4,12 +4,10 @@ the GPU run is tests/gpu's strict compare)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from mp_testlib import interpreted
 
 pytest.importorskip("triton")
 
@@ -41,6 +39,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_norm_reads_head_views_in_place_with_the_same_bits() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert interpreted(SCRIPT, timeout=600).strip().endswith("ok")

@@ -1,0 +1,82 @@
+"""The strict act-and-mul with the per-token NVFP4 quantization of its output fused in: the down
+projection that reads it then costs its GEMM alone.
+
+vLLM's ``SiluAndMul`` / ``GeluAndMul`` adapter calls :func:`act_and_mul` with the activation module;
+the protocol with the linear is :mod:`fused_input`'s (the first call quantizes in the linear and
+teaches the module its consumer's operand layout; from the next call on one kernel writes the product
+*and* its quantization in that layout). Same bits as the two kernels it replaces: the activation and
+the product are elementwise, computed by the strict kernel's own code (:func:`strict.triton_ops.act_value`,
+then the same two bf16 roundings) on the same values, only the tiling differs (here one program per row
+in the quantizer's ``[K/16, 16]`` view), and the quantization is :mod:`quant_fast`'s helpers on the rounded
+product (checked with ``torch.equal``: ``tests/kernels/test_act_quant.py`` in the interpreter,
+``tests/kernels/test_kernels_gpu.py`` and ``bench/gpu_nvfp4_check.py`` section n on the GPU). Where it
+does not apply (no consumer yet, CPU, not bf16, a row over ``quant_fast.MAX_K``) it is the strict
+act-and-mul. The learner's HF MLP multiplies ``act(gate) * up`` in its own forward, so there the down
+projection quantizes its input itself (the same bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from mismatch_probe.kernels.launch_math import next_pow2
+from mismatch_probe.kernels.strict.triton_ops import ACTS, act_value, rows2d
+
+from .common import INTERPRET, kjit, launch
+from .fused_input import gdc_trigger, layout_for, mark, operand_buffers, pdl, quantize_out, row_view, store_core
+from .ref import NVFP4Tensor
+
+
+@kjit
+def _act_quant_kernel(
+    g_ptr, u_ptr, y_ptr, amax_ptr, codes_ptr, scales_ptr, op_ptr, rows, D, sg, su, groups,
+    ACT: tl.constexpr, NB: tl.constexpr, LAYOUT: tl.constexpr, HW: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program per row (LAYOUT 2: per row of the operand's 8-row groups, the rows past ``rows``
+    writing zero operand rows): ``y = bf16(bf16(act(g)) * u)`` [rows, D] and its per-token quantization."""
+    if PDL:
+        gdc_trigger()
+    row, b, j16, nb_ok, rv = row_view(D, NB)
+    if row < rows:
+        m3 = nb_ok[None, :, None] & (rv < rows)[:, None, None]
+        col = b[None, :, None] * 16 + j16[None, None, :]
+        g = tl.load(g_ptr + rv[:, None, None] * sg + col, mask=m3, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + rv[:, None, None] * su + col, mask=m3, other=0.0).to(tl.float32)
+        a = act_value(g, ACT).to(y_ptr.dtype.element_ty)
+        y = (a.to(tl.float32) * u).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rv[:, None, None] * D + col, y, mask=m3)
+        quantize_out(y.to(tl.float32), row, rv, rows, b, j16, nb_ok, amax_ptr, codes_ptr, scales_ptr, op_ptr, D,
+                     groups, NB, LAYOUT, HW)
+    elif LAYOUT == 2:
+        store_core(op_ptr, tl.zeros([1, NB, 16], tl.float32), row, b, j16, nb_ok, groups)
+
+
+def act_quantize(gate: torch.Tensor, up: torch.Tensor, kind: str,
+                 layout: int) -> tuple[torch.Tensor, tuple[NVFP4Tensor, torch.Tensor]]:
+    """One kernel: (y = ``bf16(bf16(act(gate)) * up)`` [rows, D], (NVFP4Tensor of y per token, fp16 operand
+    in ``layout``)). ``gate``, ``up`` [rows, D] with unit column stride (views of a fused gate_up output)."""
+    if kind not in ACTS:
+        raise ValueError(f"strict activation {kind!r} not supported; one of {sorted(ACTS)}")
+    g, u = rows2d(gate), rows2d(up)
+    rows, d = g.shape
+    y = torch.empty(rows, d, dtype=gate.dtype, device=gate.device)
+    amax, codes, scales, op, grid, groups = operand_buffers(rows, d, layout, gate.device)
+    if grid:
+        launch(_act_quant_kernel, (grid,), g, u, y, amax, codes, scales, op, rows, d, g.stride(0), u.stride(0), groups,
+               ACTS[kind], next_pow2(d // 16), layout, not INTERPRET, pdl(gate), num_warps=4 if d <= 4096 else 8)
+    return y, (NVFP4Tensor(codes, scales, amax, True), op)
+
+
+def act_and_mul(module: object, gate: torch.Tensor, up: torch.Tensor, kind: str = "silu") -> torch.Tensor:
+    """The strict ``bf16(bf16(act(gate)) * up)`` (CUDA) by the activation ``module`` of an NVFP4 recipe:
+    fused with the per-token quantization its consuming linear takes where the module's
+    :class:`fused_input.Consumers` knows that layout, else the strict kernel; the output carries what the
+    linear takes (:func:`fused_input.take`)."""
+    from mismatch_probe.kernels.strict import triton_ops
+
+    lay = layout_for(module, gate) if gate.shape == up.shape else None
+    if lay is None:
+        return mark(triton_ops.act_and_mul(gate, up, kind), module, None, None)
+    y, q = act_quantize(gate, up, kind, lay)
+    return mark(y.reshape(gate.shape), module, lay, q)
