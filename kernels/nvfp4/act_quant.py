@@ -21,7 +21,7 @@ import torch
 import triton.language as tl
 
 from mismatch_probe.kernels.launch_math import next_pow2
-from mismatch_probe.kernels.strict.triton_ops import ACTS, act_value, rows2d
+from mismatch_probe.kernels.strict.triton_ops import act_code, act_value, rows2d
 
 from .common import INTERPRET, kjit, launch
 from .fused_input import gdc_trigger, layout_for, mark, operand_buffers, pdl, quantize_out, row_view, store_core
@@ -56,15 +56,14 @@ def act_quantize(gate: torch.Tensor, up: torch.Tensor, kind: str,
                  layout: int) -> tuple[torch.Tensor, tuple[NVFP4Tensor, torch.Tensor]]:
     """One kernel: (y = ``bf16(bf16(act(gate)) * up)`` [rows, D], (NVFP4Tensor of y per token, fp16 operand
     in ``layout``)). ``gate``, ``up`` [rows, D] with unit column stride (views of a fused gate_up output)."""
-    if kind not in ACTS:
-        raise ValueError(f"strict activation {kind!r} not supported; one of {sorted(ACTS)}")
+    code = act_code(kind)
     g, u = rows2d(gate), rows2d(up)
     rows, d = g.shape
     y = torch.empty(rows, d, dtype=gate.dtype, device=gate.device)
     amax, codes, scales, op, grid, groups = operand_buffers(rows, d, layout, gate.device)
     if grid:
         launch(_act_quant_kernel, (grid,), g, u, y, amax, codes, scales, op, rows, d, g.stride(0), u.stride(0), groups,
-               ACTS[kind], next_pow2(d // 16), layout, not INTERPRET, pdl(gate), num_warps=4 if d <= 4096 else 8)
+               code, next_pow2(d // 16), layout, not INTERPRET, pdl(gate), num_warps=4 if d <= 4096 else 8)
     return y, (NVFP4Tensor(codes, scales, amax, True), op)
 
 

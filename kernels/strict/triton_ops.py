@@ -375,7 +375,14 @@ def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n, cols, sg, su, ACT: tl.constexpr, HAS
     tl.store(o_ptr + offs, a, mask=mask)
 
 
-ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+def act_code(kind: str) -> int:
+    """:func:`act_value`'s ``ACT`` for the strict activation ``kind`` (one clear error for any other)."""
+    if kind not in _ACTS:
+        raise ValueError(f"strict activation {kind!r} not supported; one of {sorted(_ACTS)}")
+    return _ACTS[kind]
 
 
 def rows2d(t: torch.Tensor) -> torch.Tensor:
@@ -387,8 +394,7 @@ def rows2d(t: torch.Tensor) -> torch.Tensor:
 
 def act_and_mul(gate: torch.Tensor, up: torch.Tensor | None, kind: str = "silu") -> torch.Tensor:
     """``bf16(bf16(act(gate)) * up)`` (``up=None``: the activation alone). Rows may be strided views."""
-    if kind not in ACTS:
-        raise ValueError(f"strict activation {kind!r} not supported; one of {sorted(ACTS)}")
+    code = act_code(kind)
     cols = gate.shape[-1]
     g = rows2d(gate)
     u = None if up is None else rows2d(up)
@@ -397,7 +403,7 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor | None, kind: str = "silu")
     if n:
         blk = 1024
         _act_mul_kernel[(cdiv(n, blk),)](g, u if u is not None else g, out, n, cols, g.stride(0),
-                                                (u if u is not None else g).stride(0), ACT=ACTS[kind],
+                                                (u if u is not None else g).stride(0), ACT=code,
                                                 HAS_UP=u is not None, BLOCK=blk, num_warps=4)
     return out
 
