@@ -38,6 +38,7 @@ struct Bufs {
   __half* acm;  // the same tokens, chunk-major ([4 blocks][K/128][16][136], TOKC kernels)
   __half* acore[4];  // the same tokens core-matrix ordered for NTOK = 8, 16, 32, 64 (decode_wg_kernel)
   float *a_amax, *w_amax, *part;
+  int* cnt;  // decode_wg_kernel's arrival counters (zero)
   uint16_t* out;
 };
 
@@ -94,8 +95,8 @@ static LaunchFn wg_kernel(Bufs& b, int nseg = 1, int kk = K) {
   const int li = NTOK == 8 ? 0 : NTOK == 16 ? 1 : NTOK == 32 ? 2 : 3;
   const int ns = KS2 ? 2 : nseg;
   return [=](cudaStream_t s, int m, int w) {
-    kern<<<dim3(N / 64, 1, KS2 ? 1 : ns), KS2 ? 320 : 160, smem, s>>>(b.wq[w], b.ws16[w], b.w_amax, 1, b.acore[li],
-                                                                       b.a_amax, b.out, b.part, m, N, kk, ns);
+    const WgShards sh = wg_one(b.wq[w], b.ws16[w], b.w_amax, 1, b.part, b.cnt, N, ns);
+    kern<<<dim3(N / 64 * (KS2 ? 1 : ns)), KS2 ? 320 : 160, smem, s>>>(sh, b.acore[li], b.a_amax, b.out, m, kk);
   };
 }
 
@@ -292,6 +293,8 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&b.w_amax, N * 4));
   CK(cudaMemcpy(b.w_amax, hwa.data(), N * 4, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&b.part, (size_t)4 * 64 * N * 4));  // up to 4 K segments
+  CK(cudaMalloc(&b.cnt, (size_t)N / 64 * 4));
+  CK(cudaMemset(b.cnt, 0, (size_t)N / 64 * 4));
   CK(cudaMalloc(&b.out, (size_t)64 * N * 2));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));

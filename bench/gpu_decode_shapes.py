@@ -5,9 +5,11 @@ Where the 8B decode step's linears go, per shape and per M (tokens in the step):
 activation quantize alone, the whole linear as the recipe calls it, and cuBLAS bf16; and the fused shapes
 (q/k/v as one [6144, 4096] weight, gate/up as one [24576, 4096]) to price one launch per fused linear.
 Every figure: the call captured in a CUDA graph and replayed (CUDA events, median of 5), weights resident.
-A diagnostic for choosing what to change, not an acceptance figure.
+A diagnostic for choosing what to change, not an acceptance figure. ``--layers``: only the fused layers as
+the recipe calls them (``NVFP4Linear`` with the shards of q/k/v, gate/up, and o, down; its input quantize
+included): the shards as one launch (the default on sm_90) against one launch per shard, bits compared.
 
-    python bench/gpu_decode_shapes.py --out DIR [--ms 16,64] [--variants 15,14,12,7]
+    python bench/gpu_decode_shapes.py --out DIR [--ms 16,64] [--variants 15,14,12,7] [--layers]
     python bench/gpu_decode_shapes.py --out DIR --device cpu --tiny     # the script itself, on a CPU
 
 Writes ``DIR/gpu_decode_shapes.json``; prints a table last.
@@ -74,6 +76,55 @@ def one(m: int, n: int, k: int, variants: list[int], dev: str, gen: torch.Genera
     return res
 
 
+# the Qwen3-8B layer's linears as vLLM runs them: (N of each shard, K)
+LAYERS = {"qkv": ([4096, 1024, 1024], 4096), "o": ([4096], 4096), "gate_up": ([12288, 12288], 4096),
+          "down": ([4096], 12288)}
+
+
+def layer_row(m: int, name: str, parts: list[int], k: int, gen: torch.Generator) -> dict[str, Any]:
+    """One fused linear as the recipe calls it (input quantize + GEMMs), shards in one launch vs one each."""
+    from mismatch_probe.kernels.nvfp4 import native
+    from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
+
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(sum(parts), k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    lin = NVFP4Linear("nvfp4-per-token", partitions=parts if len(parts) > 1 else None)
+    tws = lin.prepared(w)
+    grouped = bool(native.available() and native.shards_ok(m, tws))
+    y1 = lin(x, w)
+    res: dict[str, Any] = {"layer": name, "M": m, "N": parts, "K": k, "nseg": [t.nseg for t in tws], "one_launch": grouped,
+                           "bf16_us": round(G.graph_us(lambda: torch.nn.functional.linear(x, w)), 2),
+                           "linear_us": round(G.graph_us(lambda: lin(x, w)), 2)}
+    keep = native.shards_ok
+    native.shards_ok = lambda m, tws: False  # noqa: E731 - the A/B: one launch per shard
+    try:
+        res["per_shard_equal"] = bool(torch.equal(lin(x, w), y1))
+        res["per_shard_us"] = round(G.graph_us(lambda: lin(x, w)), 2)
+    finally:
+        native.shards_ok = keep
+    return res
+
+
+def layer_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| M | layer | N (shards) x K | nseg | bf16 us | recipe linear us | one launch | per shard us | same bits |",
+             "|---|---|---|---|---:|---:|---|---:|---|"]
+    tot: dict[int, list[float]] = {}
+    for r in rows:
+        if "linear_us" not in r:
+            lines.append(f"| {r.get('M')} | {r['layer']} | error: {r.get('error', '')[-80:]} |")
+            continue
+        lines.append(f"| {r['M']} | {r['layer']} | {r['N']} x {r['K']} | {r['nseg']} | {r['bf16_us']} | {r['linear_us']} | "
+                     f"{r['one_launch']} | {r['per_shard_us']} | {r['per_shard_equal']} |")
+        t = tot.setdefault(r["M"], [0.0, 0.0, 0.0])
+        t[0] += r["bf16_us"]
+        t[1] += r["linear_us"]
+        t[2] += r["per_shard_us"]
+    for m, (b, lv, ps) in tot.items():
+        lines.append(f"\nM={m}: per layer bf16 {b:.1f} us, nvfp4 recipe {lv:.1f} us ({b / lv:.2f}x), one launch per shard "
+                     f"{ps:.1f} us ({b / ps:.2f}x)")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -81,12 +132,25 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--ms", default="16,64")
     ap.add_argument("--variants", default="15,14,12,7")
+    ap.add_argument("--layers", action="store_true", help="only the fused layers as the recipe calls them")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=a.device).manual_seed(0)
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv, "rows": []}
     if a.device == "cuda":
         res["gpu"] = torch.cuda.get_device_name()
+    if a.layers:
+        for m in [int(v) for v in a.ms.split(",")]:
+            for name, (parts, k) in LAYERS.items():
+                try:
+                    r = layer_row(m, name, parts, k, gen)
+                except Exception:
+                    r = {"layer": name, "M": m, "error": traceback.format_exc()[-400:]}
+                res["rows"].append(r)
+                print("ROW", json.dumps(r, default=str), flush=True)
+                (a.out / "gpu_decode_layers.json").write_text(json.dumps(res, indent=1, default=str))
+        print(layer_table(res["rows"]), flush=True)
+        return
     shapes = TINY if a.tiny else SHAPES
     for m in [int(v) for v in a.ms.split(",")]:
         for name, (n, k) in shapes.items():

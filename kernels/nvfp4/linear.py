@@ -216,7 +216,7 @@ class NVFP4Linear:
 
     def _kernel_matmul(self, x2: torch.Tensor, w: torch.Tensor, amax: torch.Tensor | None, key: Any,
                        src: torch.Tensor | None = None) -> torch.Tensor:
-        from .tc_linear import OP_DTYPE, choose, tc_matmul, use_native
+        from .tc_linear import OP_DTYPE, choose, tc_matmul_shards, use_native
 
         before = self._tcache.get(key)
         tws = self.prepared(w, key)
@@ -228,14 +228,15 @@ class NVFP4Linear:
         qa, op = self._quantized_input(x2 if src is None else src, x2, amax, tws[0])
         quantized = sh is None or sh.hits == hits  # the quantizer ran now: it is the last kernel launched
         # the activation is quantized once for all shards; each GEMM follows the quantizer or the shard before
-        # it (kernels that write no weight: the GEMM may start streaming its weights before they end)
-        ys = [tc_matmul(qa, tw, a_op=op, after_own_kernel=i > 0 or quantized or not synced) for i, tw in enumerate(tws)]
+        # it (kernels that write no weight: the GEMM may start streaming its weights before they end); on the
+        # wgmma decode path the shards are one launch writing one output (tc_matmul_shards)
+        y = tc_matmul_shards(qa, tws, a_op=op, after_own_kernel=quantized or not synced)
         path = choose(x2.shape[0], tws[0])
         native = path == "decode" and use_native(tws[0], op if op is not None else x2.new_empty(0, dtype=OP_DTYPE), tws[0].nseg)
         tag = f"{'cuda-native' if native else 'triton'}:{path}"
         self.paths_used[tag] = self.paths_used.get(tag, 0) + 1
         self._last = (x2.shape[0], tws[0])
-        return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
+        return y
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, key: Any = None) -> torch.Tensor:
         shape = x.shape

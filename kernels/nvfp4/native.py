@@ -199,6 +199,8 @@ def decode_ok(w: Any) -> bool:
         w.native = (int(w.scales.max()) < 0x7F) if w.scales.numel() else False  # one check per weight version
         if w.native:
             w.native_w = native_layout(w.codes, w.scales)
+            if w.codes.is_cuda:
+                counters(w.codes.device)  # made here, outside any graph capture
     return bool(w.native)
 
 
@@ -317,7 +319,12 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
     the chosen kernel takes: :func:`token_layout`). ``pdl``: the wgmma kernel (variant 15) launched as a
     programmatic dependent launch, its weight stream started while the kernel before it on the stream
     still runs (the quantizer of its tokens); the caller's promise: that kernel writes none of ``w``'s
-    fields (the tokens, their amax and every output are read and written after it has finished)."""
+    fields (the tokens, their amax and every output are read and written after it has finished).
+    Variant 15 adds its K segments itself (:func:`reduces_in_kernel`): ``out`` holds the bf16 rows on
+    return; the other variants leave the partials in ``part`` for ``gemm_tc.reduce_kernel``."""
+    if reduces_in_kernel(m, w, nseg):
+        decode_shards(a_amax, a_op, [w], m, out, [part], pdl)
+        return
     mod = load()
     wq, ws, ws16 = w.native_w
     layout = token_layout(m, w)
@@ -328,6 +335,74 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
         a = a.clone(memory_format=torch.contiguous_format)
     mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant(w.tuning.native),
                     fused_segments(m, w, nseg), crowded(w, nseg), bool(pdl) and PDL)
+
+
+def reduces_in_kernel(m: int, w: Any, nseg: int) -> bool:
+    """The decode GEMM of M rows adds the weight's K segments itself: the wgmma kernel (variant 15, sm_90),
+    whose last CTA of each 64-row tile adds the tile's partials in segment order (the arithmetic of
+    ``gemm_tc.reduce_kernel``, without its launch), or keeps both halves in the CTA (:func:`fused_segments`)."""
+    return nseg == w.nseg and token_layout(m, w) == 2
+
+
+# the wgmma kernel's per-tile arrival counters (K segments across CTAs): int32, zero between launches (the last
+# CTA of a tile resets its counter), one buffer per device made once with the first weight's native layout (so
+# never inside a CUDA graph capture: the weights are prepared in the engines' warm-up); launches on one stream
+# share it, as they run one after another (a programmatic dependent launch touches it only after the grid
+# before it has finished)
+COUNTERS = 1 << 16
+MAX_SHARDS = 4  # decode_wg.cuh's WG_SHARDS
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    key = ("cnt", device.type, device.index)
+    if key not in _STATE:
+        _STATE[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _STATE[key]
+
+
+def _instance(m: int, w: Any) -> tuple[Any, ...]:
+    """What decides the wgmma kernel's instance for this weight (the shards of one launch must agree)."""
+    chunks = w.k // 128 // w.nseg
+    ks2 = fused_segments(m, w, w.nseg)
+    return (w.k, chunks % 4 == 0, ks2, token_cols(m) == 64 and crowded(w, w.nseg), w.tuning.native)
+
+
+def shards_ok(m: int, tws: list[Any]) -> bool:
+    """The shards (weights reading the same tokens: a fused layer's q, k, v or gate, up) run as one launch of
+    the wgmma decode kernel into one output: each would run that kernel alone (:func:`reduces_in_kernel`, after
+    :func:`tc_linear.use_native`), with the same instance, at most :data:`MAX_SHARDS`, and the counters fit."""
+    if not 1 < len(tws) <= MAX_SHARDS or m > 64:
+        return False
+    if not all(decode_ok(w) and reduces_in_kernel(m, w, w.nseg) for w in tws):
+        return False
+    first = _instance(m, tws[0])
+    return all(_instance(m, w) == first for w in tws[1:]) and sum(tiles(w) for w in tws) <= COUNTERS
+
+
+def decode_shards(a_amax: torch.Tensor, a_op: torch.Tensor, tws: list[Any], m: int, out: torch.Tensor,
+                  parts: list[torch.Tensor], pdl: bool = False) -> None:
+    """One launch of the wgmma decode kernel (variant 15) for the weights ``tws`` (1 to :data:`MAX_SHARDS`,
+    the same K and kernel instance: :func:`shards_ok`) reading the tokens ``a_op``: ``out`` [M, sum of N]
+    (2-byte) gets shard i at its columns, each the bf16 rows a launch of that weight alone writes.
+    ``parts[i]``: fp32 [nseg_i, M, N_i] where shard i has K segments across CTAs (else unused)."""
+    mod = load()
+    w0 = tws[0]
+    if a_op.dim() != 5:
+        a_op = layout_operand(a_op if a_op.dim() == 2 else rows_operand(a_op, m), 2)
+    a = a_op
+    if a.data_ptr() % 16 or not a.is_contiguous():
+        a = a.clone(memory_format=torch.contiguous_format)
+    cnt = counters(a.device)
+    cols, offs, c, o = [], [], 0, 0  # the output's columns and the counters of each shard
+    for w in tws:
+        cols.append(c)
+        offs.append(o)
+        c += w.n
+        o += tiles(w)
+    mod.decode_wg([w.native_w[0] for w in tws], [w.native_w[2] for w in tws], [w.amax for w in tws],
+                  [int(bool(w.per_row)) for w in tws], parts, cnt, offs, [w.n for w in tws], [w.nseg for w in tws], cols,
+                  c, a, a_amax, out, m, w0.k, fused_segments(m, w0, w0.nseg), crowded(w0, w0.nseg),
+                  bool(pdl) and PDL)
 
 
 def sm_count() -> int:

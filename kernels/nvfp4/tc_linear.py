@@ -232,7 +232,7 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
             from . import native
 
             native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part, pdl)
-            if nseg > 1 and not native.fused_segments(m, w, nseg):
+            if nseg > 1 and not native.reduces_in_kernel(m, w, nseg):
                 launch(reduce_kernel, (cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16),
                        m, n, nseg, 1024, w.per_row, False, num_warps=4)
             return out
@@ -361,6 +361,30 @@ def tc_matmul(a: NVFP4Tensor, w: TCWeight, *, path: str = "auto", a_op: torch.Te
     if a_op is None:  # the operand made here: the last kernel is this conversion
         a_op, after_own_kernel = act_operand(a), True
     return _run(amax, a_op, w, m, p, None, None, pdl=after_own_kernel)
+
+
+def tc_matmul_shards(a: NVFP4Tensor, tws: list[TCWeight], *, a_op: torch.Tensor | None = None,
+                     after_own_kernel: bool = False) -> torch.Tensor:
+    """``a`` times each weight of ``tws`` (shards reading the same tokens: a fused layer's q, k, v or gate,
+    up), side by side -> bf16 [M, sum of N]: every column block the bits of :func:`tc_matmul` of its shard.
+    On the native wgmma decode path (:func:`native.shards_ok`) one launch writes the whole output (no
+    ``torch.cat``, no reduce launch); else one :func:`tc_matmul` per shard, joined. ``after_own_kernel``: as
+    :func:`tc_matmul` (each shard after the first follows its own kernel)."""
+    if len(tws) > 1 and a_op is not None and a_op.dtype == torch.float16 and a.per_token and a.shape[0]:
+        m = a.shape[0]
+        if all(choose(m, w) == "decode" and use_native(w, a_op, w.nseg) for w in tws):
+            from . import native
+
+            if native.shards_ok(m, tws):
+                for w in tws:
+                    _check(a, w)
+                out = torch.empty(m, sum(w.n for w in tws), dtype=torch.bfloat16, device=a_op.device)
+                parts = [torch.empty(w.nseg, m, w.n, dtype=torch.float32, device=a_op.device) if w.nseg > 1
+                         and not native.fused_segments(m, w, w.nseg) else a.amax for w in tws]
+                native.decode_shards(a.amax, a_op, tws, m, out.view(torch.int16), parts, after_own_kernel)
+                return out
+    ys = [tc_matmul(a, tw, a_op=a_op, after_own_kernel=i > 0 or after_own_kernel) for i, tw in enumerate(tws)]
+    return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
 
 
 def tc_linear(x: torch.Tensor, w: TCWeight, *, path: str = "auto") -> torch.Tensor:

@@ -151,3 +151,52 @@ def test_fused_act_quantize_bits_on_gpu(d):
                 assert bits(q.codes, codes) and bits(q.codes, ref.codes), case
                 assert bits(q.scales, scales) and bits(q.scales, ref.scales), case
                 assert bits(q.amax, amax) and bits(q.amax, ref.amax) and bits(op, eop), case
+
+
+@needs_cuda
+def test_decode_shards_one_launch_and_in_kernel_segments_bits():
+    """The wgmma decode kernel (sm_90) adds its K segments itself (the tile's last CTA, no reduce launch) and
+    runs a fused layer's shards as one launch into one output: Qwen3-8B's q, k, v (K 4096; N 4096 / 1024 /
+    1024: 2 / 8 / 8 segments) and gate, up (N 12288 each, 1 segment), M 1 to 64. Every column block equals
+    the Triton decode kernel's and the prefill path's rows of its shard (torch.equal), on repeated calls and
+    CUDA-graph replays (the arrival counters are back at zero after each launch)."""
+    from dataclasses import replace
+
+    from mismatch_probe.kernels.nvfp4 import native
+    from mismatch_probe.kernels.nvfp4.quant_fast import quantize_rows
+    from mismatch_probe.kernels.nvfp4.ref import NVFP4Tensor
+    from mismatch_probe.kernels.nvfp4.schemes import SCHEMES, quantize_weight_ref
+    from mismatch_probe.kernels.nvfp4.tc_linear import OP_DTYPE, operand_layout, prepare, tc_matmul, tc_matmul_shards
+    from mismatch_probe.kernels.nvfp4.tuning import DEFAULT, DecodeTuning
+
+    if not native.available() or native.default_variant() != native.HOPPER_VARIANT:
+        pytest.skip(f"needs the native wgmma kernel (sm_90): {native.status()}")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    triton_decode = replace(DEFAULT, decode=DecodeTuning(native=False))
+    x = torch.randn(64, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    for parts in ([4096, 1024, 1024], [12288, 12288], [1024]):
+        w = (torch.randn(sum(parts), 4096, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+        tws = [prepare(q) for q in quantize_weight_ref(w, SCHEMES["nvfp4-per-token"], parts)]
+        for m in (1, 5, 16, 33, 64):
+            codes, scales, amax, op = quantize_rows(x[:m].contiguous(), None, True, emit_op=OP_DTYPE,
+                                                    op_layout=operand_layout(m, tws[0], "auto"))
+            qa = NVFP4Tensor(codes, scales, amax, True)
+            want = torch.cat([tc_matmul(qa, tw.tuned(triton_decode)) for tw in tws], dim=-1)
+            pre = torch.cat([tc_matmul(qa, tw, path="prefill") for tw in tws], dim=-1)
+            assert torch.equal(want, pre), (parts, m)
+            assert native.shards_ok(m, tws) == (len(tws) > 1), (parts, m)
+            for _ in range(3):
+                assert torch.equal(tc_matmul_shards(qa, tws, a_op=op), want), (parts, m)
+                for i, tw in enumerate(tws):  # one shard alone, its segments added in the kernel
+                    c0 = sum(parts[:i])
+                    assert torch.equal(tc_matmul(qa, tw, a_op=op), want[:, c0:c0 + parts[i]]), (parts, m, i)
+            assert not native.counters(x.device).any()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = tc_matmul_shards(qa, tws, a_op=op)
+            for _ in range(2):
+                y.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(y, want), ("graph", parts, m)
+            assert not native.counters(x.device).any()

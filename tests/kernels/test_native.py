@@ -241,16 +241,18 @@ def test_decode_gemm_passes_the_instance_decisions(monkeypatch: pytest.MonkeyPat
     crowded: what decode_variant records), and handed to the extension, which no longer derives them."""
 
     calls: list[tuple] = []
-    monkeypatch.setattr(native, "load", lambda: SimpleNamespace(decode_gemm=lambda *a: calls.append(a)))
+    monkeypatch.setattr(native, "load", lambda: SimpleNamespace(decode_wg=lambda *a: calls.append(a)))
     monkeypatch.setitem(native._STATE, "hopper", True)
     monkeypatch.setitem(native._STATE, "sms", 132)
     t = torch.zeros(1)
     for n, m, ks2, crowd in ((8192, 16, True, True), (8192, 64, False, True), (4096, 64, False, False),
                              (4096, 16, False, False)):
         w = _w(8192, 2, n=n, native_w=(t, t, t), amax=t, per_row=True)
+        assert native.reduces_in_kernel(m, w, 2)  # variant 15 adds its K segments: no reduce launch after it
         native.decode_gemm(t, torch.zeros(m, 8192, dtype=torch.float16), w, m, 2, t, t)
         rec = native.decode_variant(m, w)
-        assert calls[-1][-3:] == (ks2, crowd, False) and calls[-1][5].dim() == 5  # the core-matrix operand
+        assert calls[-1][-3:] == (ks2, crowd, False) and calls[-1][11].dim() == 5  # the core-matrix operand
+        assert calls[-1][7:11] == ([n], [2], [0], n)  # one shard: columns [0, n) of rows of stride n
         assert ("both K segments in the CTA" in rec["pipeline"]) == ks2
         assert ("2 CTAs per SM" in rec["pipeline"]) == (crowd and m > 32)
 
@@ -258,7 +260,7 @@ def test_decode_gemm_passes_the_instance_decisions(monkeypatch: pytest.MonkeyPat
 def test_decode_gemm_is_a_dependent_launch_only_when_the_caller_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """``pdl``: passed through to the extension when asked for and native.PDL allows it, never by default."""
     calls: list[tuple] = []
-    monkeypatch.setattr(native, "load", lambda: SimpleNamespace(decode_gemm=lambda *a: calls.append(a)))
+    monkeypatch.setattr(native, "load", lambda: SimpleNamespace(decode_wg=lambda *a: calls.append(a)))
     monkeypatch.setitem(native._STATE, "hopper", True)
     monkeypatch.setitem(native._STATE, "sms", 132)
     t = torch.zeros(1)
@@ -302,3 +304,38 @@ def test_recipe_gemm_overlaps_only_a_kernel_that_writes_no_weight(monkeypatch: p
     lin._kernel_matmul(x, None, None, "v", x)  # shared input, weights synced just now: not shard 0
     lin._kernel_matmul(x, None, None, "k", x)  # shared input, weights cached: every shard
     assert got == [True, True, True, False, True, True, True, True, True]
+
+
+def test_shards_run_as_one_launch_into_one_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused layer's shards (Qwen3-8B's q, k, v: K 4096, N 4096 / 1024 / 1024, K segments 2 / 8 / 8 by the
+    segment rule) go to the wgmma kernel as one table: each shard its columns of the one output, its own
+    segments and arrival counters; shards that would take different kernel instances, or more than
+    MAX_SHARDS, or a GPU without variant 15, are not grouped (the caller launches them one by one)."""
+    from mismatch_probe.kernels.nvfp4.tc_linear import nseg_for
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(native, "load", lambda: SimpleNamespace(decode_wg=lambda *a: calls.append(a)))
+    monkeypatch.setitem(native._STATE, "hopper", True)
+    monkeypatch.setitem(native._STATE, "sms", 132)
+    t = torch.zeros(1)
+
+    def shard(n: int, k: int = 4096) -> SimpleNamespace:
+        return _w(k, nseg_for(n, k), n=n, grouped=False, native=True, native_w=(t, t, t), amax=t, per_row=False)
+
+    q, k, v = shard(4096), shard(1024), shard(1024)
+    assert (q.nseg, k.nseg, v.nseg) == (2, 8, 8)
+    for m in (1, 16, 64):
+        assert native.shards_ok(m, [q, k, v])
+    assert not native.shards_ok(65, [q, k, v]) and not native.shards_ok(16, [q])
+    assert not native.shards_ok(16, [q, k, v, v, v])  # more than MAX_SHARDS
+    assert not native.shards_ok(16, [shard(4096), shard(1024, k=2048)])  # another K
+    wide, narrow = shard(12288, k=1536), shard(4096, k=1536)  # 12 chunks: 1 segment (4 per stage) vs 2 (6: 2)
+    assert (wide.nseg, narrow.nseg) == (1, 2) and not native.shards_ok(16, [wide, narrow])
+    parts = [torch.zeros(1)] * 3
+    native.decode_shards(t, torch.zeros(16, 4096, dtype=torch.float16), [q, k, v], 16, t, parts)
+    a = calls[-1]
+    assert a[6:11] == ([0, 64, 80], [4096, 1024, 1024], [2, 8, 8], [0, 4096, 5120], 6144)
+    assert a[5] is native.counters(torch.device("cpu")) and a[5].dtype == torch.int32 and not a[5].any()
+    assert a[11].shape == (32, 16, 2, 8, 8) and a[-3:] == (False, False, False)
+    monkeypatch.setitem(native._STATE, "hopper", False)  # off sm_90: no variant 15, no grouping
+    assert not native.shards_ok(16, [q, k, v])

@@ -163,12 +163,88 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
 // slower; 2026-12-02 00:33-00:49: E4M3 scale bytes again, deeper rings, the copies of stage i + 5..8
 // prefetched into the L2, no token copies at all (the bound of sharing them across a CTA pair): none
 // faster with the weights rotating past the L2.)
+//
+// Shards (WgShards): one launch computes up to WG_SHARDS weights that read the same tokens (a fused layer's
+// q, k, v or gate, up: each its own amax, K segments and 64-row tiles) into one bf16 output of row stride
+// ``ldo``, shard i at columns [col_i, col_i + n_i); CTAs [cta0_i, cta0_{i+1}) are shard i's, segment-major
+// (the order of the grid (tiles, 1, nseg) of one weight). Every output is the one a launch of that weight
+// alone computes (the same CTA code, the same epilogue). K segments across CTAs (nseg_i > 1, no KS2): each
+// CTA writes its fp32 partials, and the last CTA of a tile to finish (a per-tile arrival counter, reset to
+// 0 by it) adds them in segment order, ((p0 + p1) + p2) + ..., and writes the bf16 rows: the arithmetic of
+// gemm_tc.reduce_kernel, without its launch. The ring of 2 stages x 2 chunks at NTOK 64 (``crowded``) runs two
+// CTAs per SM: its registers are bounded for that (launch bounds).
+constexpr int WG_SHARDS = 4;
+struct WgShards {
+  const uint8_t* wq[WG_SHARDS];
+  const uint8_t* wsc[WG_SHARDS];
+  const float* w_amax[WG_SHARDS];
+  float* part[WG_SHARDS];  // [nseg, M, n] fp32 (nseg > 1)
+  int* cnt[WG_SHARDS];     // [tiles] arrival counters, 0 between launches (nseg > 1)
+  int n[WG_SHARDS], nseg[WG_SHARDS], col[WG_SHARDS], cta0[WG_SHARDS], amax_row[WG_SHARDS];
+  int count, ldo;
+};
+
+// field f of the CTA's shard si (unrolled selects: no dynamic indexing of the parameter space)
+template <typename T>
+__device__ __forceinline__ T wg_pick(const T (&v)[WG_SHARDS], int si) {
+  T r = v[0];
+#pragma unroll
+  for (int i = 1; i < WG_SHARDS; ++i)
+    if (si == i) r = v[i];
+  return r;
+}
+
+// K segments across CTAs: the tile's last CTA to arrive adds the partials in segment order and writes the bf16
+// rows (the one consumer warpgroup, threads 0-127; the producer warp has returned). Out of line: the K loop's
+// registers are dead here, and inlined it raised the kernel's register count by ~50
+template <int NTOK>
+__device__ __noinline__ void wg_last_tile(int* cnt, const float* w_amax, int w_amax_row, const float* part,
+                                          const float* __restrict__ a_amax, uint16_t* out, int M, int N, int nseg, int nb,
+                                          int ldo, int col, int tid, int wl, int g, int q) {
+  __shared__ int last;
+  __threadfence();  // this CTA's partials before its arrival
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+  if (tid == 0) {
+    int* c = cnt + nb;
+    last = atomicAdd(c, 1) == nseg - 1;
+    if (last) atomicExch(c, 0);  // every CTA of the tile has arrived: ready for the next launch
+  }
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+  if (!last) return;
+  __threadfence();  // the other CTAs' partials after their arrivals
+#pragma unroll 1
+  for (int hh = 0; hh < 2; ++hh) {
+    const int n = nb * 64 + wl * 16 + g + 8 * hh;
+    const float b = n < N ? w_amax[w_amax_row ? n : 0] : 0.0f;
+#pragma unroll 1
+    for (int j = 0; j < NTOK / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = 8 * j + 2 * q + e;
+        if (m >= M || n >= N) continue;
+        const float* p = part + (size_t)m * N + n;
+        float t = __ldcg(p);
+        for (int s2 = 1; s2 < nseg; ++s2) t = __fadd_rn(t, __ldcg(p + (size_t)s2 * M * N));
+        const float r = __fmul_rn(__fmul_rn(t, 128.0f), __fmul_rn(__fmul_rn(a_amax[m], b), RCP_ALPHA));
+        out[(size_t)m * ldo + col + n] = bf16_bits_rne(r);
+      }
+    }
+  }
+}
+
 template <int NTOK, int S, int CPS, int MODE = 0, int R = 2, bool KS2 = false>
-__global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
-    const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, const float* __restrict__ w_amax, int w_amax_row,
-    const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
-    float* __restrict__ part, int M, int N, int K, int nseg) {
+__global__ void __launch_bounds__(KS2 ? 320 : 160, NTOK == 64 && S == 2 && !KS2 ? 2 : 1) decode_wg_kernel(
+    const WgShards sh, const __half* __restrict__ a, const float* __restrict__ a_amax, uint16_t* __restrict__ out,
+    int M, int K) {
   static_assert(CPS % R == 0 && R >= 2 && R - 2 < CPS, "register sets alternate over the chunks of a stage");
+  int si = 0;
+#pragma unroll
+  for (int i = 1; i < WG_SHARDS; ++i)
+    if (i < sh.count && (int)blockIdx.x >= sh.cta0[i]) si = i;
+  const uint8_t* __restrict__ wq = wg_pick(sh.wq, si);
+  const uint8_t* __restrict__ wsc = wg_pick(sh.wsc, si);
+  const int N = wg_pick(sh.n, si), nseg = KS2 ? 2 : wg_pick(sh.nseg, si);
+  const int ntiles = (N + 63) / 64, local = (int)blockIdx.x - wg_pick(sh.cta0, si);
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int SB = 2 * S_BYTES;                  // fp16 scales per chunk
   constexpr int TB = 16 * (NTOK / 8) * CMB;        // token bytes per chunk
@@ -183,7 +259,7 @@ __global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * STAGE);  // NR x (full[S], empty[S]), zero B, exchange
   uint64_t* zt = bars + 2 * S * NR;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int nb = blockIdx.x, seg = KS2 ? 0 : blockIdx.z;
+  const int nb = local % ntiles, seg = KS2 ? 0 : local / ntiles;
   const int chunks = K / KC;
   const int steps = chunks / nseg / CPS;
   for (int i = tid; i < 2 * NTOK; i += blockDim.x)  // the zero B tile of the accumulators' first wgmma
@@ -230,6 +306,8 @@ __global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
   }
   pdl_wait();  // the token amax below and every global write after it: the grid before this one is done
   const int wg = warp >> 2, wl = warp & 3;
+  const float* __restrict__ w_amax = wg_pick(sh.w_amax, si);
+  const int w_amax_row = wg_pick(sh.amax_row, si);
   // the epilogue's amax values, loaded before the K loop: their latency hides behind it (lab 23:14:
   // M = 16 15.9 -> 15.5 us, KS2 13.8 -> 13.2)
   const int g = lane >> 2, q = lane & 3;
@@ -259,6 +337,8 @@ __global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
 #pragma unroll
     for (int i = 0; i < NTOK / 2; ++i) acc[i] = __fadd_rn(acc[i], xch[i * 128 + t]);
   }
+  const int ldo = sh.ldo, col = wg_pick(sh.col, si);
+  float* __restrict__ part = wg_pick(sh.part, si);
   // epilogue: acc[4 j + 2 h + e]: weight row 16 wl + g + 8 h, token 8 j + 2 q + e; KS2: nseg 2 summed here
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -272,11 +352,32 @@ __global__ void __launch_bounds__(KS2 ? 320 : 160, 1) decode_wg_kernel(
         const float t = acc[4 * j + 2 * hh + e];
         if (final_rows) {
           const float r = __fmul_rn(__fmul_rn(t, 128.0f), __fmul_rn(__fmul_rn(am[2 * j + e], ba[hh]), RCP_ALPHA));
-          out[(size_t)m * N + n] = bf16_bits_rne(r);
+          out[(size_t)m * ldo + col + n] = bf16_bits_rne(r);
         } else {
           part[((size_t)seg * M + m) * N + n] = t;
         }
       }
     }
   }
+  if constexpr (!KS2) {
+    if (final_rows) return;
+    wg_last_tile<NTOK>(wg_pick(sh.cnt, si), w_amax, w_amax_row, part, a_amax, out, M, N, nseg, nb, ldo, col, tid, wl, g, q);
+  }
+}
+
+// a one-weight table (the launcher of one weight, the lab): columns [0, n) of rows of stride n
+inline WgShards wg_one(const uint8_t* wq, const uint8_t* wsc, const float* w_amax, int amax_row, float* part, int* cnt,
+                       int n, int nseg) {
+  WgShards t = {};
+  t.wq[0] = wq;
+  t.wsc[0] = wsc;
+  t.w_amax[0] = w_amax;
+  t.part[0] = part;
+  t.cnt[0] = cnt;
+  t.n[0] = n;
+  t.nseg[0] = nseg;
+  t.amax_row[0] = amax_row;
+  t.count = 1;
+  t.ldo = n;
+  return t;
 }

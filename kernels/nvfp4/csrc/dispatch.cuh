@@ -1,6 +1,6 @@
-// The extension's entry points: decode_gemm (the dispatcher from (variant, M, chunk counts, ks2,
-// crowded) to one of the kernel instances; native.decode_variant records the same choice),
-// quantize_rows and sync_weights (the weight sync's two kernels). Included by nvfp4_native.cu at global
+// The extension's entry points: decode_gemm (the dispatcher from (variant, M, chunk counts) to one of the
+// kernel instances of variants 0-14), decode_wg (variant 15 over 1-4 weight shards, from (M, chunk counts, ks2,
+// crowded); native.decode_variant records the same choice), quantize_rows and sync_weights (the weight sync's two kernels). Included by nvfp4_native.cu at global
 // scope after launch.cuh (needs torch); the bindings there expose these functions.
 #pragma once
 
@@ -24,39 +24,9 @@ void decode_gemm(torch::Tensor wq, torch::Tensor wsc, torch::Tensor wsc16, torch
   // mbarrier; M <= 16: 4 stages x 4 chunks when the segment's chunk count allows it; 13: the
   // software-pipelined consumer loop (consume_pipe); 14: 12 with 8 consumer warps of one 8-row weight
   // tile each at M <= 16 (4 stages x 4 chunks). Same conditions as 6-11, else the cp.async kernel.
-  // variant 15 (sm_90a): decode_wg_kernel, the token operand core-matrix ordered ([K/128][16][G][8][8]
-  // fp16, G = NTOK / 8 row groups, NTOK = 8, 16, 32 or 64: the least >= M); 4 stages x 4 chunks where
-  // the segment's chunk count allows it (M <= 16: 4 register sets), else 2 chunks per stage (the lab's
-  // fastest, 2026-12-01 20:33-20:47). Same conditions as 6-14. ``pdl`` (variant 15 only; the others ignore it):
-  // a programmatic dependent launch (launch_wg), for a call right after the quantizer of its tokens.
-  if (variant == 15 && two && M <= 64) {
-    const int ntok = M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
-    TORCH_CHECK(wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
-    TORCH_CHECK(a.dim() == 5 && a.size(0) == K / KC && a.size(1) == 16 && a.size(2) == ntok / 8 && a.size(3) == 8 &&
-                    a.size(4) == 8 && a.is_contiguous(),
-                "decode_gemm: variant 15 takes the core-matrix token operand [K/128, 16, NTOK/8, 8, 8]");
-    const bool four = (K / KC / nseg) % 4 == 0;
-#define MP_WG(...) launch_wg<__VA_ARGS__>(wq, wsc16, w_amax, w_amax_row, a, a_amax, out, part, m, n, k, s, pdl)
-    if (ks2) {  // both K segments in one CTA: the bf16 rows, no partials (native.fused_segments)
-      TORCH_CHECK(nseg == 2 && ntok <= 32, "decode_gemm: in-CTA K segments need nseg == 2 and M <= 32");
-      if (ntok == 8) MP_WG(8, 4, 2, 2, true);
-      else if (ntok == 16) MP_WG(16, 4, 2, 2, true);
-      else MP_WG(32, 4, 2, 2, true);
-      return;
-    }
-    // M > 32 with K segments across CTAs that would not fit one wave at one CTA per SM (``crowded``, decided
-    // by native.crowded, which decode_variant records): a ring of 2 stages x 2 chunks (86 KB), two CTAs per SM
-    if (ntok == 64 && crowded) {
-      MP_WG(64, 2, 2);
-      return;
-    }
-    if (ntok == 8) { if (four) MP_WG(8, 4, 4, 4); else MP_WG(8, 6, 2); }
-    else if (ntok == 16) { if (four) MP_WG(16, 4, 4, 4); else MP_WG(16, 6, 2); }
-    else if (ntok == 32) { if (four) MP_WG(32, 4, 4); else MP_WG(32, 6, 2); }
-    else MP_WG(64, 4, 2);
-#undef MP_WG
-    return;
-  }
+  // variant 15 (sm_90a, M <= 64, an even chunk count per K segment): decode_wg below (native.decode_gemm
+  // routes it there)
+  TORCH_CHECK(!(variant == 15 && two && M <= 64), "decode_gemm: variant 15 runs through decode_wg");
   if (variant >= 12 && variant <= 14 && two && M <= 64) {
     TORCH_CHECK(wsc16.numel() == wsc.numel() * 2, "decode_gemm: fp16 scales");
     TORCH_CHECK(a.dim() == 4 && a.size(0) >= (M + 15) / 16 && a.size(1) == K / KC && a.size(2) == 16 &&
@@ -158,4 +128,85 @@ void sync_weights(torch::Tensor x_base, torch::Tensor tab, torch::Tensor ab, tor
               "sync_weights: program counts");
   const c10::cuda::CUDAGuard guard(x_base.device());
   launch_sync(x_base, tab, ab, out, amax_progs, quant_progs);
+}
+
+// variant 15 (sm_90a): decode_wg_kernel over a table of 1 to WG_SHARDS weights that read the same tokens (a fused
+// layer's shards; native.decode_shards), each its own K segments, written into one output ``out`` [M, ldo] at
+// columns [col_i, col_i + n_i); K segments across CTAs are added by the tile's last CTA (decode_wg.cuh), with
+// the arrival counters ``cnt`` (int32, zero, cnt_off_i + tiles_i entries each) left at zero. The token operand
+// core-matrix ordered ([K/128][16][G][8][8] fp16, G = NTOK / 8 row groups, NTOK = 8, 16, 32 or 64: the least
+// >= M); 4 stages x 4 chunks where the segments' chunk count allows it (M <= 16: 4 register sets), else 2 chunks
+// per stage (the lab's fastest, 2026-12-01 20:33-20:47): every shard must choose the same instance. ``ks2``
+// (native.fused_segments): both K segments in one CTA; ``crowded`` (native.crowded): M > 32 with a ring of 2
+// stages x 2 chunks, two CTAs per SM. ``pdl``: a programmatic dependent launch (launch_wg), for a call right
+// after the quantizer of its tokens.
+void decode_wg(std::vector<torch::Tensor> wq, std::vector<torch::Tensor> wsc16, std::vector<torch::Tensor> w_amax,
+               std::vector<int64_t> amax_row, std::vector<torch::Tensor> part, torch::Tensor cnt,
+               std::vector<int64_t> cnt_off, std::vector<int64_t> n, std::vector<int64_t> nseg, std::vector<int64_t> col,
+               int64_t ldo, torch::Tensor a, torch::Tensor a_amax, torch::Tensor out, int64_t M, int64_t K, bool ks2,
+               bool crowded, bool pdl) {
+  const size_t cnt_shards = wq.size();
+  TORCH_CHECK(cnt_shards >= 1 && cnt_shards <= WG_SHARDS, "decode_wg: 1 to 4 shards");
+  TORCH_CHECK(wsc16.size() == cnt_shards && w_amax.size() == cnt_shards && amax_row.size() == cnt_shards &&
+                  part.size() == cnt_shards && cnt_off.size() == cnt_shards && n.size() == cnt_shards &&
+                  nseg.size() == cnt_shards && col.size() == cnt_shards,
+              "decode_wg: one entry per shard in every list");
+  TORCH_CHECK(M >= 1 && M <= 64 && K % KC == 0, "decode_wg: 1 <= M <= 64, K % 128 == 0");
+  const int ntok = M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
+  TORCH_CHECK(a.scalar_type() == at::kHalf && a.dim() == 5 && a.size(0) == K / KC && a.size(1) == 16 &&
+                  a.size(2) == ntok / 8 && a.size(3) == 8 && a.size(4) == 8 && a.is_contiguous(),
+              "decode_wg: the core-matrix token operand [K/128, 16, NTOK/8, 8, 8] fp16");
+  TORCH_CHECK(out.element_size() == 2 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == ldo,
+              "decode_wg: a 2-byte output [M, ldo]");
+  TORCH_CHECK(cnt.scalar_type() == at::kInt && cnt.is_contiguous() && cnt.device() == a.device(), "decode_wg: int32 counters");
+  TORCH_CHECK(!ks2 || ntok <= 32, "decode_wg: in-CTA K segments need M <= 32");
+  const c10::cuda::CUDAGuard guard(a.device());
+  WgShards sh = {};
+  sh.count = static_cast<int>(cnt_shards);
+  sh.ldo = static_cast<int>(ldo);
+  int ctas = 0, four = -1;
+  for (size_t i = 0; i < cnt_shards; ++i) {
+    const int64_t s = nseg[i], tiles = (n[i] + 63) / 64;
+    TORCH_CHECK(s >= 1 && (K / KC) % s == 0 && (K / KC / s) % 2 == 0, "decode_wg: an even chunk count per K segment");
+    TORCH_CHECK(!ks2 || s == 2, "decode_wg: in-CTA K segments need nseg == 2");
+    const int f = (K / KC / s) % 4 == 0;
+    TORCH_CHECK(four < 0 || f == four, "decode_wg: every shard must take the same kernel instance (chunks per stage)");
+    four = f;
+    TORCH_CHECK(col[i] >= 0 && col[i] + n[i] <= ldo, "decode_wg: shard columns inside the output");
+    TORCH_CHECK(wsc16[i].numel() * 4 == wq[i].numel(), "decode_wg: fp16 scales");
+    TORCH_CHECK(w_amax[i].scalar_type() == at::kFloat, "decode_wg: fp32 weight amax");
+    TORCH_CHECK(s == 1 || ks2 || (part[i].scalar_type() == at::kFloat && part[i].numel() >= s * M * n[i] &&
+                                  cnt_off[i] >= 0 && cnt_off[i] + tiles <= cnt.numel()),
+                "decode_wg: fp32 partials [nseg, M, n] and counters for K segments across CTAs");
+    sh.wq[i] = reinterpret_cast<const uint8_t*>(wq[i].data_ptr());
+    sh.wsc[i] = reinterpret_cast<const uint8_t*>(wsc16[i].data_ptr());
+    sh.w_amax[i] = w_amax[i].data_ptr<float>();
+    sh.part[i] = part[i].scalar_type() == at::kFloat ? part[i].data_ptr<float>() : nullptr;
+    sh.cnt[i] = cnt.data_ptr<int>() + cnt_off[i];
+    sh.n[i] = static_cast<int>(n[i]);
+    sh.nseg[i] = static_cast<int>(s);
+    sh.col[i] = static_cast<int>(col[i]);
+    sh.cta0[i] = ctas;
+    sh.amax_row[i] = amax_row[i] ? 1 : 0;
+    ctas += static_cast<int>(tiles * (ks2 ? 1 : s));
+  }
+  const int m = M, k = K;
+#define MP_WG(...) launch_wg<__VA_ARGS__>(sh, a, a_amax, out, m, k, ctas, pdl)
+  if (ks2) {  // both K segments in one CTA: the bf16 rows, no partials (native.fused_segments)
+    if (ntok == 8) MP_WG(8, 4, 2, 2, true);
+    else if (ntok == 16) MP_WG(16, 4, 2, 2, true);
+    else MP_WG(32, 4, 2, 2, true);
+    return;
+  }
+  // M > 32 with K segments across CTAs that would not fit one wave at one CTA per SM (``crowded``, decided
+  // by native.crowded, which decode_variant records): a ring of 2 stages x 2 chunks (86 KB), two CTAs per SM
+  if (ntok == 64 && crowded) {
+    MP_WG(64, 2, 2);
+    return;
+  }
+  if (ntok == 8) { if (four) MP_WG(8, 4, 4, 4); else MP_WG(8, 6, 2); }
+  else if (ntok == 16) { if (four) MP_WG(16, 4, 4, 4); else MP_WG(16, 6, 2); }
+  else if (ntok == 32) { if (four) MP_WG(32, 4, 4); else MP_WG(32, 6, 2); }
+  else MP_WG(64, 4, 2);
+#undef MP_WG
 }

@@ -55,12 +55,12 @@ constexpr int wg_smem(int ntok, int s, int cps, bool ks2 = false) {  // stages, 
 }
 
 // ``pdl``: launched with programmatic stream serialization (the caller's promise: the kernel before it on the
-// stream writes none of the weight's fields; it may be running still while this one streams the weights, see
-// decode_wg_kernel's producer; every read of the tokens and every write waits for it to finish)
+// stream writes none of the weights' fields; it may be running still while this one streams the weights, see
+// decode_wg_kernel's producer; every read of the tokens and every write waits for it to finish). ``sh``: the
+// shard table (decode_wg.cuh), ``ctas`` its CTAs in all
 template <int NTOK, int S, int CPS, int R = 2, bool KS2 = false>
-void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch::Tensor& w_amax, bool w_amax_row,
-               const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, torch::Tensor& part, int M,
-               int N, int K, int nseg, bool pdl) {
+void launch_wg(const WgShards& sh, const torch::Tensor& a, const torch::Tensor& a_amax, torch::Tensor& out, int M,
+               int K, int ctas, bool pdl) {
   constexpr int SMEM = wg_smem(NTOK, S, CPS, KS2);
   auto kern = decode_wg_kernel<NTOK, S, CPS, 0, R, KS2>;
   static bool attr = false;
@@ -69,7 +69,7 @@ void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch:
     attr = true;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((N + 63) / 64, 1, KS2 ? 1 : nseg);
+  cfg.gridDim = dim3(ctas);
   cfg.blockDim = dim3(KS2 ? 320 : 160);
   cfg.dynamicSmemBytes = SMEM;
   cfg.stream = c10::cuda::getCurrentCUDAStream();
@@ -78,11 +78,9 @@ void launch_wg(const torch::Tensor& wq, const torch::Tensor& wsc16, const torch:
   at[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = at;
   cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &cfg, kern, reinterpret_cast<const uint8_t*>(wq.data_ptr()), reinterpret_cast<const uint8_t*>(wsc16.data_ptr()),
-      static_cast<const float*>(w_amax.data_ptr<float>()), w_amax_row ? 1 : 0,
-      reinterpret_cast<const __half*>(a.data_ptr()), static_cast<const float*>(a_amax.data_ptr<float>()),
-      reinterpret_cast<uint16_t*>(out.data_ptr()), part.data_ptr<float>(), M, N, K, nseg));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, sh, reinterpret_cast<const __half*>(a.data_ptr()),
+                                    static_cast<const float*>(a_amax.data_ptr<float>()),
+                                    reinterpret_cast<uint16_t*>(out.data_ptr()), M, K));
 }
 
 template <int BPT>

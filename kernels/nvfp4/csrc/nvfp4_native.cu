@@ -68,6 +68,7 @@ namespace {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_gemm", &decode_gemm, "NVFP4 decode GEMM (native layout weights, fp16 activation operand)");
+  m.def("decode_wg", &decode_wg, "NVFP4 decode GEMM on wgmma (sm_90a) over 1-4 weight shards into one output");
   m.def("quantize_rows", &quantize_rows, "NVFP4 per-token / given-amax quantizer, bf16 rows (op_cm 1: chunk-major operand, 2: core-matrix operand)");
   m.def("sync_weights", &sync_weights, "weight sync: amax pass and fused bf16 -> NVFP4 layouts kernel over a shard table");
   m.attr("sync_cols") = SYNC_COLS;              // the shard table's columns (sync.cuh)
