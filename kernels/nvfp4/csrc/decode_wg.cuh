@@ -196,7 +196,7 @@ __device__ __forceinline__ T wg_pick(const T (&v)[WG_SHARDS], int si) {
 
 // K segments across CTAs: the tile's last CTA to arrive adds the partials in segment order and writes the bf16
 // rows (the one consumer warpgroup, threads 0-127; the producer warp has returned). Out of line: the K loop's
-// registers are dead here, and inlined it raised the kernel's register count by ~50
+// registers are dead here, and inlined it raised the kernel's register count by ~50 (ptxas -v, sm_90a)
 template <int NTOK>
 __device__ __noinline__ void wg_last_tile(int* cnt, const float* w_amax, int w_amax_row, const float* part,
                                           const float* __restrict__ a_amax, uint16_t* out, int M, int N, int nseg, int nb,
@@ -212,22 +212,37 @@ __device__ __noinline__ void wg_last_tile(int* cnt, const float* w_amax, int w_a
   asm volatile("bar.sync 1, 128;" ::: "memory");
   if (!last) return;
   __threadfence();  // the other CTAs' partials after their arrivals
-#pragma unroll 1
+  // the thread's outputs (as the epilogue's: weight row 16 wl + g + 8 hh, token 8 j + 2 q + e), summed one
+  // segment at a time over all of them, so each segment's loads are in flight together
+  constexpr int E = NTOK / 4;
+  float t[2][E];
+  const size_t mn = (size_t)M * N;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const int n = nb * 64 + wl * 16 + g + 8 * hh, m = 8 * (i >> 1) + 2 * q + (i & 1);
+      t[hh][i] = m < M && n < N ? __ldcg(part + (size_t)m * N + n) : 0.0f;
+    }
+  for (int s2 = 1; s2 < nseg; ++s2)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        const int n = nb * 64 + wl * 16 + g + 8 * hh, m = 8 * (i >> 1) + 2 * q + (i & 1);
+        if (m < M && n < N) t[hh][i] = __fadd_rn(t[hh][i], __ldcg(part + s2 * mn + (size_t)m * N + n));
+      }
+#pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int n = nb * 64 + wl * 16 + g + 8 * hh;
-    const float b = n < N ? w_amax[w_amax_row ? n : 0] : 0.0f;
-#pragma unroll 1
-    for (int j = 0; j < NTOK / 8; ++j) {
+    if (n >= N) continue;
+    const float b = w_amax[w_amax_row ? n : 0];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = 8 * j + 2 * q + e;
-        if (m >= M || n >= N) continue;
-        const float* p = part + (size_t)m * N + n;
-        float t = __ldcg(p);
-        for (int s2 = 1; s2 < nseg; ++s2) t = __fadd_rn(t, __ldcg(p + (size_t)s2 * M * N));
-        const float r = __fmul_rn(__fmul_rn(t, 128.0f), __fmul_rn(__fmul_rn(a_amax[m], b), RCP_ALPHA));
-        out[(size_t)m * ldo + col + n] = bf16_bits_rne(r);
-      }
+    for (int i = 0; i < E; ++i) {
+      const int m = 8 * (i >> 1) + 2 * q + (i & 1);
+      if (m >= M) continue;
+      const float r = __fmul_rn(__fmul_rn(t[hh][i], 128.0f), __fmul_rn(__fmul_rn(a_amax[m], b), RCP_ALPHA));
+      out[(size_t)m * ldo + col + n] = bf16_bits_rne(r);
     }
   }
 }
