@@ -217,6 +217,8 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
         rec = {"variant": v, "pipeline": "wgmma-core", "scales": "fp16", "decode": "shift", "NTOK": ntok,
                "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
                "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
+        if w.nseg > 1:
+            rec["segments"] = "added by the tile's last CTA (no reduce launch)"
         if fused_segments(m, w, w.nseg):
             return {**rec, "pipeline": "wgmma-core, both K segments in the CTA, a ring per segment", "STAGES": 4,
                     "CPS": 2, "R": 2, "MMA": rec["MMA"] + ", 2 warpgroups"}
