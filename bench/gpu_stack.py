@@ -196,6 +196,11 @@ if "fuse_quant" in cfg:  # A/B of the producers' fused quantization: the engine 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from mismatch_probe.kernels.nvfp4 import fused_input
     fused_input.ENABLED = bool(cfg["fuse_quant"])
+if "group_shards" in cfg:  # A/B of a fused layer's shards in one decode launch (same bits), engine in-process
+    import os
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from mismatch_probe.kernels.nvfp4 import native
+    native.GROUP_SHARDS = bool(cfg["group_shards"])
 if cfg["recipe"] != "engine":
     from mismatch_probe.probes.vllm import plugin
     plugin.activate(cfg["recipe"])
@@ -334,6 +339,12 @@ def step_speed8b(out: Path, timeout: float, mem: float, recipes: tuple[str, ...]
                 vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe[:-8]} cuda graphs, in-process engine, "
                            f"fused quant {'on' if on else 'off'}", base | {"recipe": recipe[:-8], "fuse_quant": on}, timeout)
             continue
+        if recipe.endswith("@shards-ab"):  # a fused layer's shards in one decode launch, then one each (in-process)
+            for on in (True, False):
+                vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe[:-10]} cuda graphs, in-process engine, "
+                           f"shards {'one launch' if on else 'one launch each'}",
+                           base | {"recipe": recipe[:-10], "group_shards": on}, timeout)
+            continue
         vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe} cuda graphs", base | {"recipe": recipe}, timeout)
 
 
@@ -357,7 +368,8 @@ def main() -> None:
     ap.add_argument("--tiny-models", default=",".join(TINY))
     ap.add_argument("--mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (lower: two copies side by side)")
     ap.add_argument("--speed8b-recipes", default=",".join(RECIPES_8B), help="speed8b: which runs (engine, nvfp4-per-token; "
-                    "RECIPE@fuse-ab: the recipe with the producers' fused quantization on, then off, engine in-process)")
+                    "RECIPE@fuse-ab: the recipe with the producers' fused quantization on, then off, engine in-process; "
+                    "RECIPE@shards-ab: a fused layer's shards in one decode launch, then one each, in-process)")
     ap.add_argument("--wait", type=float, default=0.0,
                     help="bisect: wait up to this many seconds for the 0.6B runs (written by another copy of this script)")
     ap.add_argument("--tag", default="gpu_stack", help="name of the JSON written into --out")

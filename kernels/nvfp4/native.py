@@ -353,6 +353,7 @@ def reduces_in_kernel(m: int, w: Any, nseg: int) -> bool:
 # before it has finished)
 COUNTERS = 1 << 16
 MAX_SHARDS = 4  # decode_wg.cuh's WG_SHARDS
+GROUP_SHARDS = True  # False: a fused layer's shards one launch each (the bench's A/B switch; the same bits)
 
 
 def counters(device: torch.device) -> torch.Tensor:
@@ -373,7 +374,7 @@ def shards_ok(m: int, tws: list[Any]) -> bool:
     """The shards (weights reading the same tokens: a fused layer's q, k, v or gate, up) run as one launch of
     the wgmma decode kernel into one output: each would run that kernel alone (:func:`reduces_in_kernel`, after
     :func:`tc_linear.use_native`), with the same instance, at most :data:`MAX_SHARDS`, and the counters fit."""
-    if not 1 < len(tws) <= MAX_SHARDS or m > 64:
+    if not GROUP_SHARDS or not 1 < len(tws) <= MAX_SHARDS or m > 64:
         return False
     if not all(decode_ok(w) and reduces_in_kernel(m, w, w.nseg) for w in tws):
         return False
