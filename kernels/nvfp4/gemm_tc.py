@@ -286,8 +286,9 @@ def decode_ns_kernel(
 
 @kjit
 def reduce_kernel(part_ptr, a_amax_ptr, w_amax_ptr, row_e_ptr, out_ptr, M, N,
-                  NSEG: tl.constexpr, BLOCK: tl.constexpr, W_AMAX_ROW: tl.constexpr, GROUPED: tl.constexpr):
-    """out = epilogue(((p_0 + p_1) + p_2) + ...): the segment partials in segment order."""
+                  NSEG: tl.constexpr, BLOCK: tl.constexpr, W_AMAX_ROW: tl.constexpr, GROUPED: tl.constexpr, LDO=None):
+    """out = epilogue(((p_0 + p_1) + p_2) + ...): the segment partials in segment order. ``LDO``: the
+    output's row stride (None: N; a fused layer's shard writes its columns of the layer's output)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     msk = i < M * N
     m = i // N
@@ -304,7 +305,11 @@ def reduce_kernel(part_ptr, a_amax_ptr, w_amax_ptr, row_e_ptr, out_ptr, M, N,
         ba = tl.load(w_amax_ptr + e * N + n, mask=msk, other=0.0)
     else:
         ba = tl.load(w_amax_ptr + e, mask=msk, other=0.0)
-    tl.store(out_ptr + i, bf16_bits_rne(_epilogue(total, aa, ba)).to(tl.int16), mask=msk)
+    if LDO is None:
+        o = i
+    else:
+        o = m * LDO + n
+    tl.store(out_ptr + o, bf16_bits_rne(_epilogue(total, aa, ba)).to(tl.int16), mask=msk)
 
 
 @kjit

@@ -218,7 +218,7 @@ def decode_variant(m: int, w: Any) -> dict[str, Any]:
                "MMA": f"wgmma.mma_async m64n{ntok}k16 (A: registers)",
                "tokens": f"core-matrix [K/128][16][{ntok // 8}][8][8] fp16"}
         if w.nseg > 1:
-            rec["segments"] = "added by the tile's last CTA (no reduce launch)"
+            rec["segments"] = "added by the tile's last CTA (no reduce launch)" if REDUCE_IN_KERNEL else "a reduce launch"
         if fused_segments(m, w, w.nseg):
             return {**rec, "pipeline": "wgmma-core, both K segments in the CTA, a ring per segment", "STAGES": 4,
                     "CPS": 2, "R": 2, "MMA": rec["MMA"] + ", 2 warpgroups"}
@@ -322,9 +322,9 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
     programmatic dependent launch, its weight stream started while the kernel before it on the stream
     still runs (the quantizer of its tokens); the caller's promise: that kernel writes none of ``w``'s
     fields (the tokens, their amax and every output are read and written after it has finished).
-    Variant 15 adds its K segments itself (:func:`reduces_in_kernel`): ``out`` holds the bf16 rows on
-    return; the other variants leave the partials in ``part`` for ``gemm_tc.reduce_kernel``."""
-    if reduces_in_kernel(m, w, nseg):
+    Where the kernel does not add the K segments itself (:func:`reduces_in_kernel`) it leaves the partials in
+    ``part`` for ``gemm_tc.reduce_kernel``."""
+    if wgmma_path(m, w, nseg):
         decode_shards(a_amax, a_op, [w], m, out, [part], pdl)
         return
     mod = load()
@@ -339,11 +339,19 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
                     fused_segments(m, w, nseg), crowded(w, nseg), bool(pdl) and PDL)
 
 
-def reduces_in_kernel(m: int, w: Any, nseg: int) -> bool:
-    """The decode GEMM of M rows adds the weight's K segments itself: the wgmma kernel (variant 15, sm_90),
-    whose last CTA of each 64-row tile adds the tile's partials in segment order (the arithmetic of
-    ``gemm_tc.reduce_kernel``, without its launch), or keeps both halves in the CTA (:func:`fused_segments`)."""
+def wgmma_path(m: int, w: Any, nseg: int) -> bool:
+    """The decode GEMM of M rows runs the wgmma kernel (variant 15, sm_90: :func:`decode_shards`)."""
     return nseg == w.nseg and token_layout(m, w) == 2
+
+
+def reduces_in_kernel(m: int, w: Any, nseg: int) -> bool:
+    """The decode GEMM of M rows writes the bf16 rows itself, with no reduce launch after it: one K segment,
+    both halves in the CTA (:func:`fused_segments`), or, with :data:`REDUCE_IN_KERNEL`, the wgmma kernel's
+    last CTA of each 64-row tile adding the tile's partials in segment order (the arithmetic of
+    ``gemm_tc.reduce_kernel``, without its launch)."""
+    if nseg == 1 or fused_segments(m, w, nseg):
+        return True
+    return REDUCE_IN_KERNEL and wgmma_path(m, w, nseg)
 
 
 # the wgmma kernel's per-tile arrival counters (K segments across CTAs): int32, zero between launches (the last
@@ -354,6 +362,10 @@ def reduces_in_kernel(m: int, w: Any, nseg: int) -> bool:
 COUNTERS = 1 << 16
 MAX_SHARDS = 4  # decode_wg.cuh's WG_SHARDS
 GROUP_SHARDS = True  # False: a fused layer's shards one launch each (the bench's A/B switch; the same bits)
+# the wgmma kernel's K segments across CTAs added by each tile's last CTA (True) or by a reduce launch after it
+# (False, the default): the same bits; the in-kernel sum was slower on the H100 (BENCHMARKS.md, issue 28 round
+# 20: the 8B decode in CUDA vLLM -9% at 16 sequences, -20% at 64: each CTA's fence and arrival before it exits)
+REDUCE_IN_KERNEL = False
 
 
 def counters(device: torch.device) -> torch.Tensor:
@@ -372,11 +384,11 @@ def _instance(m: int, w: Any) -> tuple[Any, ...]:
 
 def shards_ok(m: int, tws: list[Any]) -> bool:
     """The shards (weights reading the same tokens: a fused layer's q, k, v or gate, up) run as one launch of
-    the wgmma decode kernel into one output: each would run that kernel alone (:func:`reduces_in_kernel`, after
+    the wgmma decode kernel into one output: each would run that kernel alone (:func:`wgmma_path`, after
     :func:`tc_linear.use_native`), with the same instance, at most :data:`MAX_SHARDS`, and the counters fit."""
     if not GROUP_SHARDS or not 1 < len(tws) <= MAX_SHARDS or m > 64:
         return False
-    if not all(decode_ok(w) and reduces_in_kernel(m, w, w.nseg) for w in tws):
+    if not all(decode_ok(w) and wgmma_path(m, w, w.nseg) for w in tws):
         return False
     first = _instance(m, tws[0])
     return all(_instance(m, w) == first for w in tws[1:]) and sum(tiles(w) for w in tws) <= COUNTERS
@@ -386,8 +398,9 @@ def decode_shards(a_amax: torch.Tensor, a_op: torch.Tensor, tws: list[Any], m: i
                   parts: list[torch.Tensor], pdl: bool = False) -> None:
     """One launch of the wgmma decode kernel (variant 15) for the weights ``tws`` (1 to :data:`MAX_SHARDS`,
     the same K and kernel instance: :func:`shards_ok`) reading the tokens ``a_op``: ``out`` [M, sum of N]
-    (2-byte) gets shard i at its columns, each the bf16 rows a launch of that weight alone writes.
-    ``parts[i]``: fp32 [nseg_i, M, N_i] where shard i has K segments across CTAs (else unused)."""
+    (2-byte) gets shard i at its columns, each the bf16 rows a launch of that weight alone writes, except
+    where the kernel leaves its K segments to a reduce launch (:func:`reduces_in_kernel` false): then
+    ``parts[i]`` (fp32 [nseg_i, M, N_i]) holds them for ``gemm_tc.reduce_kernel`` (the caller's)."""
     mod = load()
     w0 = tws[0]
     if a_op.dim() != 5:
@@ -396,10 +409,10 @@ def decode_shards(a_amax: torch.Tensor, a_op: torch.Tensor, tws: list[Any], m: i
     if a.data_ptr() % 16 or not a.is_contiguous():
         a = a.clone(memory_format=torch.contiguous_format)
     cnt = counters(a.device)
-    cols, offs, c, o = [], [], 0, 0  # the output's columns and the counters of each shard
+    cols, offs, c, o = [], [], 0, 0  # the output's columns and the counters of each shard (-1: none)
     for w in tws:
         cols.append(c)
-        offs.append(o)
+        offs.append(o if REDUCE_IN_KERNEL else -1)
         c += w.n
         o += tiles(w)
     mod.decode_wg([w.native_w[0] for w in tws], [w.native_w[2] for w in tws], [w.amax for w in tws],

@@ -232,9 +232,8 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
             from . import native
 
             native.decode_gemm(a_amax, a_op, w, m, nseg, out.view(torch.int16), part, pdl)
-            if nseg > 1 and not native.reduces_in_kernel(m, w, nseg):
-                launch(reduce_kernel, (cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16),
-                       m, n, nseg, 1024, w.per_row, False, num_warps=4)
+            if not native.reduces_in_kernel(m, w, nseg):
+                reduce_segments(part, a_amax, w, out, nseg)
             return out
         n_m = te.numel() if grouped else cdiv(m, cfg["BM"])
         args = (w.dec, w.dsc, w.amax, a_op, a_amax, out.view(torch.int16), part, te, tr0, tr1,
@@ -264,6 +263,15 @@ def _run(a_amax: torch.Tensor, a_op: torch.Tensor, w: TCWeight, m: int, p: str,
            cfg["BM"], cfg["BN"], cfg["BK"], w.nseg, cfg["GROUP_M"], grouped, w.per_row, INTERPRET, cfg["FLAT"],
            **wdec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def reduce_segments(part: torch.Tensor, a_amax: torch.Tensor, w: TCWeight, out: torch.Tensor, nseg: int) -> None:
+    """The bf16 rows of a dense weight from its K segments' fp32 partials ``part`` [nseg, M, N]
+    (``reduce_kernel``: in segment order, then the epilogue) into ``out`` [M, N] bf16, which may be a column
+    block of a wider output (a fused layer's shard: its row stride is passed on)."""
+    m, n = out.shape
+    launch(reduce_kernel, (cdiv(m * n, 1024),), part, a_amax, w.amax, a_amax, out.view(torch.int16), m, n, nseg, 1024,
+           w.per_row, False, out.stride(0), num_warps=4)
 
 
 def _weight_args(w: TCWeight, decode: bool) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -367,8 +375,9 @@ def tc_matmul_shards(a: NVFP4Tensor, tws: list[TCWeight], *, a_op: torch.Tensor 
                      after_own_kernel: bool = False) -> torch.Tensor:
     """``a`` times each weight of ``tws`` (shards reading the same tokens: a fused layer's q, k, v or gate,
     up), side by side -> bf16 [M, sum of N]: every column block the bits of :func:`tc_matmul` of its shard.
-    On the native wgmma decode path (:func:`native.shards_ok`) one launch writes the whole output (no
-    ``torch.cat``, no reduce launch); else one :func:`tc_matmul` per shard, joined. ``after_own_kernel``: as
+    On the native wgmma decode path (:func:`native.shards_ok`) one launch computes every shard into one
+    output (no ``torch.cat``; a shard with K segments across CTAs then gets its reduce launch, writing its
+    columns); else one :func:`tc_matmul` per shard, joined. ``after_own_kernel``: as
     :func:`tc_matmul` (each shard after the first follows its own kernel)."""
     if len(tws) > 1 and a_op is not None and a_op.dtype == torch.float16 and a.per_token and a.shape[0]:
         m = a.shape[0]
@@ -379,9 +388,14 @@ def tc_matmul_shards(a: NVFP4Tensor, tws: list[TCWeight], *, a_op: torch.Tensor 
                 for w in tws:
                     _check(a, w)
                 out = torch.empty(m, sum(w.n for w in tws), dtype=torch.bfloat16, device=a_op.device)
-                parts = [torch.empty(w.nseg, m, w.n, dtype=torch.float32, device=a_op.device) if w.nseg > 1
-                         and not native.fused_segments(m, w, w.nseg) else a.amax for w in tws]
+                parts = [torch.empty(w.nseg, m, w.n, dtype=torch.float32, device=a_op.device)
+                         if w.nseg > 1 and not native.fused_segments(m, w, w.nseg) else a.amax for w in tws]
                 native.decode_shards(a.amax, a_op, tws, m, out.view(torch.int16), parts, after_own_kernel)
+                c0 = 0
+                for w, part in zip(tws, parts, strict=True):  # the K segments the kernel left to a reduce launch
+                    if not native.reduces_in_kernel(m, w, w.nseg):
+                        reduce_segments(part, a.amax, w, out[:, c0:c0 + w.n], w.nseg)
+                    c0 += w.n
                 return out
     ys = [tc_matmul(a, tw, a_op=a_op, after_own_kernel=i > 0 or after_own_kernel) for i, tw in enumerate(tws)]
     return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]

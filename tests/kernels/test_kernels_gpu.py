@@ -154,12 +154,14 @@ def test_fused_act_quantize_bits_on_gpu(d):
 
 
 @needs_cuda
-def test_decode_shards_one_launch_and_in_kernel_segments_bits():
-    """The wgmma decode kernel (sm_90) adds its K segments itself (the tile's last CTA, no reduce launch) and
-    runs a fused layer's shards as one launch into one output: Qwen3-8B's q, k, v (K 4096; N 4096 / 1024 /
-    1024: 2 / 8 / 8 segments) and gate, up (N 12288 each, 1 segment), M 1 to 64. Every column block equals
-    the Triton decode kernel's and the prefill path's rows of its shard (torch.equal), on repeated calls and
-    CUDA-graph replays (the arrival counters are back at zero after each launch)."""
+@pytest.mark.parametrize("in_kernel", [False, True])
+def test_decode_shards_one_launch_and_segments_bits(in_kernel, monkeypatch):
+    """The wgmma decode kernel (sm_90) runs a fused layer's shards as one launch into one output: Qwen3-8B's
+    q, k, v (K 4096; N 4096 / 1024 / 1024: 2 / 8 / 8 segments) and gate, up (N 12288 each, 1 segment), M 1 to
+    64; K segments across CTAs added by a reduce launch per shard into its columns (the default) or, with
+    native.REDUCE_IN_KERNEL, by the tile's last CTA. Every column block equals the Triton decode kernel's and
+    the prefill path's rows of its shard (torch.equal), on repeated calls and CUDA-graph replays (the arrival
+    counters are back at zero after each launch)."""
     from dataclasses import replace
 
     from mismatch_probe.kernels.nvfp4 import native
@@ -171,6 +173,7 @@ def test_decode_shards_one_launch_and_in_kernel_segments_bits():
 
     if not native.available() or native.default_variant() != native.HOPPER_VARIANT:
         pytest.skip(f"needs the native wgmma kernel (sm_90): {native.status()}")
+    monkeypatch.setattr(native, "REDUCE_IN_KERNEL", in_kernel)
     g = torch.Generator(device="cuda").manual_seed(11)
     triton_decode = replace(DEFAULT, decode=DecodeTuning(native=False))
     x = torch.randn(64, 4096, device="cuda", generator=g).to(torch.bfloat16)
@@ -187,7 +190,7 @@ def test_decode_shards_one_launch_and_in_kernel_segments_bits():
             assert native.shards_ok(m, tws) == (len(tws) > 1), (parts, m)
             for _ in range(3):
                 assert torch.equal(tc_matmul_shards(qa, tws, a_op=op), want), (parts, m)
-                for i, tw in enumerate(tws):  # one shard alone, its segments added in the kernel
+                for i, tw in enumerate(tws):  # one shard alone
                     c0 = sum(parts[:i])
                     assert torch.equal(tc_matmul(qa, tw, a_op=op), want[:, c0:c0 + parts[i]]), (parts, m, i)
             assert not native.counters(x.device).any()

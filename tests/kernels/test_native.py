@@ -248,7 +248,8 @@ def test_decode_gemm_passes_the_instance_decisions(monkeypatch: pytest.MonkeyPat
     for n, m, ks2, crowd in ((8192, 16, True, True), (8192, 64, False, True), (4096, 64, False, False),
                              (4096, 16, False, False)):
         w = _w(8192, 2, n=n, native_w=(t, t, t), amax=t, per_row=True)
-        assert native.reduces_in_kernel(m, w, 2)  # variant 15 adds its K segments: no reduce launch after it
+        assert native.wgmma_path(m, w, 2)  # variant 15; its K segments: in the CTA (ks2), else a reduce launch
+        assert native.reduces_in_kernel(m, w, 2) == ks2
         native.decode_gemm(t, torch.zeros(m, 8192, dtype=torch.float16), w, m, 2, t, t)
         rec = native.decode_variant(m, w)
         assert calls[-1][-3:] == (ks2, crowd, False) and calls[-1][11].dim() == 5  # the core-matrix operand
@@ -333,9 +334,14 @@ def test_shards_run_as_one_launch_into_one_output(monkeypatch: pytest.MonkeyPatc
     assert (wide.nseg, narrow.nseg) == (1, 2) and not native.shards_ok(16, [wide, narrow])
     parts = [torch.zeros(1)] * 3
     native.decode_shards(t, torch.zeros(16, 4096, dtype=torch.float16), [q, k, v], 16, t, parts)
-    a = calls[-1]
-    assert a[6:11] == ([0, 64, 80], [4096, 1024, 1024], [2, 8, 8], [0, 4096, 5120], 6144)
-    assert a[5] is native.counters(torch.device("cpu")) and a[5].dtype == torch.int32 and not a[5].any()
+    a = calls[-1]  # by default no counters: the K segments go to a reduce launch per shard
+    assert a[6:11] == ([-1, -1, -1], [4096, 1024, 1024], [2, 8, 8], [0, 4096, 5120], 6144)
     assert a[11].shape == (32, 16, 2, 8, 8) and a[-3:] == (False, False, False)
+    assert not any(native.reduces_in_kernel(16, w, w.nseg) for w in (q, k, v))
+    monkeypatch.setattr(native, "REDUCE_IN_KERNEL", True)  # the option: each shard's counters, the sum in the kernel
+    native.decode_shards(t, torch.zeros(16, 4096, dtype=torch.float16), [q, k, v], 16, t, parts)
+    a = calls[-1]
+    assert a[6] == [0, 64, 80] and all(native.reduces_in_kernel(16, w, w.nseg) for w in (q, k, v))
+    assert a[5] is native.counters(torch.device("cpu")) and a[5].dtype == torch.int32 and not a[5].any()
     monkeypatch.setitem(native._STATE, "hopper", False)  # off sm_90: no variant 15, no grouping
     assert not native.shards_ok(16, [q, k, v])

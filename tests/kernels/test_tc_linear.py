@@ -238,3 +238,21 @@ def test_prefill_weights_decoded_in_registers_give_the_same_bits(n, k, m, prefil
     nan_got = T.tc_matmul(a, T.prepare(w).tuned(DEFAULT.with_(prefill={"decode_weights": True})), path="prefill")
     assert nan_got[:, 3].isnan().all() and nan_ref[:, 3].isnan().all()
     assert torch.equal(torch.nan_to_num(nan_got.float()), torch.nan_to_num(nan_ref.float()))
+
+
+def test_reduce_segments_writes_a_column_block_of_a_wider_output():
+    """The K segments' reduce (what a fused layer's shard gets after the one-launch decode GEMM): the
+    partials added in segment order, then the epilogue, rounded once to bf16, written into the shard's
+    columns of the layer's output (its row stride), nothing else touched; equal to the contiguous call."""
+    w = T.prepare(R.nvfp4_quantize_ref(torch.randn(48, 256, generator=_g(5))))
+    m, n, nseg = 5, 48, 4
+    part = torch.randn(nseg, m, n, generator=_g(6))
+    a_amax = torch.rand(m, generator=_g(7)) + 0.5
+    full = torch.empty(m, n, dtype=torch.bfloat16)
+    T.reduce_segments(part, a_amax, w, full, nseg)
+    tot = ((part[0] + part[1]) + part[2]) + part[3]
+    want = ((tot * 128.0) * ((a_amax[:, None] * w.amax) * 1.3840171675383317e-07)).to(torch.bfloat16)
+    assert torch.equal(full, want)
+    wide = torch.zeros(m, 100, dtype=torch.bfloat16)
+    T.reduce_segments(part, a_amax, w, wide[:, 30:30 + n], nseg)
+    assert torch.equal(wide[:, 30:30 + n], full) and not wide[:, :30].any() and not wide[:, 30 + n:].any()

@@ -169,9 +169,11 @@ __device__ __forceinline__ void wg_consume(float (&acc)[NTOK / 2], uint8_t* smem
 // ``ldo``, shard i at columns [col_i, col_i + n_i); CTAs [cta0_i, cta0_{i+1}) are shard i's, segment-major
 // (the order of the grid (tiles, 1, nseg) of one weight). Every output is the one a launch of that weight
 // alone computes (the same CTA code, the same epilogue). K segments across CTAs (nseg_i > 1, no KS2): each
-// CTA writes its fp32 partials, and the last CTA of a tile to finish (a per-tile arrival counter, reset to
-// 0 by it) adds them in segment order, ((p0 + p1) + p2) + ..., and writes the bf16 rows: the arithmetic of
-// gemm_tc.reduce_kernel, without its launch. The ring of 2 stages x 2 chunks at NTOK 64 (``crowded``) runs two
+// CTA writes its fp32 partials [nseg, M, n]; with arrival counters (``cnt``; native.REDUCE_IN_KERNEL), the
+// last CTA of a tile to finish (a per-tile counter, reset to 0 by it) adds them in segment order,
+// ((p0 + p1) + p2) + ..., and writes the bf16 rows: the arithmetic of gemm_tc.reduce_kernel, without its
+// launch; without (``cnt`` null, the default: measured slower, BENCHMARKS.md issue 28 round 20) the caller's
+// reduce launch does. The ring of 2 stages x 2 chunks at NTOK 64 (``crowded``) runs two
 // CTAs per SM: its registers are bounded for that (launch bounds).
 constexpr int WG_SHARDS = 4;
 struct WgShards {
@@ -179,7 +181,7 @@ struct WgShards {
   const uint8_t* wsc[WG_SHARDS];
   const float* w_amax[WG_SHARDS];
   float* part[WG_SHARDS];  // [nseg, M, n] fp32 (nseg > 1)
-  int* cnt[WG_SHARDS];     // [tiles] arrival counters, 0 between launches (nseg > 1)
+  int* cnt[WG_SHARDS];     // [tiles] arrival counters, 0 between launches (nseg > 1), or null: no in-kernel sum
   int n[WG_SHARDS], nseg[WG_SHARDS], col[WG_SHARDS], cta0[WG_SHARDS], amax_row[WG_SHARDS];
   int count, ldo;
 };
@@ -375,8 +377,9 @@ __global__ void __launch_bounds__(KS2 ? 320 : 160, NTOK == 64 && S == 2 && !KS2 
     }
   }
   if constexpr (!KS2) {
-    if (final_rows) return;
-    wg_last_tile<NTOK>(wg_pick(sh.cnt, si), w_amax, w_amax_row, part, a_amax, out, M, N, nseg, nb, ldo, col, tid, wl, g, q);
+    int* cnt = wg_pick(sh.cnt, si);
+    if (final_rows || cnt == nullptr) return;  // no counters: the partials for a reduce launch (gemm_tc.reduce_kernel)
+    wg_last_tile<NTOK>(cnt, w_amax, w_amax_row, part, a_amax, out, M, N, nseg, nb, ldo, col, tid, wl, g, q);
   }
 }
 

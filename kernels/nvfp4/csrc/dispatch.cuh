@@ -132,8 +132,9 @@ void sync_weights(torch::Tensor x_base, torch::Tensor tab, torch::Tensor ab, tor
 
 // variant 15 (sm_90a): decode_wg_kernel over a table of 1 to WG_SHARDS weights that read the same tokens (a fused
 // layer's shards; native.decode_shards), each its own K segments, written into one output ``out`` [M, ldo] at
-// columns [col_i, col_i + n_i); K segments across CTAs are added by the tile's last CTA (decode_wg.cuh), with
-// the arrival counters ``cnt`` (int32, zero, cnt_off_i + tiles_i entries each) left at zero. The token operand
+// columns [col_i, col_i + n_i); K segments across CTAs: the fp32 partials ``part[i]`` [nseg, M, n_i], added by
+// the tile's last CTA (decode_wg.cuh) with the arrival counters ``cnt`` (int32, zero, entries cnt_off_i ..
+// cnt_off_i + tiles_i - 1, left at zero), or, for cnt_off_i < 0, by the caller's reduce launch. The token operand
 // core-matrix ordered ([K/128][16][G][8][8] fp16, G = NTOK / 8 row groups, NTOK = 8, 16, 32 or 64: the least
 // >= M); 4 stages x 4 chunks where the segments' chunk count allows it (M <= 16: 4 register sets), else 2 chunks
 // per stage (the lab's fastest, 2026-12-01 20:33-20:47): every shard must choose the same instance. ``ks2``
@@ -176,13 +177,13 @@ void decode_wg(std::vector<torch::Tensor> wq, std::vector<torch::Tensor> wsc16, 
     TORCH_CHECK(wsc16[i].numel() * 4 == wq[i].numel(), "decode_wg: fp16 scales");
     TORCH_CHECK(w_amax[i].scalar_type() == at::kFloat, "decode_wg: fp32 weight amax");
     TORCH_CHECK(s == 1 || ks2 || (part[i].scalar_type() == at::kFloat && part[i].numel() >= s * M * n[i] &&
-                                  cnt_off[i] >= 0 && cnt_off[i] + tiles <= cnt.numel()),
-                "decode_wg: fp32 partials [nseg, M, n] and counters for K segments across CTAs");
+                                  cnt_off[i] + tiles <= cnt.numel()),
+                "decode_wg: fp32 partials [nseg, M, n] for K segments across CTAs (counters: offset < 0 for none)");
     sh.wq[i] = reinterpret_cast<const uint8_t*>(wq[i].data_ptr());
     sh.wsc[i] = reinterpret_cast<const uint8_t*>(wsc16[i].data_ptr());
     sh.w_amax[i] = w_amax[i].data_ptr<float>();
     sh.part[i] = part[i].scalar_type() == at::kFloat ? part[i].data_ptr<float>() : nullptr;
-    sh.cnt[i] = cnt.data_ptr<int>() + cnt_off[i];
+    sh.cnt[i] = cnt_off[i] >= 0 ? cnt.data_ptr<int>() + cnt_off[i] : nullptr;  // none: partials for a reduce launch
     sh.n[i] = static_cast<int>(n[i]);
     sh.nseg[i] = static_cast<int>(s);
     sh.col[i] = static_cast<int>(col[i]);
