@@ -329,14 +329,19 @@ def decode_gemm(a_amax: torch.Tensor, a_op: torch.Tensor, w: Any, m: int, nseg: 
         return
     mod = load()
     wq, ws, ws16 = w.native_w
-    layout = token_layout(m, w)
-    if a_op.dim() != (2, 4, 5)[layout]:
-        a_op = layout_operand(a_op if a_op.dim() == 2 else rows_operand(a_op, m), layout)
-    a = a_op
-    if a.data_ptr() % 16 or not a.is_contiguous():
-        a = a.clone(memory_format=torch.contiguous_format)
+    a = _token_operand(a_op, m, token_layout(m, w))
     mod.decode_gemm(wq, ws, ws16, w.amax, bool(w.per_row), a, a_amax, out, part, m, w.n, w.k, nseg, _variant(w.tuning.native),
                     fused_segments(m, w, nseg), crowded(w, nseg), bool(pdl) and PDL)
+
+
+def _token_operand(a_op: torch.Tensor, m: int, layout: int) -> torch.Tensor:
+    """The token operand in ``layout`` (:func:`token_layout`'s numbering), contiguous and 16-byte aligned,
+    as the kernels read it (converted or copied only where it is not)."""
+    if a_op.dim() != (2, 4, 5)[layout]:
+        a_op = layout_operand(a_op if a_op.dim() == 2 else rows_operand(a_op, m), layout)
+    if a_op.data_ptr() % 16 or not a_op.is_contiguous():
+        a_op = a_op.clone(memory_format=torch.contiguous_format)
+    return a_op
 
 
 def wgmma_path(m: int, w: Any, nseg: int) -> bool:
@@ -403,11 +408,7 @@ def decode_shards(a_amax: torch.Tensor, a_op: torch.Tensor, tws: list[Any], m: i
     ``parts[i]`` (fp32 [nseg_i, M, N_i]) holds them for ``gemm_tc.reduce_kernel`` (the caller's)."""
     mod = load()
     w0 = tws[0]
-    if a_op.dim() != 5:
-        a_op = layout_operand(a_op if a_op.dim() == 2 else rows_operand(a_op, m), 2)
-    a = a_op
-    if a.data_ptr() % 16 or not a.is_contiguous():
-        a = a.clone(memory_format=torch.contiguous_format)
+    a = _token_operand(a_op, m, 2)
     cnt = counters(a.device)
     cols, offs, c, o = [], [], 0, 0  # the output's columns and the counters of each shard (-1: none)
     for w in tws:

@@ -379,26 +379,37 @@ def tc_matmul_shards(a: NVFP4Tensor, tws: list[TCWeight], *, a_op: torch.Tensor 
     output (no ``torch.cat``; a shard with K segments across CTAs then gets its reduce launch, writing its
     columns); else one :func:`tc_matmul` per shard, joined. ``after_own_kernel``: as
     :func:`tc_matmul` (each shard after the first follows its own kernel)."""
-    if len(tws) > 1 and a_op is not None and a_op.dtype == torch.float16 and a.per_token and a.shape[0]:
-        m = a.shape[0]
-        if all(choose(m, w) == "decode" and use_native(w, a_op, w.nseg) for w in tws):
-            from . import native
+    if not _one_launch(a, tws, a_op):
+        ys = [tc_matmul(a, tw, a_op=a_op, after_own_kernel=i > 0 or after_own_kernel) for i, tw in enumerate(tws)]
+        return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
+    from . import native
 
-            if native.shards_ok(m, tws):
-                for w in tws:
-                    _check(a, w)
-                out = torch.empty(m, sum(w.n for w in tws), dtype=torch.bfloat16, device=a_op.device)
-                parts = [torch.empty(w.nseg, m, w.n, dtype=torch.float32, device=a_op.device)
-                         if w.nseg > 1 and not native.fused_segments(m, w, w.nseg) else a.amax for w in tws]
-                native.decode_shards(a.amax, a_op, tws, m, out.view(torch.int16), parts, after_own_kernel)
-                c0 = 0
-                for w, part in zip(tws, parts, strict=True):  # the K segments the kernel left to a reduce launch
-                    if not native.reduces_in_kernel(m, w, w.nseg):
-                        reduce_segments(part, a.amax, w, out[:, c0:c0 + w.n], w.nseg)
-                    c0 += w.n
-                return out
-    ys = [tc_matmul(a, tw, a_op=a_op, after_own_kernel=i > 0 or after_own_kernel) for i, tw in enumerate(tws)]
-    return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
+    m = a.shape[0]
+    for w in tws:
+        _check(a, w)
+    out = torch.empty(m, sum(w.n for w in tws), dtype=torch.bfloat16, device=a_op.device)
+    parts = [torch.empty(w.nseg, m, w.n, dtype=torch.float32, device=a_op.device)
+             if w.nseg > 1 and not native.fused_segments(m, w, w.nseg) else a.amax for w in tws]
+    native.decode_shards(a.amax, a_op, tws, m, out.view(torch.int16), parts, after_own_kernel)
+    c0 = 0
+    for w, part in zip(tws, parts, strict=True):  # the K segments the kernel left to a reduce launch
+        if not native.reduces_in_kernel(m, w, w.nseg):
+            reduce_segments(part, a.amax, w, out[:, c0:c0 + w.n], w.nseg)
+        c0 += w.n
+    return out
+
+
+def _one_launch(a: NVFP4Tensor, tws: list[TCWeight], a_op: torch.Tensor | None) -> bool:
+    """The shards run as one native wgmma decode launch: per-token activations with their fp16 operand, every
+    shard on the native decode path, and :func:`native.shards_ok`."""
+    if len(tws) < 2 or a_op is None or a_op.dtype != torch.float16 or not a.per_token or not a.shape[0]:
+        return False
+    m = a.shape[0]
+    if not all(choose(m, w) == "decode" and use_native(w, a_op, w.nseg) for w in tws):
+        return False
+    from . import native
+
+    return native.shards_ok(m, tws)
 
 
 def tc_linear(x: torch.Tensor, w: TCWeight, *, path: str = "auto") -> torch.Tensor:
