@@ -201,6 +201,11 @@ if "group_shards" in cfg:  # A/B of a fused layer's shards in one decode launch 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from mismatch_probe.kernels.nvfp4 import native
     native.GROUP_SHARDS = bool(cfg["group_shards"])
+if "shard_reduce" in cfg:  # A/B of the shards' K-segment reduces in one launch (same bits), engine in-process
+    import os
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from mismatch_probe.kernels.nvfp4 import tc_linear
+    tc_linear.SHARD_REDUCE = bool(cfg["shard_reduce"])
 if cfg["recipe"] != "engine":
     from mismatch_probe.probes.vllm import plugin
     plugin.activate(cfg["recipe"])
@@ -334,19 +339,20 @@ def step_speed8b(out: Path, timeout: float, mem: float, recipes: tuple[str, ...]
         save_tokenizer(model, Q8B["vocab_size"])
     base = {"model": str(model), "mem": mem, "load": "dummy", "batches": [16, 64], "eager": False}
     for recipe in recipes:
-        if recipe.endswith("@fuse-ab"):  # nvfp4 with the producers' fused quantization on, then off (engine in-process)
+        name, _, ab = recipe.partition("@")
+        if ab:  # an A/B of one switch (same bits), the engine in this process: on, then off
+            key, what = AB[ab]
             for on in (True, False):
-                vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe[:-8]} cuda graphs, in-process engine, "
-                           f"fused quant {'on' if on else 'off'}", base | {"recipe": recipe[:-8], "fuse_quant": on}, timeout)
-            continue
-        if recipe.endswith("@shards-ab"):  # a fused layer's shards in one decode launch, then one each (in-process)
-            for on in (True, False):
-                vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe[:-10]} cuda graphs, in-process engine, "
-                           f"shards {'one launch' if on else 'one launch each'}",
-                           base | {"recipe": recipe[:-10], "group_shards": on}, timeout)
+                vllm_speed(f"vLLM generate 8B shape 16/64x256 {name} cuda graphs, in-process engine, {what[not on]}",
+                           base | {"recipe": name, key: on}, timeout)
             continue
         vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe} cuda graphs", base | {"recipe": recipe}, timeout)
 
+
+# RECIPE@AB: the switch (the engine script's cfg key) and the two arms' names (on, off)
+AB = {"fuse-ab": ("fuse_quant", ("fused quant on", "fused quant off")),
+      "shards-ab": ("group_shards", ("shards one launch", "shards one launch each")),
+      "reduce-ab": ("shard_reduce", ("shards' reduces one launch", "shards' reduces one launch each"))}
 
 Q06B_RUNS = {
     "engine": [],
@@ -369,7 +375,8 @@ def main() -> None:
     ap.add_argument("--mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (lower: two copies side by side)")
     ap.add_argument("--speed8b-recipes", default=",".join(RECIPES_8B), help="speed8b: which runs (engine, nvfp4-per-token; "
                     "RECIPE@fuse-ab: the recipe with the producers' fused quantization on, then off, engine in-process; "
-                    "RECIPE@shards-ab: a fused layer's shards in one decode launch, then one each, in-process)")
+                    "RECIPE@shards-ab: a fused layer's shards in one decode launch, then one each, in-process; "
+                    "RECIPE@reduce-ab: the shards' K-segment reduces in one launch, then one each, in-process)")
     ap.add_argument("--wait", type=float, default=0.0,
                     help="bisect: wait up to this many seconds for the 0.6B runs (written by another copy of this script)")
     ap.add_argument("--tag", default="gpu_stack", help="name of the JSON written into --out")

@@ -285,11 +285,11 @@ def decode_ns_kernel(
 
 
 @kjit
-def reduce_kernel(part_ptr, a_amax_ptr, w_amax_ptr, row_e_ptr, out_ptr, M, N,
-                  NSEG: tl.constexpr, BLOCK: tl.constexpr, W_AMAX_ROW: tl.constexpr, GROUPED: tl.constexpr, LDO=None):
-    """out = epilogue(((p_0 + p_1) + p_2) + ...): the segment partials in segment order. ``LDO``: the
-    output's row stride (None: N; a fused layer's shard writes its columns of the layer's output)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _reduce_block(part_ptr, a_amax_ptr, w_amax_ptr, row_e_ptr, out_ptr, M, N, ldo, b,
+                  NSEG: tl.constexpr, BLOCK: tl.constexpr, W_AMAX_ROW: tl.constexpr, GROUPED: tl.constexpr):
+    """Block ``b`` of BLOCK outputs of one weight: out[m, n] (row stride ``ldo``) = epilogue(((p_0 + p_1) +
+    p_2) + ...), its K segments' fp32 partials ``part`` [NSEG, M, N] in segment order."""
+    i = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     msk = i < M * N
     m = i // N
     n = i % N
@@ -305,11 +305,39 @@ def reduce_kernel(part_ptr, a_amax_ptr, w_amax_ptr, row_e_ptr, out_ptr, M, N,
         ba = tl.load(w_amax_ptr + e * N + n, mask=msk, other=0.0)
     else:
         ba = tl.load(w_amax_ptr + e, mask=msk, other=0.0)
-    if LDO is None:
-        o = i
+    tl.store(out_ptr + m * ldo + n, bf16_bits_rne(_epilogue(total, aa, ba)).to(tl.int16), mask=msk)
+
+
+@kjit
+def reduce_kernel(part_ptr, a_amax_ptr, w_amax_ptr, row_e_ptr, out_ptr, M, N,
+                  NSEG: tl.constexpr, BLOCK: tl.constexpr, W_AMAX_ROW: tl.constexpr, GROUPED: tl.constexpr, LDO=None):
+    """out = epilogue(((p_0 + p_1) + p_2) + ...): the segment partials in segment order. ``LDO``: the
+    output's row stride (None: N; a fused layer's shard writes its columns of the layer's output)."""
+    ldo = N if LDO is None else LDO
+    _reduce_block(part_ptr, a_amax_ptr, w_amax_ptr, row_e_ptr, out_ptr, M, N, ldo, tl.program_id(0),
+                  NSEG, BLOCK, W_AMAX_ROW, GROUPED)
+
+
+@kjit
+def reduce_shards_kernel(a_amax_ptr, out_ptr, M, LDO,
+                         p0, w0, n0, b1, p1, w1, n1, c1, b2, p2, w2, n2, c2, b3, p3, w3, n3, c3,
+                         S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
+                         R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`reduce_kernel` of up to four dense weights in one launch (a fused layer's shards whose K segments
+    the decode kernel left to a reduce: q, k, v): shard i's partials ``p_i`` [S_i, M, n_i] (``S_i`` segments,
+    ``R_i`` its amax per row) into its n_i columns of ``out`` (row stride LDO) from column c_i (``out_ptr`` at
+    shard 0's first column: c_0 = 0); programs [b_i, b_{i+1}) are shard i's, b_0 = 0 (an absent shard: its b the
+    grid's size). Each output is the bits of the shard's own launch (the same block code)."""
+    pid = tl.program_id(0)
+    if pid < b1:
+        _reduce_block(p0, a_amax_ptr, w0, a_amax_ptr, out_ptr, M, n0, LDO, pid, S0, BLOCK, R0, False)
+    elif pid < b2:
+        _reduce_block(p1, a_amax_ptr, w1, a_amax_ptr, out_ptr + c1, M, n1, LDO, pid - b1, S1, BLOCK, R1, False)
+    elif pid < b3:
+        _reduce_block(p2, a_amax_ptr, w2, a_amax_ptr, out_ptr + c2, M, n2, LDO, pid - b2, S2, BLOCK, R2, False)
     else:
-        o = m * LDO + n
-    tl.store(out_ptr + o, bf16_bits_rne(_epilogue(total, aa, ba)).to(tl.int16), mask=msk)
+        _reduce_block(p3, a_amax_ptr, w3, a_amax_ptr, out_ptr + c3, M, n3, LDO, pid - b3, S3, BLOCK, R3,
+                      False)
 
 
 @kjit

@@ -31,7 +31,7 @@ import triton
 from mismatch_probe.kernels.launch_math import cdiv
 
 from .common import INTERPRET, kernel_device_ok, launch
-from .gemm_tc import decode_kernel, decode_ns_kernel, prefill_kernel, reduce_kernel
+from .gemm_tc import decode_kernel, decode_ns_kernel, prefill_kernel, reduce_kernel, reduce_shards_kernel
 from .ref import NVFP4Tensor, e2m1_decode, e4m3_decode, unpack_codes
 from .tuning import DEFAULT, DecodeTuning, GemmTuning, PrefillTuning, SegmentRule
 
@@ -274,6 +274,40 @@ def reduce_segments(part: torch.Tensor, a_amax: torch.Tensor, w: TCWeight, out: 
            w.per_row, False, out.stride(0), num_warps=4)
 
 
+SHARD_REDUCE = True  # False: one reduce_segments launch per shard (the bench's A/B switch; the same bits)
+
+
+def reduce_shards(items: list[tuple[torch.Tensor, TCWeight, int]], a_amax: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`reduce_segments` of a fused layer's shards (``items``: each its partials, weight and first column
+    in ``out`` [M, sum of N] bf16; up to four, dense) in one launch (``reduce_shards_kernel``): every column
+    block the bits of its shard's own reduce."""
+    if len(items) == 1 or not SHARD_REDUCE:
+        for part, w, c0 in items:
+            reduce_segments(part, a_amax, w, out[:, c0:c0 + w.n], w.nseg)
+        return
+    if not 1 < len(items) <= 4:
+        raise ValueError(f"reduce_shards: 1 to 4 shards, got {len(items)}")
+    m, blk = out.shape[0], 1024
+    first = items[0][2]
+    starts, args, segs, rows = [0], [], [], []
+    for part, w, c0 in items:
+        args.append((part, w.amax, w.n, c0 - first))
+        segs.append(w.nseg)
+        rows.append(w.per_row)
+        starts.append(starts[-1] + cdiv(m * w.n, blk))
+    total = starts[-1]
+    while len(args) < 4:  # absent shards: never reached (their first program is the grid's size)
+        args.append((a_amax, a_amax, 1, 0))
+        segs.append(1)
+        rows.append(False)
+        starts.append(total)
+    flat: list[Any] = []
+    for i, (part, amax, n, c) in enumerate(args):
+        flat += ([starts[i]] if i else []) + [part, amax, n] + ([c] if i else [])
+    launch(reduce_shards_kernel, (total,), a_amax, out.view(torch.int16)[:, first:], m, out.stride(0), *flat,
+           *segs, *rows, blk, num_warps=4)
+
+
 def _weight_args(w: TCWeight, decode: bool) -> tuple[torch.Tensor, dict[str, Any]]:
     """The prefill kernel's weight operand and keyword arguments: the fp16 operand ``w.op()``, or with
     ``decode`` (``PrefillTuning.decode_weights``) the codes and scale bytes decoded in registers (the
@@ -376,8 +410,8 @@ def tc_matmul_shards(a: NVFP4Tensor, tws: list[TCWeight], *, a_op: torch.Tensor 
     """``a`` times each weight of ``tws`` (shards reading the same tokens: a fused layer's q, k, v or gate,
     up), side by side -> bf16 [M, sum of N]: every column block the bits of :func:`tc_matmul` of its shard.
     On the native wgmma decode path (:func:`native.shards_ok`) one launch computes every shard into one
-    output (no ``torch.cat``; a shard with K segments across CTAs then gets its reduce launch, writing its
-    columns); else one :func:`tc_matmul` per shard, joined. ``after_own_kernel``: as
+    output (no ``torch.cat``; the shards with K segments across CTAs then get one reduce launch,
+    :func:`reduce_shards`, each writing its columns); else one :func:`tc_matmul` per shard, joined. ``after_own_kernel``: as
     :func:`tc_matmul` (each shard after the first follows its own kernel)."""
     if not _one_launch(a, tws, a_op):
         ys = [tc_matmul(a, tw, a_op=a_op, after_own_kernel=i > 0 or after_own_kernel) for i, tw in enumerate(tws)]
@@ -391,11 +425,13 @@ def tc_matmul_shards(a: NVFP4Tensor, tws: list[TCWeight], *, a_op: torch.Tensor 
     parts = [torch.empty(w.nseg, m, w.n, dtype=torch.float32, device=a_op.device)
              if w.nseg > 1 and not native.fused_segments(m, w, w.nseg) else a.amax for w in tws]
     native.decode_shards(a.amax, a_op, tws, m, out.view(torch.int16), parts, after_own_kernel)
-    c0 = 0
+    c0, left = 0, []
     for w, part in zip(tws, parts, strict=True):  # the K segments the kernel left to a reduce launch
         if not native.reduces_in_kernel(m, w, w.nseg):
-            reduce_segments(part, a.amax, w, out[:, c0:c0 + w.n], w.nseg)
+            left.append((part, w, c0))
         c0 += w.n
+    if left:
+        reduce_shards(left, a.amax, out)
     return out
 
 

@@ -154,17 +154,18 @@ def test_fused_act_quantize_bits_on_gpu(d):
 
 
 @needs_cuda
-@pytest.mark.parametrize("in_kernel", [False, True])
-def test_decode_shards_one_launch_and_segments_bits(in_kernel, monkeypatch):
+@pytest.mark.parametrize("in_kernel,shard_reduce", [(False, True), (False, False), (True, True)])
+def test_decode_shards_one_launch_and_segments_bits(in_kernel, shard_reduce, monkeypatch):
     """The wgmma decode kernel (sm_90) runs a fused layer's shards as one launch into one output: Qwen3-8B's
     q, k, v (K 4096; N 4096 / 1024 / 1024: 2 / 8 / 8 segments) and gate, up (N 12288 each, 1 segment), M 1 to
-    64; K segments across CTAs added by a reduce launch per shard into its columns (the default) or, with
-    native.REDUCE_IN_KERNEL, by the tile's last CTA. Every column block equals the Triton decode kernel's and
-    the prefill path's rows of its shard (torch.equal), on repeated calls and CUDA-graph replays (the arrival
-    counters are back at zero after each launch)."""
+    64; K segments across CTAs added by one reduce launch for the shards, each into its columns (the default),
+    a reduce launch per shard (tc_linear.SHARD_REDUCE off) or, with native.REDUCE_IN_KERNEL, by the tile's
+    last CTA. Every column block equals the Triton decode kernel's and the prefill path's rows of its shard
+    (torch.equal), on repeated calls and CUDA-graph replays (the arrival counters are back at zero after
+    each launch)."""
     from dataclasses import replace
 
-    from mismatch_probe.kernels.nvfp4 import native
+    from mismatch_probe.kernels.nvfp4 import native, tc_linear
     from mismatch_probe.kernels.nvfp4.quant_fast import quantize_rows
     from mismatch_probe.kernels.nvfp4.ref import NVFP4Tensor
     from mismatch_probe.kernels.nvfp4.schemes import SCHEMES, quantize_weight_ref
@@ -174,6 +175,7 @@ def test_decode_shards_one_launch_and_segments_bits(in_kernel, monkeypatch):
     if not native.available() or native.default_variant() != native.HOPPER_VARIANT:
         pytest.skip(f"needs the native wgmma kernel (sm_90): {native.status()}")
     monkeypatch.setattr(native, "REDUCE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(tc_linear, "SHARD_REDUCE", shard_reduce)
     g = torch.Generator(device="cuda").manual_seed(11)
     triton_decode = replace(DEFAULT, decode=DecodeTuning(native=False))
     x = torch.randn(64, 4096, device="cuda", generator=g).to(torch.bfloat16)

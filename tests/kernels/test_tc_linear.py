@@ -256,3 +256,29 @@ def test_reduce_segments_writes_a_column_block_of_a_wider_output():
     wide = torch.zeros(m, 100, dtype=torch.bfloat16)
     T.reduce_segments(part, a_amax, w, wide[:, 30:30 + n], nseg)
     assert torch.equal(wide[:, 30:30 + n], full) and not wide[:, :30].any() and not wide[:, 30 + n:].any()
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_reduce_shards_one_launch_equals_each_shards_own_reduce(count: int):
+    """A fused layer's shards whose K segments were left to a reduce (q, k, v) in one launch: each shard's
+    columns are the bits of its own reduce launch (its own segments, amax per tensor or per row, its columns
+    of the layer's output, a shard that needed none in between left untouched)."""
+    import dataclasses
+
+    base = T.prepare(R.nvfp4_quantize_ref(torch.randn(48, 256, generator=_g(8))))
+    m = 5
+    shapes = [(48, 2, False), (16, 8, True), (32, 3, False), (48, 1, True)][:count]
+    items, c0 = [], 7  # columns 0-6: a shard with no reduce (left as is)
+    for i, (n, nseg, per_row) in enumerate(shapes):
+        amax = torch.rand(n if per_row else 1, generator=_g(20 + i)) + 0.25
+        w = dataclasses.replace(base, amax=amax, per_row=per_row, nseg=nseg, codes=base.codes[:n], scales=base.scales[:n])
+        items.append((torch.randn(nseg, m, n, generator=_g(30 + i)), w, c0))
+        c0 += n + (5 if i == 0 else 0)  # a gap after the first: its columns another shard's
+    a_amax = torch.rand(m, generator=_g(9)) + 0.5
+    want = torch.full((m, c0 + 3), 7.0, dtype=torch.bfloat16)
+    for part, w, c in items:
+        T.reduce_segments(part, a_amax, w, want[:, c:c + w.n], w.nseg)
+    got = torch.full_like(want, 7.0)
+    T.reduce_shards(items, a_amax, got)
+    assert torch.equal(got, want)
+    assert (got[:, :7] == 7.0).all() and (got[:, 7 + 48:7 + 53] == 7.0).all() and (got[:, c0:] == 7.0).all()
