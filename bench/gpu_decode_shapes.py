@@ -7,7 +7,8 @@ activation quantize alone, the whole linear as the recipe calls it, and cuBLAS b
 Every figure: the call captured in a CUDA graph and replayed (CUDA events, median of 5), weights resident.
 A diagnostic for choosing what to change, not an acceptance figure. ``--layers``: only the fused layers as
 the recipe calls them (``NVFP4Linear`` with the shards of q/k/v, gate/up, and o, down; its input quantize
-included): the shards as one launch (the default on sm_90) against one launch per shard, bits compared.
+included): the shards as one launch (the default on sm_90) against one launch per shard and against their
+K-segment reduces one launch each (`tc_linear.SHARD_REDUCE` off), bits compared.
 
     python bench/gpu_decode_shapes.py --out DIR [--ms 16,64] [--variants 15,14,12,7] [--layers]
     python bench/gpu_decode_shapes.py --out DIR --device cpu --tiny     # the script itself, on a CPU
@@ -95,6 +96,14 @@ def layer_row(m: int, name: str, parts: list[int], k: int, gen: torch.Generator)
     res: dict[str, Any] = {"layer": name, "M": m, "N": parts, "K": k, "nseg": [t.nseg for t in tws], "one_launch": grouped,
                            "bf16_us": round(G.graph_us(lambda: torch.nn.functional.linear(x, w)), 2),
                            "linear_us": round(G.graph_us(lambda: lin(x, w)), 2)}
+    from mismatch_probe.kernels.nvfp4 import tc_linear
+
+    tc_linear.SHARD_REDUCE = False  # the shards' K-segment reduces one launch each (default: one for all)
+    try:
+        res["reduce_each_equal"] = bool(torch.equal(lin(x, w), y1))
+        res["reduce_each_us"] = round(G.graph_us(lambda: lin(x, w)), 2)
+    finally:
+        tc_linear.SHARD_REDUCE = True
     native.GROUP_SHARDS = False  # the A/B: one launch per shard
     try:
         res["per_shard_equal"] = bool(torch.equal(lin(x, w), y1))
@@ -105,15 +114,16 @@ def layer_row(m: int, name: str, parts: list[int], k: int, gen: torch.Generator)
 
 
 def layer_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| M | layer | N (shards) x K | nseg | bf16 us | recipe linear us | one launch | per shard us | same bits |",
-             "|---|---|---|---|---:|---:|---|---:|---|"]
+    lines = ["| M | layer | N (shards) x K | nseg | bf16 us | recipe linear us | one launch | reduces one each us | "
+             "per shard us | same bits |", "|---|---|---|---|---:|---:|---|---:|---:|---|"]
     tot: dict[int, list[float]] = {}
     for r in rows:
         if "linear_us" not in r:
             lines.append(f"| {r.get('M')} | {r['layer']} | error: {r.get('error', '')[-80:]} |")
             continue
         lines.append(f"| {r['M']} | {r['layer']} | {r['N']} x {r['K']} | {r['nseg']} | {r['bf16_us']} | {r['linear_us']} | "
-                     f"{r['one_launch']} | {r['per_shard_us']} | {r['per_shard_equal']} |")
+                     f"{r['one_launch']} | {r['reduce_each_us']} | {r['per_shard_us']} | "
+                     f"{r['per_shard_equal'] and r['reduce_each_equal']} |")
         t = tot.setdefault(r["M"], [0.0, 0.0, 0.0])
         t[0] += r["bf16_us"]
         t[1] += r["linear_us"]
