@@ -301,9 +301,9 @@ def reduce_shards(items: list[tuple[torch.Tensor, TCWeight, int]], a_amax: torch
         segs.append(1)
         rows.append(False)
         starts.append(total)
-    flat: list[Any] = []
-    for i, (part, amax, n, c) in enumerate(args):
-        flat += ([starts[i]] if i else []) + [part, amax, n] + ([c] if i else [])
+    flat: list[Any] = list(args[0][:3])  # shard 0: partials, amax, N (its first program 0, its column 0)
+    for i in range(1, 4):  # shard i: its first program, partials, amax, N, first column
+        flat += [starts[i], *args[i]]
     launch(reduce_shards_kernel, (total,), a_amax, out.view(torch.int16)[:, first:], m, out.stride(0), *flat,
            *segs, *rows, blk, num_warps=4)
 
