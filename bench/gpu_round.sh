@@ -7,6 +7,7 @@
 #   bash bench/gpu_round.sh speed   # sampler / learner speed, 0.6B (#26) and the 8B shape (#28)
 #   bash bench/gpu_round.sh capture # the whole cost of op capture (#27), then the NVFP4 kernels (#28)
 #   bash bench/gpu_round.sh profile # where an 8B decode step goes, bf16 vs nvfp4-per-token, 16 and 64 seqs (#28)
+#   bash bench/gpu_round.sh speed8b # #28 pt 1: vLLM generate on the 8B shape, bf16 vs nvfp4-per-token (+ A/B), --mem 0.85, ~8 min
 #   bash bench/gpu_round.sh q8b     # the 8B shape's nvfp4-per-token logprobs vs the learner's, sampler in graphs (#28)
 #   bash bench/gpu_round.sh sync    # the weight sync, Triton and native kernels: bitwise and vs a D2D copy (#28 pt 4)
 #   bash bench/gpu_round.sh shapes  # the native decode GEMM at the 8B layer shapes, per variant and M (#28 pt 1)
@@ -20,7 +21,7 @@ out="${OUT:-/tmp/gs-out}"
 mkdir -p "$out"
 gs=/tmp/gs
 left() { echo $(( ${1} - SECONDS )); }
-case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, shapes, cap06, graphs or learner}" in
+case "${1:?stage: tests, kernels, bisect, speed, speed8b, capture, profile, q8b, sync, shapes, cap06, graphs or learner}" in
   tests)
     timeout "$(left 585)" bash "$here/gpu_tests.sh" -m gpu tests/gpu -rA > "$out/tests.log" 2>&1
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -15
@@ -51,8 +52,14 @@ case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, sh
       sed -n '/^| recipe/,$p' "$out/profile$n.log"
     done
     ;;
-  q8b)
-    python "$here/gpu_stack.py" --out "$gs" --only q8b --tag q8b --budget 560 > "$out/q8b.log" 2>&1
+  speed8b)  # RECIPES8B: --speed8b-recipes (default: bf16, nvfp4, the shards' reduce A/B); first on a fresh machine
+    python "$here/gpu_stack.py" --out "$gs" --only speed8b --mem 0.85 --tag speed8b --budget 560 \
+      --speed8b-recipes "${RECIPES8B:-engine,nvfp4-per-token,nvfp4-per-token@reduce-ab}" > "$out/speed8b.log" 2>&1
+    cp "$gs/speed8b.json" "$out/" 2>/dev/null
+    sed -n '/^| step/,$p' "$out/speed8b.log"
+    ;;
+  q8b)  # 0.85 of the card: the NVFP4 layouts need the room (docs/gpu.md); the learner loads after the sampler
+    python "$here/gpu_stack.py" --out "$gs" --only q8b --mem 0.85 --tag q8b --budget 560 > "$out/q8b.log" 2>&1
     cp "$gs/q8b.json" "$out/" 2>/dev/null
     sed -n '/^| step/,$p' "$out/q8b.log"
     ;;
@@ -87,5 +94,9 @@ case "${1:?stage: tests, kernels, bisect, speed, capture, profile, q8b, sync, sh
     python "$here/gpu_nvfp4_check.py" --out "$out/nvfp4" --only "${NVFP4_ONLY:-bac}" --budget "$(left 585)" > "$out/nvfp4.log" 2>&1
     tail -30 "$out/capture.log"
     sed -n '/^| /,$p' "$out/nvfp4.log" | tail -40
+    ;;
+  *)
+    echo "gpu_round.sh: no stage '$1' (tests, kernels, bisect, speed, speed8b, capture, profile, q8b, sync, shapes, cap06, graphs, learner)" >&2
+    exit 2
     ;;
 esac
