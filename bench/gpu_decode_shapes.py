@@ -83,8 +83,9 @@ LAYERS = {"qkv": ([4096, 1024, 1024], 4096), "o": ([4096], 4096), "gate_up": ([1
 
 
 def layer_row(m: int, name: str, parts: list[int], k: int, gen: torch.Generator) -> dict[str, Any]:
-    """One fused linear as the recipe calls it (input quantize + GEMMs), shards in one launch vs one each."""
-    from mismatch_probe.kernels.nvfp4 import native
+    """One fused linear as the recipe calls it (input quantize + GEMMs): the default (shards in one launch, their
+    K-segment reduces in one launch) against each A/B arm (reduces one launch each; shards one launch each)."""
+    from mismatch_probe.kernels.nvfp4 import native, tc_linear
     from mismatch_probe.kernels.nvfp4.linear import NVFP4Linear
 
     x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
@@ -96,20 +97,13 @@ def layer_row(m: int, name: str, parts: list[int], k: int, gen: torch.Generator)
     res: dict[str, Any] = {"layer": name, "M": m, "N": parts, "K": k, "nseg": [t.nseg for t in tws], "one_launch": grouped,
                            "bf16_us": round(G.graph_us(lambda: torch.nn.functional.linear(x, w)), 2),
                            "linear_us": round(G.graph_us(lambda: lin(x, w)), 2)}
-    from mismatch_probe.kernels.nvfp4 import tc_linear
-
-    tc_linear.SHARD_REDUCE = False  # the shards' K-segment reduces one launch each (default: one for all)
-    try:
-        res["reduce_each_equal"] = bool(torch.equal(lin(x, w), y1))
-        res["reduce_each_us"] = round(G.graph_us(lambda: lin(x, w)), 2)
-    finally:
-        tc_linear.SHARD_REDUCE = True
-    native.GROUP_SHARDS = False  # the A/B: one launch per shard
-    try:
-        res["per_shard_equal"] = bool(torch.equal(lin(x, w), y1))
-        res["per_shard_us"] = round(G.graph_us(lambda: lin(x, w)), 2)
-    finally:
-        native.GROUP_SHARDS = True
+    for key, mod, switch in (("reduce_each", tc_linear, "SHARD_REDUCE"), ("per_shard", native, "GROUP_SHARDS")):
+        setattr(mod, switch, False)  # the A/B arm: that switch off (its default on), the same bits expected
+        try:
+            res[f"{key}_equal"] = bool(torch.equal(lin(x, w), y1))
+            res[f"{key}_us"] = round(G.graph_us(lambda: lin(x, w)), 2)
+        finally:
+            setattr(mod, switch, True)
     return res
 
 

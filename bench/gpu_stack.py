@@ -199,21 +199,11 @@ cfg = json.loads(sys.argv[1])
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from mismatch_probe.probes import engine_args as ea
-if "fuse_quant" in cfg:  # A/B of the producers' fused quantization: the engine in this process, where the switch is
-    import os
+if "switch" in cfg:  # an A/B arm (same bits): the engine in this process, where the module's switch is
+    import importlib, os
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from mismatch_probe.kernels.nvfp4 import fused_input
-    fused_input.ENABLED = bool(cfg["fuse_quant"])
-if "group_shards" in cfg:  # A/B of a fused layer's shards in one decode launch (same bits), engine in-process
-    import os
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from mismatch_probe.kernels.nvfp4 import native
-    native.GROUP_SHARDS = bool(cfg["group_shards"])
-if "shard_reduce" in cfg:  # A/B of the shards' K-segment reduces in one launch (same bits), engine in-process
-    import os
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from mismatch_probe.kernels.nvfp4 import tc_linear
-    tc_linear.SHARD_REDUCE = bool(cfg["shard_reduce"])
+    mod, attr, on = cfg["switch"]
+    setattr(importlib.import_module(mod), attr, bool(on))
 if cfg["recipe"] != "engine":
     from mismatch_probe.probes.vllm import plugin
     plugin.activate(cfg["recipe"])
@@ -331,6 +321,11 @@ def step_speed(model: Path, timeout: float, mem: float) -> None:
 
 
 RECIPES_8B = ("engine", "nvfp4-per-token")  # --speed8b-recipes' default
+# RECIPE@AB: the module switch the engine process sets (module, attribute) and the two arms' names (on, off)
+_NV = "mismatch_probe.kernels.nvfp4"
+AB = {"fuse-ab": (f"{_NV}.fused_input", "ENABLED", ("fused quant on", "fused quant off")),
+      "shards-ab": (f"{_NV}.native", "GROUP_SHARDS", ("shards one launch", "shards one launch each")),
+      "reduce-ab": (f"{_NV}.tc_linear", "SHARD_REDUCE", ("shards' reduces one launch", "shards' reduces one launch each"))}
 
 
 def step_speed8b(out: Path, timeout: float, mem: float, recipes: tuple[str, ...] = RECIPES_8B) -> None:
@@ -349,18 +344,13 @@ def step_speed8b(out: Path, timeout: float, mem: float, recipes: tuple[str, ...]
     for recipe in recipes:
         name, _, ab = recipe.partition("@")
         if ab:  # an A/B of one switch (same bits), the engine in this process: on, then off
-            key, what = AB[ab]
+            mod, attr, what = AB[ab]
             for on in (True, False):
                 vllm_speed(f"vLLM generate 8B shape 16/64x256 {name} cuda graphs, in-process engine, {what[not on]}",
-                           base | {"recipe": name, key: on}, timeout)
+                           base | {"recipe": name, "switch": [mod, attr, on]}, timeout)
             continue
         vllm_speed(f"vLLM generate 8B shape 16/64x256 {recipe} cuda graphs", base | {"recipe": recipe}, timeout)
 
-
-# RECIPE@AB: the switch (the engine script's cfg key) and the two arms' names (on, off)
-AB = {"fuse-ab": ("fuse_quant", ("fused quant on", "fused quant off")),
-      "shards-ab": ("group_shards", ("shards one launch", "shards one launch each")),
-      "reduce-ab": ("shard_reduce", ("shards' reduces one launch", "shards' reduces one launch each"))}
 
 Q06B_RUNS = {
     "engine": [],
