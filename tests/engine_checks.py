@@ -3,6 +3,7 @@ subprocess (vLLM keeps per-process state). Prints one JSON object with the findi
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -55,6 +56,10 @@ def main() -> None:
             return {kk: v.clone() for kk, v in res.items()}
 
         vd = s.llm.apply_model(direct)[0]
+        held = s.llm  # a reference the release must not depend on (vLLM 0.26 has no finalizer to shut down)
+    # the release shut the engine core down: vLLM's start-up gc.freeze undone (else its cycles never free)
+    out["vllm_release_unfroze"] = gc.get_freeze_count() == 0
+    del held
     # mapping: every embed row must be the embedding of the token at (seq_id, pos)
     ok, n_rows = True, 0
     for sid, seq in zip(ids, seqs, strict=True):
