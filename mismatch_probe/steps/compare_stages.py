@@ -39,12 +39,14 @@ def _record(run: RunWriter, side: str, runner: Runner) -> None:
 
 @contextlib.contextmanager
 def _loaded(runner: Runner, side: str, run: RunWriter, progress: Progress, what: str) -> Iterator[None]:
-    """``runner`` loaded (under a progress step named ``what``), used, then recorded in the
-    manifest (its settings, auto choices, notes: also when the stage failed) and released."""
+    """``runner`` loaded (under a progress step named ``what``), used, released, then recorded in the
+    manifest (its settings, auto choices and notes, the release's included: also when the stage failed)."""
+    loaded: list[bool] = []
     with contextlib.ExitStack() as stack:
+        stack.callback(lambda: loaded and _record(run, side, runner))  # first in, so last out: after the release
         with step(progress, what):
             stack.enter_context(runner)
-        stack.callback(_record, run, side, runner)  # runs before the runner's exit (last in, first out)
+        loaded.append(True)
         yield
 
 
