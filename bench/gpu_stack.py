@@ -74,7 +74,8 @@ def build_model(out: Path, shape: dict[str, Any]) -> Path:
     save_tokenizer(out, shape["vocab_size"])
     # give the weights' memory back to the driver: this process outlives the steps' `compare` processes, and
     # PyTorch's cache would keep the model's bytes reserved on the GPU under them (the 8B shape: 16 GiB, the
-    # "Process ... has 16.00 GiB memory in use" of round 19's q8b OOM on the 80 GB card)
+    # "Process ... has 16.00 GiB" of round 19's q8b OOM; the main holder was the sampler's engine, never
+    # released under vLLM 0.26: probes/vllm/runner.py `_shut_down`, BENCHMARKS.md issue 28 round 22)
     del model
     gc.collect()
     if torch.cuda.is_available():

@@ -314,7 +314,7 @@ class VllmSampler(SamplerRunner):
             destroy_model_parallel()
             destroy_distributed_environment()
         except Exception:  # best effort: a later engine in this process re-initialises
-            pass
+            pass  # (an in-process engine core's shutdown did this already; kept for a client that has none)
         import torch
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
