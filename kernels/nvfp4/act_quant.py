@@ -21,12 +21,10 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from mismatch_probe.kernels.launch_math import next_pow2
 from mismatch_probe.kernels.strict.triton_ops import act_code, act_value, rows2d
 
 from .common import INTERPRET, kjit, launch
-from .fused_input import gdc_trigger, layout_for, mark, operand_buffers, pdl, store_core
-from .quant_fast import _block_max, _quant_rows3d, _store_q, op_values
+from .fused_input import chunks, finite_amax, gdc_trigger, layout_for, mark, operand_buffers, pdl, quantize_chunk, store_core
 from .ref import NVFP4Tensor
 
 CHUNK_BLOCKS = 128  # 16-element blocks of a row per program (2,048 values); a longer row gets several programs
@@ -68,18 +66,11 @@ def _act_quant_kernel(
         for c0 in range(0, nb, CB):
             bb = c0 + tl.arange(0, CB)
             yy = _act_rows(g_ptr, u_ptr, rv, bb, j16, bb < nb, sg, su, ACT, oty).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.max(tl.where(tl.abs(yy) < float("inf"), tl.abs(yy), 0.0), 2), 1))
+            amax = finite_amax(amax, yy)
         y = _act_rows(g_ptr, u_ptr, rv, b, j16, ok, sg, su, ACT, oty)
         tl.store(y_ptr + rv[:, None, None] * D + b[None, :, None] * 16 + j16[None, None, :], y, mask=ok[None, :, None])
-        if c == 0:
-            tl.store(amax_ptr + rv, amax)
-        yv = y.to(tl.float32)
-        vmax, bad = _block_max(yv)
-        packed, sbyte, sf, codes = _quant_rows3d(yv, vmax, bad, amax, HW)
-        _store_q(packed, sbyte, sf, codes, bad, rv, rv < rows, ok, codes_ptr + c * CB * 8, scales_ptr + c * CB,
-                 op_ptr + c * CB * 16, D, CB, LAYOUT == 0)
-        if LAYOUT == 2:
-            store_core(op_ptr, op_values(codes, sf, bad), row, b, j16, ok, groups)
+        quantize_chunk(y.to(tl.float32), amax, c, row, rv, rows, b, j16, ok, amax_ptr, codes_ptr, scales_ptr, op_ptr, D,
+                       groups, CB, LAYOUT, HW)
     elif LAYOUT == 2:
         store_core(op_ptr, tl.zeros([1, CB, 16], tl.float32), row, b, j16, ok, groups)
 
@@ -94,8 +85,8 @@ def act_quantize(gate: torch.Tensor, up: torch.Tensor, kind: str,
     y = torch.empty(rows, d, dtype=gate.dtype, device=gate.device)
     amax, codes, scales, op, grid, groups = operand_buffers(rows, d, layout, gate.device)
     if grid:
-        cb = min(next_pow2(d // 16), CHUNK_BLOCKS)
-        launch(_act_quant_kernel, (grid, -(-(d // 16) // cb)), g, u, y, amax, codes, scales, op, rows, d, g.stride(0),
+        cb, per_row = chunks(d, CHUNK_BLOCKS)
+        launch(_act_quant_kernel, (grid, per_row), g, u, y, amax, codes, scales, op, rows, d, g.stride(0),
                u.stride(0), groups, code, cb, layout, not INTERPRET, pdl(gate), num_warps=4)
     return y, (NVFP4Tensor(codes, scales, amax, True), op)
 

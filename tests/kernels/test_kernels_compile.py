@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
     nt = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "rout_ptr": "*bf16",
           "amax_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8", "op_ptr": "*fp16", "rows": "i32", "H": "i32",
           "eps": "fp32", "offset": "fp32", "groups": "i32"}
-    n = {"HAS_W": True, "HAS_RES": True, "ROUND_FIRST": True, "BLOCK": 4096, "NB": 256, "LAYOUT": 2, "HW": True}
+    n = {"HAS_W": True, "HAS_RES": True, "ROUND_FIRST": True, "BLOCK": 4096, "CB": 64, "LAYOUT": 2, "HW": True}
     at = {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*bf16", "amax_ptr": "*fp32", "codes_ptr": "*u8",
           "scales_ptr": "*u8", "op_ptr": "*fp16", "rows": "i32", "D": "i32", "sg": "i32", "su": "i32", "groups": "i32"}
     a = {"ACT": 0, "CB": 128, "LAYOUT": 2, "HW": True}
