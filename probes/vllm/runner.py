@@ -38,7 +38,8 @@ def _shut_down(llm: Any) -> None:
     the garbage collector's heap at start-up (``gc.freeze``) and only its ``shutdown`` unfreezes it, so
     the weights, KV cache and CUDA graphs that sit in reference cycles outlive ``del llm`` otherwise.
     vLLM 0.32 shuts down from a finalizer when the ``LLM`` object is collected; 0.26 (the CUDA build)
-    has none, and its sampler kept ~60 GiB through the learner's load (the 8B shape on an 80 GB card)."""
+    has none: the sampler's memory stayed allocated through the learner's load (the 8B shape ran out of
+    memory on an 80 GB card)."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     shutdown = getattr(core, "shutdown", None)
     if callable(shutdown):
