@@ -32,6 +32,7 @@ except ImportError:  # older Triton
     HAS_PDL = False
 
 ENABLED = True  # process switch (bench: the unfused pairs for comparison); the bits are the same either way
+CHUNKED = True  # process switch (bench: a program per whole row, the tiling before); the bits are the same either way
 _ATTR_Q = "_mp_nvfp4_q"  # on a producer's output: (tag, (NVFP4Tensor, operand)) made by the fused kernel
 _ATTR_SINK = "_mp_nvfp4_sink"  # on a producer's output: the producer module's Consumers
 
@@ -160,7 +161,7 @@ def chunks(k: int, chunk_blocks: int) -> tuple[int, int]:
     """(blocks per program, programs per row) of a producer's rows of ``k`` values."""
     from mismatch_probe.kernels.launch_math import next_pow2
 
-    cb = min(next_pow2(k // 16), chunk_blocks)
+    cb = min(next_pow2(k // 16), chunk_blocks) if CHUNKED else next_pow2(k // 16)
     return cb, -(-(k // 16) // cb)
 
 
