@@ -13,6 +13,7 @@
 #   bash bench/gpu_round.sh shapes  # the native decode GEMM at the 8B layer shapes, per variant and M (#28 pt 1)
 #   bash bench/gpu_round.sh cap06   # #27 pt 1 on the 0.6B shape alone: capture modes and chunk sizes, ~2 min
 #   bash bench/gpu_round.sh graphs  # #28 pt 3: the graphed learner's GPU test and its forward, bf16 vs nvfp4-per-token, ~3 min
+#   bash bench/gpu_round.sh producers # #28 pt 1: the fused producers' GPU bit tests, then their time (chunked vs a program per row), ~2 min
 #   bash bench/gpu_round.sh learner # #28 pt 3: HF forward bf16 vs nvfp4-per-token, 0.6B and 8B, a profile of each, both in CUDA graphs, ~3 min
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/gs-out; each stage prints its tables last.
 set -uo pipefail
@@ -21,7 +22,7 @@ out="${OUT:-/tmp/gs-out}"
 mkdir -p "$out"
 gs=/tmp/gs
 left() { echo $(( ${1} - SECONDS )); }
-case "${1:?stage: tests, kernels, bisect, speed, speed8b, capture, profile, q8b, sync, shapes, cap06, graphs or learner}" in
+case "${1:?stage: tests, kernels, bisect, speed, speed8b, capture, profile, q8b, sync, shapes, cap06, graphs, producers or learner}" in
   tests)
     timeout "$(left 585)" bash "$here/gpu_tests.sh" -m gpu tests/gpu -rA > "$out/tests.log" 2>&1
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -15
@@ -83,6 +84,12 @@ case "${1:?stage: tests, kernels, bisect, speed, speed8b, capture, profile, q8b,
     python "$here/gpu_nvfp4_check.py" --out "$out/learner" --only c --graphs --budget "$(left 585)" > "$out/learner.log" 2>&1
     sed -n '/^| /,$p' "$out/learner.log" | tail -8
     ;;
+  producers)  # a bare machine is enough (no vLLM): pip install --target /tmp/site . and PYTHONPATH=/tmp/site first
+    timeout "$(left 300)" bash "$here/gpu_tests.sh" -m gpu tests/kernels/test_kernels_gpu.py -k "fused_norm_quantize or fused_act_quantize or recipe_linear or all_checks" -rA > "$out/producers_tests.log" 2>&1
+    grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/producers_tests.log" | tail -12
+    timeout "$(left 585)" python "$here/gpu_producers.py" > "$out/producers.log" 2>&1
+    sed -n '/^| producer/,$p' "$out/producers.log"
+    ;;
   learner)
     python "$here/gpu_nvfp4_check.py" --out "$out/learner" --only c --profile --graphs --budget "$(left 585)" > "$out/learner.log" 2>&1
     sed -n '/^| /,$p' "$out/learner.log" | tail -8
@@ -96,7 +103,7 @@ case "${1:?stage: tests, kernels, bisect, speed, speed8b, capture, profile, q8b,
     sed -n '/^| /,$p' "$out/nvfp4.log" | tail -40
     ;;
   *)
-    echo "gpu_round.sh: no stage '$1' (tests, kernels, bisect, speed, speed8b, capture, profile, q8b, sync, shapes, cap06, graphs, learner)" >&2
+    echo "gpu_round.sh: no stage '$1' (tests, kernels, bisect, speed, speed8b, capture, profile, q8b, sync, shapes, cap06, graphs, producers, learner)" >&2
     exit 2
     ;;
 esac

@@ -326,7 +326,8 @@ RECIPES_8B = ("engine", "nvfp4-per-token")  # --speed8b-recipes' default
 _NV = "mismatch_probe.kernels.nvfp4"
 AB = {"fuse-ab": (f"{_NV}.fused_input", "ENABLED", ("fused quant on", "fused quant off")),
       "shards-ab": (f"{_NV}.native", "GROUP_SHARDS", ("shards one launch", "shards one launch each")),
-      "reduce-ab": (f"{_NV}.tc_linear", "SHARD_REDUCE", ("shards' reduces one launch", "shards' reduces one launch each"))}
+      "reduce-ab": (f"{_NV}.tc_linear", "SHARD_REDUCE", ("shards' reduces one launch", "shards' reduces one launch each")),
+      "chunks-ab": (f"{_NV}.fused_input", "CHUNKED", ("producers in chunks of a row", "producers a program per row"))}
 
 
 def step_speed8b(out: Path, timeout: float, mem: float, recipes: tuple[str, ...] = RECIPES_8B) -> None:
@@ -375,7 +376,8 @@ def main() -> None:
     ap.add_argument("--speed8b-recipes", default=",".join(RECIPES_8B), help="speed8b: which runs (engine, nvfp4-per-token; "
                     "RECIPE@fuse-ab: the recipe with the producers' fused quantization on, then off, engine in-process; "
                     "RECIPE@shards-ab: a fused layer's shards in one decode launch, then one each, in-process; "
-                    "RECIPE@reduce-ab: the shards' K-segment reduces in one launch, then one each, in-process)")
+                    "RECIPE@reduce-ab: the shards' K-segment reduces in one launch, then one each, in-process; "
+                    "RECIPE@chunks-ab: the fused producers in chunks of a row, then a program per row, in-process)")
     ap.add_argument("--wait", type=float, default=0.0,
                     help="bisect: wait up to this many seconds for the 0.6B runs (written by another copy of this script)")
     ap.add_argument("--tag", default="gpu_stack", help="name of the JSON written into --out")

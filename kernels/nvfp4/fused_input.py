@@ -21,7 +21,7 @@ import torch
 import triton.language as tl
 
 from .common import INTERPRET, device_cc, gpu_capable, kjit
-from .quant_fast import MAX_K, _block_max, _quant_rows3d, _row_amax, _store_q, op_values
+from .quant_fast import MAX_K, _block_max, _quant_rows3d, _store_q, op_values
 
 try:  # programmatic dependent launch: the GEMM after a producer may start streaming its weights
     from triton.language.extra.cuda import gdc_launch_dependents as gdc_trigger
@@ -32,6 +32,7 @@ except ImportError:  # older Triton
     HAS_PDL = False
 
 ENABLED = True  # process switch (bench: the unfused pairs for comparison); the bits are the same either way
+CHUNKED = True  # process switch (bench: a program per whole row, the tiling before); the bits are the same either way
 _ATTR_Q = "_mp_nvfp4_q"  # on a producer's output: (tag, (NVFP4Tensor, operand)) made by the fused kernel
 _ATTR_SINK = "_mp_nvfp4_sink"  # on a producer's output: the producer module's Consumers
 
@@ -131,27 +132,37 @@ def store_core(op_ptr, val, row, b, j16, nb_ok, groups):
 
 
 @kjit
-def row_view(K, NB: tl.constexpr):
-    """A producer program's row and the quantizer's ``[1, NB, 16]`` view of it: (row, block index, index in
-    the block, valid blocks of a K-wide row, the row as a [1] vector)."""
-    row = tl.program_id(0).to(tl.int64)
-    b = tl.arange(0, NB)
-    return row, b, tl.arange(0, 16), b < K // 16, row + tl.arange(0, 1)
+def finite_amax(acc, yy):
+    """``acc`` [1] raised to the max |y| over the finite values of ``yy`` [1, CB, 16]: a row's amax taken
+    chunk by chunk is the quantizer's (the max of its blocks' maxima, or of its finite values where a block
+    holds NaN/Inf: the same number; a max is exact in any order)."""
+    ay = tl.abs(yy)
+    return tl.maximum(acc, tl.max(tl.max(tl.where(ay < float("inf"), ay, 0.0), 2), 1))
 
 
 @kjit
-def quantize_out(yv, row, rv, rows, b, j16, nb_ok, amax_ptr, codes_ptr, scales_ptr, op_ptr, K, groups,
-                 NB: tl.constexpr, LAYOUT: tl.constexpr, HW: tl.constexpr):
-    """A producer's row ``yv`` [1, NB, 16] (fp32 values of its rounded output) quantized per token and
-    stored: amax, codes, scales and the fp16 operand (LAYOUT 0 row-major, 2 core-matrix); the per-token
-    quantizer's bits (:mod:`quant_fast`'s helpers)."""
+def quantize_chunk(yv, amax, c, row, rv, rows, b, j16, ok, amax_ptr, codes_ptr, scales_ptr, op_ptr, K, groups,
+                   CB: tl.constexpr, LAYOUT: tl.constexpr, HW: tl.constexpr):
+    """Blocks ``b`` (chunk ``c`` of CB blocks) of a producer's row ``yv`` [1, CB, 16] (fp32 values of its
+    rounded output), quantized per token with the row's ``amax`` [1] and stored: codes, scales, the fp16
+    operand (LAYOUT 0 row-major, 2 core-matrix); chunk 0 stores the amax. The per-token quantizer's bits
+    (:mod:`quant_fast`'s helpers)."""
     vmax, bad = _block_max(yv)
-    amax = _row_amax(yv, vmax, bad)
-    tl.store(amax_ptr + rv, amax)
     packed, sbyte, sf, codes = _quant_rows3d(yv, vmax, bad, amax, HW)
-    _store_q(packed, sbyte, sf, codes, bad, rv, rv < rows, nb_ok, codes_ptr, scales_ptr, op_ptr, K, NB, LAYOUT == 0)
+    _store_q(packed, sbyte, sf, codes, bad, rv, rv < rows, ok, codes_ptr + c * CB * 8, scales_ptr + c * CB,
+             op_ptr + c * CB * 16, K, CB, LAYOUT == 0)
+    if c == 0:
+        tl.store(amax_ptr + rv, amax)
     if LAYOUT == 2:
-        store_core(op_ptr, op_values(codes, sf, bad), row, b, j16, nb_ok, groups)
+        store_core(op_ptr, op_values(codes, sf, bad), row, b, j16, ok, groups)
+
+
+def chunks(k: int, chunk_blocks: int) -> tuple[int, int]:
+    """(blocks per program, programs per row) of a producer's rows of ``k`` values."""
+    from mismatch_probe.kernels.launch_math import next_pow2
+
+    cb = min(next_pow2(k // 16), chunk_blocks) if CHUNKED else next_pow2(k // 16)
+    return cb, -(-(k // 16) // cb)
 
 
 def operand_buffers(rows: int, h: int, layout: int, dev: torch.device) -> tuple[Any, ...]:

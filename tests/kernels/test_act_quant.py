@@ -27,6 +27,9 @@ SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     cases = 0
     for rows, d in ((1, 128), (5, 256), (16, 384)):
+        # blocks per program: one program per row (d 128), two whole chunks (256), a whole one and a partial one
+        # (384): each program takes the row's amax over every chunk and quantizes its own
+        AQ.CHUNK_BLOCKS = {128: 128, 256: 8, 384: 16}[d]
         for kind in ("silu", "gelu_tanh", "gelu"):
             for layout in (0, 2):
                 x = torch.randn(rows, 2 * d) * 3
@@ -47,6 +50,8 @@ SCRIPT = textwrap.dedent(
     # the protocol: the act learns the down projection's layout from its first call, then hands it the
     # fused quantization (the linear's own quantizer's result) from the next call on
     from mp_fused_protocol import check_protocol
+
+    AQ.CHUNK_BLOCKS = 128
 
     x = torch.randn(4, 512)
     g, u = x[:, :256], x[:, 256:]

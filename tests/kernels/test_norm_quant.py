@@ -25,6 +25,9 @@ SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     cases = 0
     for rows, h in ((1, 128), (5, 256), (16, 384), (3, 512)):
+        # blocks each program quantizes: one program per row (h 128), two whole chunks (256), a whole one and a
+        # partial one (384), four (512); every program of a row computes the whole norm and the row's amax
+        NQ.CHUNK_BLOCKS = {128: 64, 256: 8, 384: 16, 512: 8}[h]
         for res in (False, True):
             for unit, (offset, first) in ((False, (0.0, True)), (True, (1.0, False))):
                 for layout in (0, 2):
@@ -48,6 +51,7 @@ SCRIPT = textwrap.dedent(
     # linear its fused quantization (the linear's own quantizer's result) from the next call on
     from mp_fused_protocol import check_protocol
 
+    NQ.CHUNK_BLOCKS = 64
     x, g = torch.randn(4, 256), torch.randn(256)
     check_protocol(lambda mod: NQ.rmsnorm(mod, x, None, g, 1e-6)[0])
     print("ok", cases)
