@@ -92,3 +92,20 @@ def test_an_unknown_activation_is_one_clear_error() -> None:
 
     with pytest.raises(ValueError, match="not supported"):
         act_quant.act_quantize(torch.zeros(1, 128), torch.zeros(1, 128), "relu", 0)
+
+
+def test_the_producers_split_a_row_into_chunks_and_the_bench_switch_restores_one_program_per_row() -> None:
+    """``fused_input.chunks``: (blocks per program, programs per row); a partial last chunk counts; the
+    A/B switch ``CHUNKED`` (bench/gpu_stack.py ``RECIPE@chunks-ab``) gives the whole row to one program."""
+    from mismatch_probe.kernels.nvfp4 import fused_input as F
+
+    assert F.chunks(12288, 128) == (128, 6)  # Qwen3-8B's act-and-mul width: six programs of 2,048 values
+    assert F.chunks(4096, 64) == (64, 4)  # its norm: four of 1,024
+    assert F.chunks(1024, 128) == (64, 1)  # a row shorter than a chunk: one program of the row's blocks
+    assert F.chunks(3072 + 16 * 3, 128) == (128, 2)  # 195 blocks: a whole chunk and a partial one
+    was = F.CHUNKED
+    F.CHUNKED = False
+    try:
+        assert F.chunks(12288, 128) == (1024, 1)
+    finally:
+        F.CHUNKED = was
