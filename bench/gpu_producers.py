@@ -13,27 +13,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_nvfp4_check import graphed  # noqa: E402  (bench/ is on sys.path when this runs as a script)
+
 
 def graph_us(fn, reps: int = 20, inner: int = 20) -> float:  # noqa: ANN001
-    """Median microseconds of one ``fn()`` call, ``inner`` calls captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
+    """Median microseconds of one ``fn()`` call: ``inner`` calls captured in one CUDA graph
+    (``gpu_nvfp4_check.graphed``), the median of ``reps`` replays each timed by CUDA events."""
+    replay, _ = graphed(lambda: [fn() for _ in range(inner)])
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1000 / inner)

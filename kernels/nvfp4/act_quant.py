@@ -24,7 +24,18 @@ import triton.language as tl
 from mismatch_probe.kernels.strict.triton_ops import act_code, act_value, rows2d
 
 from .common import INTERPRET, kjit, launch
-from .fused_input import chunks, finite_amax, gdc_trigger, layout_for, mark, operand_buffers, pdl, quantize_chunk, store_core
+from .fused_input import (
+    chunk_ids,
+    chunks,
+    finite_amax,
+    gdc_trigger,
+    layout_for,
+    mark,
+    operand_buffers,
+    pdl,
+    quantize_chunk,
+    store_core,
+)
 from .ref import NVFP4Tensor
 
 CHUNK_BLOCKS = 128  # 16-element blocks of a row per program (2,048 values); a longer row gets several programs
@@ -53,13 +64,7 @@ def _act_quant_kernel(
     program per whole row of 12,288 values spilled: 255 registers and a stack, 10 us at 16 rows on an H100)."""
     if PDL:
         gdc_trigger()
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    rv = row + tl.arange(0, 1)
-    j16 = tl.arange(0, 16)
-    nb = D // 16
-    b = c * CB + tl.arange(0, CB)
-    ok = b < nb
+    row, c, rv, j16, nb, b, ok = chunk_ids(D, CB)
     oty = y_ptr.dtype.element_ty
     if row < rows:
         amax = tl.zeros([1], tl.float32)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import triton.language as tl
 
+from mismatch_probe.kernels.launch_math import next_pow2
+
 from .common import INTERPRET, device_cc, gpu_capable, kjit
 from .quant_fast import MAX_K, _block_max, _quant_rows3d, _store_q, op_values
 
@@ -132,6 +134,18 @@ def store_core(op_ptr, val, row, b, j16, nb_ok, groups):
 
 
 @kjit
+def chunk_ids(K, CB: tl.constexpr):
+    """Program (row, c) of a producer's grid (rows of ``K`` values, chunks of ``CB`` 16-element blocks):
+    ``row``, ``c``, ``rv`` (the row as a [1] vector), ``j16``, ``nb`` (the row's blocks), ``b`` (the chunk's
+    blocks) and ``ok`` (``b < nb``)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    nb = K // 16
+    b = c * CB + tl.arange(0, CB)
+    return row, c, row + tl.arange(0, 1), tl.arange(0, 16), nb, b, b < nb
+
+
+@kjit
 def finite_amax(acc, yy):
     """``acc`` [1] raised to the max |y| over the finite values of ``yy`` [1, CB, 16]: a row's amax taken
     chunk by chunk is the quantizer's (the max of its blocks' maxima, or of its finite values where a block
@@ -159,8 +173,6 @@ def quantize_chunk(yv, amax, c, row, rv, rows, b, j16, ok, amax_ptr, codes_ptr, 
 
 def chunks(k: int, chunk_blocks: int) -> tuple[int, int]:
     """(blocks per program, programs per row) of a producer's rows of ``k`` values."""
-    from mismatch_probe.kernels.launch_math import next_pow2
-
     cb = min(next_pow2(k // 16), chunk_blocks) if CHUNKED else next_pow2(k // 16)
     return cb, -(-(k // 16) // cb)
 

@@ -33,7 +33,18 @@ from mismatch_probe.kernels.launch_math import next_pow2
 from mismatch_probe.kernels.strict.triton_ops import norm_warps, rmsnorm_row
 
 from .common import INTERPRET, kjit, launch
-from .fused_input import chunks, finite_amax, gdc_trigger, layout_for, mark, operand_buffers, pdl, quantize_chunk, store_core
+from .fused_input import (
+    chunk_ids,
+    chunks,
+    finite_amax,
+    gdc_trigger,
+    layout_for,
+    mark,
+    operand_buffers,
+    pdl,
+    quantize_chunk,
+    store_core,
+)
 from .ref import NVFP4Tensor
 
 CHUNK_BLOCKS = 64  # 16-element blocks of a row each program quantizes (1,024 values); a row gets several programs
@@ -52,13 +63,7 @@ def _norm_quant_kernel(
     operand row-major [rows, H]; 2: core-matrix [H/128][16][groups][8][8] (``native.core_operand``)."""
     if PDL:
         gdc_trigger()
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    rv = row + tl.arange(0, 1)
-    j16 = tl.arange(0, 16)
-    nb = H // 16
-    b = c * CB + tl.arange(0, CB)
-    ok = b < nb
+    row, c, rv, j16, nb, b, ok = chunk_ids(H, CB)
     if row < rows:
         rmsnorm_row(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, row, H, eps, offset, 1, H, 0, HAS_W, HAS_RES, ROUND_FIRST,
                     BLOCK)
