@@ -19,7 +19,8 @@
    the forward's last N% of rows (``t0``: cut at STATS_BUFFER_ROWS only), ``MODE@nokernel``: no digest kernel
    launched (rows garbage: the device time the kernels take from the forward, against the recording's host time),
    ``MODE@pin``: the engine's thread alone on one core (its SMT siblings idle), every other thread and the writer
-   processes on the other CPUs (``off@pin`` is its baseline);
+   processes on the other CPUs (``off@pin`` is its baseline); ``MODE@shm``: the file written under ``/dev/shm``
+   (memory) instead of the temp folder (a diagnostic: what the file system's writes cost the writer);
    variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
@@ -228,7 +229,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
                 pinned = _pin("pin" in vs)
                 if i == 0 and "pin" in vs:
                     print(f"{mode}: {pinned}", flush=True)
-            dest = tmp / f"{shape}-{mode}.parquet"
+            # MODE@shm: the file in memory (/dev/shm), not the temp folder's file system (a diagnostic)
+            dest = (Path("/dev/shm") if "shm" in vs else tmp) / f"{shape}-{mode}.parquet"
             dest.unlink(missing_ok=True)
             r.ops_dest = dest if r.capture is not None else None
             _sync(device)
@@ -249,6 +251,8 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             if r.capture is not None:
                 sizes[mode] = dest.stat().st_size
                 rows[mode] = int((r.info.settings.get("capture") or {}).get("rows", 0))
+                if "shm" in vs:  # memory: not kept past its round
+                    dest.unlink(missing_ok=True)
     dtk.launch_desc = orig_ld
     if use_pin:
         _pin(False)
