@@ -39,8 +39,24 @@ class _Rows:
             self.counts = (n, int((self.modes == FULL).sum()), on if 0 < n < on.size else None)
         return self.counts
 
-    def __getstate__(self) -> dict[str, Any]:  # sent to the writer process without the device copy
-        return {**self.__dict__, "full_dev": None}
+    def __getstate__(self) -> dict[str, Any]:
+        """What the writer process gets (pickled with each chunk's segments): what its packed table reads
+        (``_build_packed``: the kept rows, their mode counts and runs), not the per-row ``seq`` / ``pos`` /
+        ``modes`` (the runs hold them) nor the device copy; the kept rows as their count where they are
+        ``0 .. k-1`` (a batch without padding). A 4,096-token row set pickles to ~0.3 KB instead of ~100 KB,
+        and the feeder thread holds the engine process's GIL that much shorter for each chunk."""
+        self.mode_counts()
+        self.packed_runs()
+        k = self.keep.size
+        whole = k == 0 or (int(self.keep[0]) == 0 and int(self.keep[-1]) == k - 1)  # keep ascends: 0 .. k-1
+        return {"keep": k if whole else self.keep, "full": self.full, "stats": self.stats, "runs": self.runs,
+                "counts": self.counts}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        keep = state["keep"]
+        self.keep = np.arange(keep, dtype=np.int64) if isinstance(keep, int) else keep
+        self.full, self.stats, self.runs, self.counts = state["full"], state["stats"], state["runs"], state["counts"]
+        self.full_dev = None  # seq, pos and modes stay unset: the runs and counts are what the writer reads
 
     def packed_runs(self) -> np.ndarray:
         """int32 [r, 4]: seq_id, first pos, count, mode of each stretch of consecutive positions of

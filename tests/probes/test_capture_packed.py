@@ -312,3 +312,29 @@ def test_op_errors_of_rank_partitioned_sides(tmp_path):
     got = op_errors_run(tmp_path, num_layers=2)
     assert len(got) == 15 and (got.bitwise_equal_frac == 1.0).all() and got.n_rows.sum() == want.num_rows
     assert got.rel_l2.notna().sum() > 0  # the full rows compared across the merged ranks
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_row_set_reaches_the_writer_process_as_what_its_table_reads(padded: bool) -> None:
+    """A row set (``_Rows``) pickled for the writer process carries its kept rows, mode counts and runs (the
+    packed table's inputs), not its per-row seq / pos / modes: a batch of 4 x 1,024 tokens in ~2 KB (its 256 full
+    rows' indices) instead of ~100 KB; the kept rows as a count where they are 0 .. k-1, as the indices where
+    padding is dropped."""
+    import pickle
+
+    from mismatch_probe.probes.ops_table import FULL, STATS, _Rows
+
+    n = 4096
+    seq, pos = np.repeat(np.arange(4), 1024), np.tile(np.arange(1024), 4)
+    keep = np.nonzero(pos < 1000)[0] if padded else np.arange(n)
+    modes = np.full(keep.size, STATS, np.int8)
+    modes[:256] = FULL
+    rows = _Rows(keep, seq[keep], pos[keep], modes, keep[:256], stats=True)
+    blob_ = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
+    got = pickle.loads(blob_)
+    assert np.array_equal(got.keep, rows.keep) and got.keep.dtype == np.int64
+    assert np.array_equal(got.full, rows.full) and got.stats is True
+    assert np.array_equal(got.packed_runs(), rows.packed_runs())
+    assert got.mode_counts()[:2] == rows.mode_counts()[:2] == (keep.size, 256)
+    assert not hasattr(got, "seq") and got.full_dev is None
+    assert len(blob_) < rows.full.nbytes + (keep.nbytes if padded else 0) + 1024  # the kept-full indices, the kept rows
