@@ -21,6 +21,8 @@
    ``MODE@pin``: the engine's thread alone on one core (its SMT siblings idle), every other thread and the writer
    processes on the other CPUs (``off@pin`` is its baseline); ``MODE@shm``: the file written under ``/dev/shm``
    (memory) instead of the temp folder (a diagnostic: what the file system's writes cost the writer);
+   ``MODE@fatrows``: row sets pickled whole for the writer process (seq / pos / modes per row, as before round 24),
+   ``MODE@nocache``: the capture's wrappers made anew at each ``score()`` (as before round 24);
    variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
@@ -161,6 +163,16 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
 
     recmod.OpRecorder.close = timed_close
     orig_rr = recmod.OpRecorder.record_rows
+    from mismatch_probe.probes.hf.capture import model_sites
+    from mismatch_probe.probes.ops_table import _Rows
+
+    slim = (_Rows.__getstate__, _Rows.__setstate__)
+
+    def _fat_get(self: Any) -> dict[str, Any]:  # MODE@fatrows: every field of a row set, as before round 24
+        return {**self.__dict__, "full_dev": None}
+
+    def _fat_set(self: Any, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def _norec(self: Any, op: str, tensor: Any, seq_ids: Any, pos: Any) -> None:
         return None
@@ -213,6 +225,11 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             # MODE@nokernel: everything but the digest kernels (their rows garbage): the device time they take
             # from the forward, against the host time of recording (a diagnostic)
             dtk.launch_desc = _nokernel if "nokernel" in vs else orig_ld
+            # MODE@fatrows: row sets pickled whole for the writer process (seq / pos / modes per row: ~100 KB a
+            # chunk message); MODE@nocache: the capture's wrappers made anew at each score() (before round 24)
+            _Rows.__getstate__, _Rows.__setstate__ = (_fat_get, _fat_set) if "fatrows" in vs else slim
+            if "nocache" in vs:
+                model_sites(model).fwds.clear()
             gc_was = gc.isenabled()
             if "gcoff" in vs:
                 gc.disable()
@@ -261,6 +278,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
         STAGES[shape] = tr.summary()
     recmod.OpRecorder.close = orig_close
     recmod.OpRecorder.record_rows = orig_rr
+    _Rows.__getstate__, _Rows.__setstate__ = slim
     recmod.OpRecorder._device_parts = orig_parts
     (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX, recmod._QUEUE_CHUNKS,
      recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS, recmod._STATS_TAIL) = defaults

@@ -53,10 +53,10 @@ class _Rows:
                 "counts": self.counts}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        keep = state["keep"]
-        self.keep = np.arange(keep, dtype=np.int64) if isinstance(keep, int) else keep
-        self.full, self.stats, self.runs, self.counts = state["full"], state["stats"], state["runs"], state["counts"]
-        self.full_dev = None  # seq, pos and modes stay unset: the runs and counts are what the writer reads
+        self.__dict__.update(state)  # seq, pos and modes stay unset: the runs and counts are what the writer reads
+        if isinstance(self.keep, int):
+            self.keep = np.arange(self.keep, dtype=np.int64)
+        self.full_dev = None
 
     def packed_runs(self) -> np.ndarray:
         """int32 [r, 4]: seq_id, first pos, count, mode of each stretch of consecutive positions of

@@ -40,15 +40,34 @@ class _Site:
     layer: int = -1
 
 
+class _State:
+    """What the wrapped forwards read at each call (slots: plain attribute loads): the capture's
+    ``record_rows``, the batch's seq ids and positions (per row), the current decoder layer."""
+
+    __slots__ = ("rec", "seq", "pos", "layer", "busy")
+
+    def __init__(self, rec: Any = None) -> None:
+        self.rec = rec
+        self.seq = np.zeros(0, np.int64)
+        self.pos = np.zeros(0, np.int64)
+        self.layer = -1
+        self.busy = False  # a capture of the model has it (entered, not exited)
+
+
 @dataclass
 class _Sites:
-    """A model's capture sites, resolved once per model (a capture's set-up costs one wrapper per
-    site, not the spec's site paths resolved again for every ``score()``)."""
+    """A model's capture sites, resolved once per model, and the wrapped forwards made at its first
+    capture, reused by the next ones (``fwds``: id of a module -> (its own forward attribute and its
+    class's forward when the wrapper was made, the module, the wrapper); a capture takes one again only
+    while both are the same objects). Each ``score()`` then costs an assignment per site, not a closure
+    made per site (339 sites on a 28-layer Qwen3: 0.8 -> 0.2 ms per capture on the dev box)."""
 
     sites: list[_Site]
     layers: list[Any]
     rope_ops: list[tuple[str, str]]
     rope: tuple[Any, str] | None  # (modeling module, rotary function name)
+    state: _State = field(default_factory=_State)  # what the reused wrappers read
+    fwds: dict[int, tuple[Any, Any, Any, Any]] = field(default_factory=dict)
 
 
 _SITES: weakref.WeakKeyDictionary[Any, _Sites] = weakref.WeakKeyDictionary()
@@ -115,16 +134,17 @@ class HfCapture:
     recipes' patches do), not a forward hook: a module with hooks takes ``Module.__call__``'s hook
     path on every call, a wrapped forward keeps the plain path plus one Python frame (the host is
     what limits a small model's forward, and every frame counts there). The wrappers call the
-    recorder directly (one frame per op)."""
+    recorder directly (one frame per op). They are made at the model's first capture and reused by
+    the next ones (:class:`_Sites`), reading the capture's recorder and batch from the model's
+    :class:`_State`; a capture of a model inside another capture of it makes wrappers of its own."""
 
     unobservable = UNOBSERVABLE
 
     def __init__(self, model: Any, recorder: OpRecorder) -> None:
         self.model = model
         self.rec = recorder
-        self._seq = np.zeros(0, np.int64)
-        self._pos = np.zeros(0, np.int64)
-        self._layer = -1
+        self._st = _State(recorder.record_rows)  # the model's shared state while entered (see __enter__)
+        self._shared = False
         self._rope_ops: list[tuple[str, str]] = []
         self._rope_patch: tuple[Any, str, Any] | None = None
         self._saved: list[tuple[Any, Any]] = []  # (module, its own forward attribute or _MISSING)
@@ -138,54 +158,69 @@ class HfCapture:
         seq = np.full((len(seq_ids), width), -1, np.int64)
         for i, (s, n) in enumerate(zip(seq_ids, lengths, strict=True)):
             seq[i, :n] = s
-        self._seq = seq.reshape(-1)
-        self._pos = np.tile(np.arange(width), len(seq_ids))
+        self._st.seq = seq.reshape(-1)
+        self._st.pos = np.tile(np.arange(width), len(seq_ids))
 
     def _rec(self, op: str, t: Any) -> None:
-        self.rec.record_rows(op, t, self._seq, self._pos)
+        st = self._st
+        st.rec(op, t, st.seq, st.pos)
 
-    def _wrap(self, site: _Site) -> None:
-        """Wrap ``site.module``'s forward: ``ins`` recorded before it runs where the module has no
-        captured output, else after it ran with the outputs (the modules at these sites read their
-        input, never write it); a decoder layer sets the current layer first."""
+    @staticmethod
+    def _make(site: _Site, st: _State) -> Any:
+        """The wrapped forward of ``site.module``: ``ins`` recorded before it runs where the module has no
+        captured output, else after it ran with the outputs (the modules at these sites read their input,
+        never write it); a decoder layer sets the current layer first. It reads ``st`` at each call."""
         module, layer = site.module, site.layer
         ins, outs = tuple(site.ins), tuple(site.outs)
         orig = module.forward
-        rec, cap = self.rec.record_rows, self
 
         if not outs:
             def fwd(*args: Any, **kw: Any) -> Any:
                 if layer >= 0:
-                    cap._layer = layer
+                    st.layer = layer
                 if ins:
                     x = args[0] if args else next(iter(kw.values()))
                     for op in ins:
-                        rec(op, x, cap._seq, cap._pos)
+                        st.rec(op, x, st.seq, st.pos)
                 return orig(*args, **kw)
         elif not ins and len(outs) == 1 and outs[0][1] is first:
             op = outs[0][0]
 
             def fwd(*args: Any, **kw: Any) -> Any:
                 if layer >= 0:
-                    cap._layer = layer
+                    st.layer = layer
                 out = orig(*args, **kw)
-                rec(op, out[0] if isinstance(out, tuple | list) else out, cap._seq, cap._pos)
+                st.rec(op, out[0] if isinstance(out, tuple | list) else out, st.seq, st.pos)
                 return out
         else:
             def fwd(*args: Any, **kw: Any) -> Any:
                 if layer >= 0:
-                    cap._layer = layer
+                    st.layer = layer
                 out = orig(*args, **kw)
                 if ins:
                     x = args[0] if args else next(iter(kw.values()))
                     for op in ins:
-                        rec(op, x, cap._seq, cap._pos)
+                        st.rec(op, x, st.seq, st.pos)
                 for op, pick in outs:
-                    rec(op, pick(out), cap._seq, cap._pos)
+                    st.rec(op, pick(out), st.seq, st.pos)
                 return out
+        return fwd
 
+    def _wrap(self, site: _Site, cache: dict[int, tuple[Any, Any, Any, Any]] | None) -> None:
+        """Install ``site.module``'s wrapped forward: the cached one where the module's own forward
+        attribute and its class's forward are the objects it was made over, else a new one."""
+        module = site.module
         d = module.__dict__
-        self._saved.append((module, d.get("forward", _MISSING)))
+        saved = d.get("forward", _MISSING)
+        cls_fwd = getattr(type(module), "forward", None)
+        got = cache.get(id(module)) if cache is not None else None
+        if got is not None and got[0] is saved and got[1] is cls_fwd and got[2] is module:
+            fwd = got[3]
+        else:
+            fwd = self._make(site, self._st)
+            if cache is not None:
+                cache[id(module)] = (saved, cls_fwd, module, fwd)
+        self._saved.append((module, saved))
         d["forward"] = fwd  # what Module.__setattr__ does for a plain function, without its checks
 
     def _wrap_rope(self, mod: Any, fn_name: str) -> None:
@@ -193,13 +228,14 @@ class HfCapture:
         orig = getattr(mod, fn_name, None)
         if orig is None:
             return
+        st = self._st
 
         def observed(q: Any, k: Any, *args: Any, **kwargs: Any) -> Any:
             qe, ke = orig(q, k, *args, **kwargs)
-            if self._layer >= 0:  # [batch, heads, time, dim] -> [batch, time, heads * dim]
-                nq, nk = self._rope_ops[self._layer]
-                self._rec(nq, qe.transpose(1, 2))
-                self._rec(nk, ke.transpose(1, 2))
+            if st.layer >= 0:  # [batch, heads, time, dim] -> [batch, time, heads * dim]
+                nq, nk = self._rope_ops[st.layer]
+                st.rec(nq, qe.transpose(1, 2), st.seq, st.pos)
+                st.rec(nk, ke.transpose(1, 2), st.seq, st.pos)
             return qe, ke
 
         setattr(mod, fn_name, observed)
@@ -207,12 +243,18 @@ class HfCapture:
 
     def __enter__(self) -> HfCapture:
         sites = model_sites(self.model)
+        cache = None
+        shared = sites.state
+        if not shared.busy:  # the model's state, read by its reused wrappers, now this capture's
+            mine = self._st
+            shared.rec, shared.seq, shared.pos, shared.layer, shared.busy = mine.rec, mine.seq, mine.pos, mine.layer, True
+            self._st, self._shared, cache = shared, True, sites.fwds
         self._rope_ops = sites.rope_ops
         try:
             if sites.rope is not None:
                 self._wrap_rope(*sites.rope)
             for site in sites.sites:
-                self._wrap(site)
+                self._wrap(site, cache)
         except BaseException:
             self.__exit__()
             raise
@@ -229,3 +271,9 @@ class HfCapture:
             mod, fn_name, orig = self._rope_patch
             setattr(mod, fn_name, orig)
             self._rope_patch = None
+        if self._shared:  # the model's state free again, without this capture's recorder and batch
+            shared = self._st
+            mine = self._st = _State(self.rec.record_rows)
+            mine.seq, mine.pos, mine.layer = shared.seq, shared.pos, shared.layer
+            shared.rec, shared.seq, shared.pos, shared.layer, shared.busy = None, mine.seq[:0], mine.pos[:0], -1, False
+            self._shared = False

@@ -102,3 +102,54 @@ def test_hf_capture_wraps_forwards_without_hooks_and_restores_them():
         raise RuntimeError("boom")
     assert all(m.__dict__.get("forward") is before[n] for n, m in model.named_modules())
     assert model_sites(model) is model_sites(model)
+
+
+def test_hf_capture_reuses_its_wrappers_and_makes_new_ones_over_a_changed_forward():
+    """A model's second capture installs the wrappers its first one made (no closure per site per
+    ``score()``), recording into its own recorder; a forward patched between the captures (a recipe's
+    instance attribute) gets a new wrapper over it; a capture inside a capture of the same model makes
+    wrappers of its own and both recorders get the rows."""
+    from mismatch_probe.probes.capture import CapturePlan
+    from mismatch_probe.probes.hf.capture import HfCapture
+
+    model = _learner(None).model
+    layer0, down = model.model.layers[0], model.model.layers[0].mlp.down_proj
+    ids = torch.zeros(1, 3, dtype=torch.long)
+
+    def run(*recs: recmod.OpRecorder) -> dict[str, object]:
+        caps = [HfCapture(model, r) for r in recs]
+        with torch.inference_mode():
+            for c in caps:
+                c.__enter__()
+            got = {"layer0": layer0.__dict__["forward"], "down": down.__dict__["forward"]}
+            for c in caps:
+                c.set_batch([0], [3], 3)
+            model(input_ids=ids)
+            for c in reversed(caps):
+                c.__exit__(None, None, None)
+        return got
+
+    def downs(r: recmod.OpRecorder) -> int:
+        return r.table().column("op").to_pylist().count("0.mlp.down")
+
+    r1, r2 = recmod.OpRecorder(CapturePlan("digest")), recmod.OpRecorder(CapturePlan("digest"))
+    first, second = run(r1), run(r2)
+    assert first == second  # the same wrapper objects
+    assert downs(r1) == downs(r2) == 3
+    calls = []
+    plain = down.forward
+
+    def patched(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return plain(x)
+
+    down.forward = patched
+    r3 = recmod.OpRecorder(CapturePlan("digest"))
+    third = run(r3)
+    assert third["layer0"] is first["layer0"] and third["down"] is not first["down"]
+    assert downs(r3) == 3 and calls == [1]
+    assert down.__dict__["forward"] is patched
+    outer, inner = recmod.OpRecorder(CapturePlan("digest")), recmod.OpRecorder(CapturePlan("digest"))
+    run(outer, inner)
+    assert downs(outer) == downs(inner) == 3
+    assert "forward" not in layer0.__dict__ and down.__dict__["forward"] is patched
