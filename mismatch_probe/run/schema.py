@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mismatch_probe.errors import SchemaError
+from mismatch_probe.run.ops_packed import fresh
 
 SCHEMA_VERSION = 5
 VERSION_KEY = b"mismatch_probe.schema_version"
@@ -276,7 +277,7 @@ class StreamWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = tmp if tmp is not None else self.temp_path(self.path)
         self.schema = _stamp(schema, kind, meta)
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(fresh(self._tmp), self.schema)  # see ops_packed.fresh
         self.rows = 0
 
     @staticmethod

@@ -65,3 +65,32 @@ def test_corrupt_and_missing_files(tmp_path):
         read_table(p, "tokens")
     with pytest.raises(SchemaError, match="missing"):
         read_table(tmp_path / "nope.parquet", "tokens")
+
+
+def test_stream_writers_make_their_temp_file_anew(tmp_path, monkeypatch):
+    """The Parquet writers open their temp file (an empty name reserved by mkstemp) as a new file, not by
+    truncating it (ext4 writes back a truncated-and-rewritten file's data at close, and the writer waited
+    for it); a non-empty file is never removed; the table still lands, complete, at its path."""
+    import os
+
+    from mismatch_probe.run import ops_packed
+    from mismatch_probe.run.schema import StreamWriter
+
+    keep = tmp_path / "data.bin"
+    keep.write_bytes(b"x")
+    assert ops_packed.fresh(str(keep)) == str(keep) and keep.read_bytes() == b"x"
+    assert ops_packed.fresh(str(tmp_path / "gone")) == str(tmp_path / "gone")
+    opened = []
+    real = pq.ParquetWriter.__init__
+
+    def spy(self, where, *a, **k):
+        opened.append(os.path.exists(where))
+        real(self, where, *a, **k)
+
+    monkeypatch.setattr(pq.ParquetWriter, "__init__", spy)
+    w = StreamWriter(tmp_path / "tokens.parquet", "tokens", pa.schema([("seq_id", pa.int64())]))
+    assert w.close() == tmp_path / "tokens.parquet"
+    p = ops_packed.PackedWriter(tmp_path / "ops.parquet", {b"k": b"v"})
+    assert p.close() == tmp_path / "ops.parquet"
+    assert opened == [False, False]  # each temp file existed (mkstemp) and was removed before the writer opened it
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["data.bin", "ops.parquet", "tokens.parquet"]
