@@ -22,7 +22,8 @@
    processes on the other CPUs (``off@pin`` is its baseline); ``MODE@shm``: the file written under ``/dev/shm``
    (memory) instead of the temp folder (a diagnostic: what the file system's writes cost the writer);
    ``MODE@fatrows``: row sets pickled whole for the writer process (seq / pos / modes per row, as before round 24),
-   ``MODE@nocache``: the capture's wrappers made anew at each ``score()`` (as before round 24);
+   ``MODE@nocache``: the capture's wrappers made anew at each ``score()`` (as before round 24), ``MODE@trunc``: the
+   writer truncates its temp file instead of creating it (ext4 then writes the data back at close; before round 24);
    variants combine with ``+``
    (``digest@noslot+r1536k``) (``--modes``; ``--cprofile``: one whole
    ``score()`` per listed mode profiled; ``--trace``: each score()'s stages, bench/capture_trace.py). ``close s``: how long
@@ -167,6 +168,14 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     from mismatch_probe.probes.ops_table import _Rows
 
     slim = (_Rows.__getstate__, _Rows.__setstate__)
+    from mismatch_probe.run.schema import StreamWriter
+
+    orig_temp = StreamWriter.temp_path
+
+    def _temp_nonempty(path: Path) -> str:  # MODE@trunc: the writer truncates its temp file (before round 24)
+        tmp_ = orig_temp(path)
+        Path(tmp_).write_bytes(b"\0")  # ops_packed.fresh leaves a non-empty file: the writer's open truncates it
+        return tmp_
 
     def _fat_get(self: Any) -> dict[str, Any]:  # MODE@fatrows: every field of a row set, as before round 24
         return {**self.__dict__, "full_dev": None}
@@ -228,6 +237,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
             # MODE@fatrows: row sets pickled whole for the writer process (seq / pos / modes per row: ~100 KB a
             # chunk message); MODE@nocache: the capture's wrappers made anew at each score() (before round 24)
             _Rows.__getstate__, _Rows.__setstate__ = (_fat_get, _fat_set) if "fatrows" in vs else slim
+            StreamWriter.temp_path = staticmethod(_temp_nonempty if "trunc" in vs else orig_temp)
             if "nocache" in vs:
                 model_sites(model).fwds.clear()
             gc_was = gc.isenabled()
@@ -279,6 +289,7 @@ def score_part(shape: str, n_seqs: int, seq_len: int, mb: int, device: str, roun
     recmod.OpRecorder.close = orig_close
     recmod.OpRecorder.record_rows = orig_rr
     _Rows.__getstate__, _Rows.__setstate__ = slim
+    StreamWriter.temp_path = staticmethod(orig_temp)
     recmod.OpRecorder._device_parts = orig_parts
     (recmod.BUFFER_ROWS, recmod._QUEUE_BYTES, recmod.STATS_BUFFER_ROWS, recmod._HELD_MAX, recmod._QUEUE_CHUNKS,
      recmod._D2H_TO_SLOT, recmod.CUDA_BUFFER_ROWS, recmod._STATS_TAIL) = defaults
