@@ -60,7 +60,7 @@ class _Sites:
     capture, reused by the next ones (``fwds``: id of a module -> (its own forward attribute and its
     class's forward when the wrapper was made, the module, the wrapper); a capture takes one again only
     while both are the same objects). Each ``score()`` then costs an assignment per site, not a closure
-    made per site (339 sites on a 28-layer Qwen3: 0.8 -> 0.2 ms per capture on the dev box)."""
+    made per site (339 sites on a 28-layer Qwen3: enter + exit 0.83 -> 0.42 ms on the dev box)."""
 
     sites: list[_Site]
     layers: list[Any]
@@ -160,10 +160,6 @@ class HfCapture:
             seq[i, :n] = s
         self._st.seq = seq.reshape(-1)
         self._st.pos = np.tile(np.arange(width), len(seq_ids))
-
-    def _rec(self, op: str, t: Any) -> None:
-        st = self._st
-        st.rec(op, t, st.seq, st.pos)
 
     @staticmethod
     def _make(site: _Site, st: _State) -> Any:
