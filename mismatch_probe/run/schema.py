@@ -249,7 +249,7 @@ def write_table(path: Path, table: pa.Table, kind: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        pq.write_table(table, tmp)
+        pq.write_table(table, fresh(tmp))  # a new file, not the reserved one truncated (ops_packed.fresh)
         os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:

@@ -68,7 +68,7 @@ def test_corrupt_and_missing_files(tmp_path):
 
 
 def test_stream_writers_make_their_temp_file_anew(tmp_path, monkeypatch):
-    """The Parquet writers open their temp file (an empty name reserved by mkstemp) as a new file, not by
+    """The Parquet writers (streamed and one-shot) open their temp file (an empty name reserved by mkstemp) as a new file, not by
     truncating it (ext4 writes back a truncated-and-rewritten file's data at close, and the writer waited
     for it); a non-empty file is never removed; the table still lands, complete, at its path."""
     import os
@@ -93,4 +93,14 @@ def test_stream_writers_make_their_temp_file_anew(tmp_path, monkeypatch):
     p = ops_packed.PackedWriter(tmp_path / "ops.parquet", {b"k": b"v"})
     assert p.close() == tmp_path / "ops.parquet"
     assert opened == [False, False]  # each temp file existed (mkstemp) and was removed before the writer opened it
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["data.bin", "ops.parquet", "tokens.parquet"]
+    made = []
+    real_write = pq.write_table
+
+    def spy_write(table, where, *a, **k):
+        made.append(os.path.exists(where))
+        real_write(table, where, *a, **k)
+
+    monkeypatch.setattr(pq, "write_table", spy_write)
+    write_table(tmp_path / "whole.parquet", _tokens(), "tokens")  # the one-shot writer too
+    assert made == [False] and read_table(tmp_path / "whole.parquet", "tokens").num_rows == 2
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["data.bin", "ops.parquet", "tokens.parquet", "whole.parquet"]
